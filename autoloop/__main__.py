@@ -1,0 +1,3 @@
+from autoloop.cli import main
+
+main()

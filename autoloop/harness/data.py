@@ -1,0 +1,335 @@
+"""Prepared datasets: token arrays per split, their fingerprints, and a fast loader.
+
+A prepared dataset is a folder:
+
+    meta.json          name, tokenizer spec, vocab size, dtype, per-split token/byte
+                       counts and sha256, and the dataset fingerprint
+    token_bytes.npy    raw byte length of every token id (0 for special tokens)
+    train.bin, val.bin, heldout.bin   flat token arrays, each document preceded by BOS
+
+Splits (the data-split contract): training reads `train` and evaluates on `val`;
+`heldout` is read only by the verifier. A folder is written under a temporary name and
+renamed into place, so a crash or a concurrent preparation never leaves a half-written
+dataset where a complete one was.
+
+The embedded default corpus is the running interpreter's standard library source
+(sorted paths, test suites excluded, capped at EMBEDDED_BYTE_CAP bytes), split by a hash
+of each file's relative path. It needs no download and is prepared on first use.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sysconfig
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import numpy as np
+import torch
+
+from autoloop.harness.constants import EMBEDDED_BYTE_CAP, HELDOUT_BUCKETS, SPLITS, VAL_BUCKETS
+from autoloop.harness.contract import ENV_DATA_DIR, cache_root, default_data_dir, embedded_dataset_name
+from autoloop.harness.errors import HarnessError
+from autoloop.harness.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
+
+META_FORMAT = 1
+_EXCLUDED_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
+
+
+# ---------------------------------------------------------------------------- loading
+
+
+@dataclass
+class Dataset:
+    path: Path
+    meta: dict
+    tokenizer: Tokenizer
+    token_bytes: np.ndarray
+    _splits: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def name(self) -> str:
+        return self.meta["name"]
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.meta["vocab_size"])
+
+    @property
+    def bos_id(self) -> int:
+        return int(self.meta["bos_id"])
+
+    @property
+    def fingerprint(self) -> str:
+        return self.meta["fingerprint"]
+
+    def split_fingerprint(self, name: str) -> str:
+        return self.meta["splits"][name]["sha256"]
+
+    def split(self, name: str) -> np.ndarray:
+        """The split's tokens as a read-only memory map (opened once per process)."""
+        if name not in self._splits:
+            self._splits[name] = np.memmap(self.path / f"{name}.bin", dtype=self.meta["dtype"], mode="r")
+        return self._splits[name]
+
+
+def _corrupt(data_dir: Path, what: str) -> HarnessError:
+    return HarnessError(
+        f"data cache {data_dir} is corrupt ({what}): delete it with `rm -rf {data_dir}` and run again "
+        "(the embedded corpus is prepared again automatically; a named dataset needs `autoloop prepare`)"
+    )
+
+
+def _is_embedded_default(data_dir: Path) -> bool:
+    return not os.environ.get(ENV_DATA_DIR) and data_dir == cache_root() / "data" / embedded_dataset_name()
+
+
+def load_dataset(data_dir: Path | str | None = None, *, prepare: bool = True) -> Dataset:
+    """Open a prepared dataset; the embedded default corpus is prepared on first use."""
+    data_dir = Path(data_dir) if data_dir is not None else default_data_dir()
+    meta_path = data_dir / "meta.json"
+    if not meta_path.exists():
+        if prepare and _is_embedded_default(data_dir):
+            prepare_embedded(data_dir)
+        elif data_dir.exists() and any(data_dir.iterdir()):
+            raise _corrupt(data_dir, "meta.json is missing")
+        else:
+            raise HarnessError(
+                f"no prepared dataset at {data_dir}: run `autoloop prepare --dataset NAME` for it, "
+                f"or unset {ENV_DATA_DIR} to use the embedded default corpus"
+            )
+    try:
+        meta = json.loads(meta_path.read_text())
+        if meta.get("format") != META_FORMAT:
+            raise _corrupt(data_dir, f"meta.json has format {meta.get('format')!r}, expected {META_FORMAT}")
+        itemsize = np.dtype(meta["dtype"]).itemsize
+        for name in SPLITS:
+            info = meta["splits"][name]
+            size = (data_dir / f"{name}.bin").stat().st_size
+            if size != info["tokens"] * itemsize:
+                raise _corrupt(data_dir, f"{name}.bin has {size} bytes, meta.json says {info['tokens'] * itemsize}")
+        token_bytes = np.load(data_dir / "token_bytes.npy")
+    except HarnessError:
+        raise
+    except FileNotFoundError as exc:
+        raise _corrupt(data_dir, f"{Path(exc.filename).name} is missing") from None
+    except (ValueError, KeyError, TypeError, OSError) as exc:
+        raise _corrupt(data_dir, f"{type(exc).__name__}: {exc}") from None
+    if token_bytes.shape != (meta["vocab_size"],):
+        raise _corrupt(data_dir, f"token_bytes.npy has shape {token_bytes.shape}, expected ({meta['vocab_size']},)")
+    tokenizer = load_tokenizer(meta["tokenizer"], data_dir)
+    return Dataset(path=data_dir, meta=meta, tokenizer=tokenizer, token_bytes=token_bytes.astype(np.int64))
+
+
+def verify_dataset(ds: Dataset) -> list[str]:
+    """Recompute every split's sha256; returns the names of splits that no longer match."""
+    from autoloop.harness.fingerprint import sha256_file
+
+    return [name for name in SPLITS if sha256_file(ds.path / f"{name}.bin") != ds.split_fingerprint(name)]
+
+
+# ---------------------------------------------------------------------------- writing
+
+
+def _dataset_fingerprint(tokenizer_spec: dict, splits: dict) -> str:
+    digest = hashlib.sha256(json.dumps(tokenizer_spec, sort_keys=True).encode())
+    for name in SPLITS:
+        digest.update(f"{name}:{splits[name]['sha256']}".encode())
+    return digest.hexdigest()
+
+
+def write_dataset(
+    data_dir: Path,
+    name: str,
+    tokenizer: Tokenizer,
+    documents: dict[str, Iterable[bytes | np.ndarray]],
+    *,
+    source: str = "",
+    extra_meta: dict | None = None,
+) -> Dataset:
+    """Tokenize documents per split and write a prepared dataset atomically.
+
+    `documents[split]` yields raw document bytes (or already tokenized arrays); each
+    document is written after a BOS token. Streaming: documents are never all in memory.
+    Files the tokenizer needs (e.g. a BPE vocabulary) can be placed in the folder by a
+    caller-provided `extra_meta["files"]` mapping name -> bytes.
+    """
+    data_dir = Path(data_dir)
+    dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32
+    token_bytes = tokenizer.token_bytes()
+    try:
+        data_dir.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{data_dir.name}.", dir=data_dir.parent))
+    except OSError as exc:
+        raise HarnessError(
+            f"cannot write the data cache at {data_dir.parent} ({exc.strerror}): "
+            "set AUTOLOOP_CACHE_DIR (or AUTOLOOP_DATA_DIR) to a writable folder"
+        ) from None
+    try:
+        splits = {}
+        bos = np.array([tokenizer.bos_id], dtype=dtype)
+        for split in SPLITS:
+            digest = hashlib.sha256()
+            tokens = nbytes = docs = 0
+            with open(tmp / f"{split}.bin", "wb") as out:
+                for doc in documents[split]:
+                    ids = doc if isinstance(doc, np.ndarray) else tokenizer.encode(doc)
+                    ids = np.concatenate([bos, np.asarray(ids, dtype=dtype)])
+                    raw = ids.tobytes()
+                    out.write(raw)
+                    digest.update(raw)
+                    tokens += len(ids)
+                    nbytes += int(token_bytes[ids].sum())
+                    docs += 1
+            if tokens < 2:
+                raise HarnessError(f"the {split} split of {name} is empty: give the dataset more text")
+            splits[split] = {"tokens": tokens, "bytes": nbytes, "documents": docs, "sha256": digest.hexdigest()}
+        np.save(tmp / "token_bytes.npy", token_bytes)
+        extra = dict(extra_meta or {})
+        for fname, content in extra.pop("files", {}).items():
+            (tmp / fname).write_bytes(content)
+        meta = {
+            "format": META_FORMAT,
+            "name": name,
+            "source": source,
+            "tokenizer": tokenizer.spec(),
+            "vocab_size": tokenizer.vocab_size,
+            "bos_id": tokenizer.bos_id,
+            "dtype": np.dtype(dtype).name,
+            "splits": splits,
+            "fingerprint": _dataset_fingerprint(tokenizer.spec(), splits),
+            **extra,
+        }
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
+        if (data_dir / "meta.json").exists():
+            # Someone prepared it concurrently, or the caller is replacing it: the new
+            # folder goes in whole, the old one is removed only after.
+            old = data_dir.with_name(f".{data_dir.name}.old-{os.getpid()}")
+            os.replace(data_dir, old)
+            os.replace(tmp, data_dir)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            if data_dir.exists():
+                shutil.rmtree(data_dir)
+            os.replace(tmp, data_dir)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise HarnessError(
+            f"cannot write the data cache at {data_dir} ({exc.strerror}): "
+            "set AUTOLOOP_CACHE_DIR (or AUTOLOOP_DATA_DIR) to a writable folder"
+        ) from None
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return load_dataset(data_dir, prepare=False)
+
+
+def stdlib_source_files(byte_cap: int = EMBEDDED_BYTE_CAP) -> list[tuple[str, Path]]:
+    """(relative path, path) of the stdlib .py files in the embedded corpus, in order."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    chosen, total = [], 0
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root)
+        if _EXCLUDED_DIRS.intersection(rel.parts[:-1]) or rel.name.startswith("test_"):
+            continue
+        size = path.stat().st_size
+        if total + size > byte_cap:
+            break
+        chosen.append((rel.as_posix(), path))
+        total += size
+    return chosen
+
+
+def split_of(relative_path: str) -> str:
+    bucket = int.from_bytes(hashlib.sha256(relative_path.encode()).digest()[:4], "big") % 100
+    if bucket in VAL_BUCKETS:
+        return "val"
+    if bucket in HELDOUT_BUCKETS:
+        return "heldout"
+    return "train"
+
+
+def prepare_embedded(data_dir: Path | None = None) -> Dataset:
+    """Prepare the embedded default corpus (a few seconds, no network)."""
+    data_dir = Path(data_dir) if data_dir is not None else cache_root() / "data" / embedded_dataset_name()
+    files = stdlib_source_files()
+
+    def docs(split: str) -> Iterator[bytes]:
+        for rel, path in files:
+            if split_of(rel) == split:
+                yield path.read_bytes()
+
+    return write_dataset(
+        data_dir,
+        embedded_dataset_name(),
+        ByteTokenizer(),
+        {split: docs(split) for split in SPLITS},
+        source=f"Python standard library source ({len(files)} files, cap {EMBEDDED_BYTE_CAP} bytes)",
+    )
+
+
+# ---------------------------------------------------------------------------- loader
+
+
+class TokenLoader:
+    """Endless (x, y) batches of packed windows from one split.
+
+    Random mode samples window starts uniformly with its own seeded generator, so a
+    seed fixes the data order; sequential mode walks the split in order and wraps.
+    The split is memory-mapped: only the windows drawn are read. On CUDA the batch goes
+    through pinned memory with a non-blocking copy, so it overlaps the previous step.
+    """
+
+    def __init__(
+        self,
+        ds: Dataset,
+        split: str,
+        batch_size: int,
+        seq_len: int,
+        device: torch.device | str = "cpu",
+        *,
+        seed: int = 0,
+        sequential: bool = False,
+    ):
+        self.tokens = ds.split(split)
+        if len(self.tokens) < seq_len + 2:
+            raise HarnessError(
+                f"the {split} split of {ds.path} has {len(self.tokens)} tokens, fewer than one window of {seq_len + 1}: "
+                "prepare a larger dataset"
+            )
+        self.batch_size, self.seq_len = batch_size, seq_len
+        self.device = torch.device(device)
+        self.sequential = sequential
+        self.rng = np.random.Generator(np.random.PCG64(seed))
+        self.position = 0
+        self._pin = self.device.type == "cuda"
+
+    def __iter__(self) -> "TokenLoader":
+        return self
+
+    def _starts(self) -> np.ndarray:
+        span = self.seq_len + 1
+        last_start = len(self.tokens) - span
+        if not self.sequential:
+            return self.rng.integers(0, last_start + 1, size=self.batch_size)
+        starts = []
+        for _ in range(self.batch_size):
+            if self.position > last_start:
+                self.position = 0
+            starts.append(self.position)
+            self.position += self.seq_len
+        return np.asarray(starts)
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        span = self.seq_len + 1
+        windows = np.stack([self.tokens[s : s + span] for s in self._starts()]).astype(np.int64)
+        batch = torch.from_numpy(windows)
+        if self._pin:
+            batch = batch.pin_memory()
+        batch = batch.to(self.device, non_blocking=True)
+        return batch[:, :-1], batch[:, 1:]

@@ -1,0 +1,83 @@
+"""The metric (contract): bits per byte on a fixed evaluation set.
+
+    val_bpb = sum of cross-entropy (nats) over the evaluated targets
+              / (ln 2 * sum of the raw byte lengths of those targets)
+
+The model only supplies logits (`model(idx) -> (B, T, vocab)`); the loss is computed
+here, in float32, so a proposal cannot change how its own score is computed. Targets
+whose byte length is 0 (BOS and other special tokens) stand for no text and are left
+out of both sums. The evaluation set is the first `eval_tokens(device)` targets of the
+split in consecutive, non-overlapping windows of the harness's context length: fixed
+for a given dataset and device type.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Iterable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from autoloop.harness.constants import eval_tokens, seq_len
+
+
+@torch.no_grad()
+def loss_and_bytes(model, x: torch.Tensor, y: torch.Tensor, token_bytes: torch.Tensor) -> tuple[float, int]:
+    """Summed nats and summed raw bytes over the targets y (special tokens excluded)."""
+    logits = model(x)
+    nats = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1), reduction="none")
+    nbytes = token_bytes[y.reshape(-1)]
+    counted = nbytes > 0
+    return float(nats[counted].sum().item()), int(nbytes[counted].sum().item())
+
+
+def bpb_on_batches(model, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], token_bytes, *, autocast_dtype=None) -> float:
+    """Bits per byte of `model` over (x, y) batches; the building block of evaluate_bpb."""
+    first = next(iter(model.parameters()), None)
+    device = first.device if first is not None else torch.device("cpu")
+    table = torch.as_tensor(np.asarray(token_bytes), dtype=torch.int64, device=device)
+    autocast = (
+        torch.autocast(device_type=device.type, dtype=autocast_dtype) if autocast_dtype is not None else contextlib.nullcontext()
+    )
+    was_training = model.training
+    model.eval()
+    total_nats, total_bytes = 0.0, 0
+    try:
+        with autocast:
+            for x, y in batches:
+                nats, nbytes = loss_and_bytes(model, x.to(device), y.to(device), table)
+                total_nats += nats
+                total_bytes += nbytes
+    finally:
+        model.train(was_training)
+    if total_bytes == 0:
+        raise ValueError("the evaluation set has no bytes to score")
+    return total_nats / (math.log(2) * total_bytes)
+
+
+def evaluation_windows(tokens: np.ndarray, device_type: str, max_tokens: int | None = None) -> np.ndarray:
+    """The fixed evaluation windows of a split: (n_windows, seq_len + 1) token ids."""
+    length = seq_len(device_type)
+    budget = min(max_tokens or eval_tokens(device_type), len(tokens) - 1)
+    n_windows = budget // length
+    if n_windows < 1:
+        raise ValueError(f"split of {len(tokens)} tokens is shorter than one evaluation window of {length + 1}")
+    starts = np.arange(n_windows) * length
+    return np.stack([tokens[s : s + length + 1] for s in starts]).astype(np.int64)
+
+
+def evaluate_bpb(model, ds, split: str = "val", *, device=None, batch_size: int | None = None, max_tokens: int | None = None) -> float:
+    """val_bpb (or held-out bpb) of `model` on the dataset's fixed evaluation set."""
+    if device is None:
+        first = next(iter(model.parameters()), None)
+        device = first.device if first is not None else torch.device("cpu")
+    device = torch.device(device)
+    windows = torch.from_numpy(evaluation_windows(ds.split(split), device.type, max_tokens))
+    batch_size = batch_size or (32 if device.type == "cuda" else 16)
+    batches = ((w[:, :-1], w[:, 1:]) for w in windows.split(batch_size))
+    # bf16 autocast on CUDA, as in training; the loss itself is taken in float32.
+    autocast_dtype = torch.bfloat16 if device.type == "cuda" else None
+    return bpb_on_batches(model, batches, ds.token_bytes, autocast_dtype=autocast_dtype)

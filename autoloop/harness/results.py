@@ -1,0 +1,90 @@
+"""The output half of the train-script contract: result JSON, progress lines, summary block."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+# Keys printed first in the summary block, in this order (autoresearch's habit: the
+# metric first, then time, then resources); any other scalar keys follow.
+SUMMARY_ORDER = (
+    "val_bpb", "training_seconds", "total_seconds", "compile_seconds", "eval_seconds",
+    "peak_memory_mb", "mfu_percent", "total_tokens", "num_steps", "num_params",
+    "tokens_per_second", "device", "seed", "data_fingerprint", "harness_fingerprint",
+)
+
+
+def _format(value) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, float):
+        return f"{value:.6f}" if math.isfinite(value) else str(value)
+    return str(value)
+
+
+def summary_block(result: dict) -> str:
+    """`---` then `key: value` lines for every scalar in the result."""
+    scalars = {k: v for k, v in result.items() if not isinstance(v, (list, dict))}
+    keys = [k for k in SUMMARY_ORDER if k in scalars] + sorted(k for k in scalars if k not in SUMMARY_ORDER)
+    width = max((len(k) for k in keys), default=0) + 2
+    return "\n".join(["---"] + [f"{k + ':':<{width}}{_format(scalars[k])}" for k in keys])
+
+
+def parse_summary(text: str) -> dict:
+    """The `key: value` lines after the last `---` line of a log, numbers parsed."""
+    lines = text.splitlines()
+    try:
+        start = len(lines) - 1 - lines[::-1].index("---")
+    except ValueError:
+        return {}
+    parsed = {}
+    for line in lines[start + 1 :]:
+        key, sep, raw = line.partition(":")
+        if not sep or not key.strip() or " " in key.strip():
+            continue
+        raw = raw.strip()
+        value: object = raw
+        for kind in (int, float):
+            try:
+                value = kind(raw)
+                break
+            except ValueError:
+                pass
+        if raw in ("null", "None"):
+            value = None
+        parsed[key.strip()] = value
+    return parsed
+
+
+def write_json_atomic(path: Path | str, payload: dict) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(payload, indent=1, default=float))
+    os.replace(tmp, path)
+
+
+def finish(spec, result: dict) -> None:
+    """Write the result JSON (when the controller asked for one) and print the summary."""
+    if spec.result_path is not None:
+        write_json_atomic(spec.result_path, result)
+    print(summary_block(result), flush=True)
+
+
+class ProgressWriter:
+    """Appends one JSON line per logged step, for `autoloop status`; no-op without a path."""
+
+    def __init__(self, path: Path | str | None):
+        self.path = Path(path) if path else None
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def log(self, record: dict) -> None:
+        if self.path is None:
+            return
+        with open(self.path, "a") as handle:
+            handle.write(json.dumps(record) + "\n")

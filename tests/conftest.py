@@ -49,3 +49,29 @@ def embedded_dataset(session_cache):
     if (path / "meta.json").exists():
         return H.load_dataset(path, prepare=False)
     return H.prepare_embedded(path)
+
+
+FAKE_TRAIN = Path(__file__).resolve().parent / "fakes" / "fake_train.py"
+
+
+def make_repo(path: Path, train_source: str, extra_files: dict[str, str] | None = None) -> Path:
+    """A real git repository with a train.py, committed, and nothing else of autoloop's."""
+    import subprocess
+
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "train.py").write_text(train_source)
+    (path / ".gitignore").write_text(".autoloop/\nexperiments.db*\n__pycache__/\n")
+    for name, content in (extra_files or {}).items():
+        (path / name).parent.mkdir(parents=True, exist_ok=True)
+        (path / name).write_text(content)
+    env = {**os.environ, "GIT_AUTHOR_NAME": "test", "GIT_AUTHOR_EMAIL": "t@example.com",
+           "GIT_COMMITTER_NAME": "test", "GIT_COMMITTER_EMAIL": "t@example.com"}
+    for args in (["init", "-q", "-b", "main"], ["add", "-A"], ["commit", "-q", "-m", "init"]):
+        subprocess.run(["git", *args], cwd=path, check=True, env=env)
+    return path
+
+
+@pytest.fixture
+def fake_repo(tmp_path) -> Path:
+    """A git repo whose train.py is the fake training script (instant, scriptable)."""
+    return make_repo(tmp_path / "repo", FAKE_TRAIN.read_text())

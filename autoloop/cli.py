@@ -1,0 +1,229 @@
+"""The `autoloop` command line: it parses options and calls the library, nothing more.
+
+Errors a user can cause (`AutoloopError`) are printed as one line, without a
+traceback, and the command exits with status 1.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from autoloop.errors import AutoloopError
+
+app = typer.Typer(
+    help="autoloop: an autonomous, verified research loop over train.py. "
+    "It proposes an edit, trains for a fixed budget, keeps it if val_bpb improved, and logs every trial.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+RepoOpt = Annotated[Path, typer.Option("--repo", help="The git repository that holds train.py; the current folder by default.")]
+DbOpt = Annotated[Optional[str], typer.Option("--db", help="The trial database, relative to the repository; experiments.db by default.")]
+TagOpt = Annotated[Optional[str], typer.Option("--tag", help="The run's name; the most recent run by default.")]
+
+
+def handles_errors(command):
+    """Turn a user-fixable error into one line on stderr and exit status 1."""
+
+    @functools.wraps(command)
+    def wrapper(*args, **kwargs):
+        try:
+            return command(*args, **kwargs)
+        except AutoloopError as exc:
+            typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(1) from None
+
+    return wrapper
+
+
+def _config(repo: Path, **flags):
+    from autoloop.config import resolve
+
+    return resolve(repo, flags)
+
+
+def _open_store(repo: Path, db: str | None):
+    from autoloop.store import Store
+
+    config = _config(repo, db=db)
+    path = Path(config.db)
+    path = path if path.is_absolute() else repo / path
+    if not path.exists():
+        raise AutoloopError(f"no trial database at {path}: start a run with `autoloop run`, or point --db at one")
+    return Store(path)
+
+
+def _explicit_tag(tag: str | None) -> str | None:
+    return tag or os.environ.get("AUTOLOOP_TAG") or None
+
+
+def pick_run(store, tag: str | None) -> dict:
+    """The run named by --tag (or AUTOLOOP_TAG), else the most recent one."""
+    runs = store.runs()
+    tag = _explicit_tag(tag)
+    if tag is not None:
+        run = store.get_run(tag)
+        if run is None:
+            known = ", ".join(r["tag"] for r in runs) or "none"
+            raise AutoloopError(f"no run tagged '{tag}' in {store.path} (runs: {known}): check --tag")
+        return run
+    if not runs:
+        raise AutoloopError(f"{store.path} has no runs yet: start one with `autoloop run`")
+    return runs[-1]
+
+
+# ---------------------------------------------------------------------------- run
+
+
+@app.command()
+@handles_errors
+def run(
+    repo: RepoOpt = Path("."),
+    tag: Annotated[Optional[str], typer.Option(help="The run's name: it works on branch autoloop/<tag>. Today's date (e.g. nov29) by default; an existing tag resumes that run.")] = None,
+    db: DbOpt = None,
+    max_trials: Annotated[Optional[int], typer.Option(help="Stop after this many trials in this invocation, the baseline included.")] = None,
+    hours: Annotated[Optional[float], typer.Option(help="Stop before starting a trial that could not finish within this many hours.")] = None,
+    time_budget: Annotated[Optional[float], typer.Option(help="Seconds of timed training per trial (300 by default).")] = None,
+    max_steps: Annotated[Optional[int], typer.Option(help="Train each trial for this many optimizer steps instead of a time budget (deterministic).")] = None,
+    grace_seconds: Annotated[Optional[float], typer.Option(help="Seconds allowed on top of the budget for start-up, compilation and evaluation before a trial is killed.")] = None,
+    proposers: Annotated[Optional[str], typer.Option(help="Comma-separated proposer chain, asked in order, e.g. 'ideas,search'.")] = None,
+    keep_margin: Annotated[Optional[float], typer.Option(help="Keep a trial only if it beats the best val_bpb by more than this.")] = None,
+    seed: Annotated[Optional[int], typer.Option(help="The training seed passed to every trial.")] = None,
+    dataset: Annotated[Optional[str], typer.Option(help="A prepared dataset name or folder (see `autoloop prepare`); the embedded corpus by default.")] = None,
+    train_command: Annotated[Optional[str], typer.Option(help="The training command, run in the repository; 'python train.py' by default.")] = None,
+    allow_env_change: Annotated[Optional[bool], typer.Option("--allow-env-change", help="Resume even if the GPU, torch version, data or harness changed (recorded in the run).")] = None,
+    no_verify: Annotated[bool, typer.Option("--no-verify", help="Do not verify keep candidates in a fresh process (not recommended).")] = False,
+):
+    """Run the research loop: baseline first, then proposals, until a stop condition."""
+    from autoloop.controller import Controller
+    from autoloop.display import Display, format_metric
+
+    config = _config(
+        repo, tag=tag, db=db, max_trials=max_trials, hours=hours, time_budget=time_budget, max_steps=max_steps,
+        grace_seconds=grace_seconds, proposers=proposers, keep_margin=keep_margin, seed=seed, dataset=dataset,
+        train_command=train_command, allow_env_change=allow_env_change, verify=False if no_verify else None,
+    )
+    display = Display()
+    display.say(f"autoloop run '{config.tag}' on branch autoloop/{config.tag} ({config.db})", "bold")
+    summary = Controller(config, repo, display=display).run()
+    counts = ", ".join(f"{n} {s}" for s, n in sorted(summary.statuses.items())) or "no trials"
+    display.say(f"stopped: {summary.stop_reason}", "bold")
+    display.say(f"this invocation ran {summary.trials_run} trial(s); the run has {counts}")
+    if summary.best_metric is not None:
+        display.say(
+            f"baseline {format_metric(summary.baseline_metric)} -> best {format_metric(summary.best_metric)} "
+            f"at {summary.best_commit[:12]} (branch autoloop/{config.tag})", "green",
+        )
+    if summary.paused:
+        raise typer.Exit(3)
+
+
+@app.command()
+@handles_errors
+def stop(repo: RepoOpt = Path("."), tag: TagOpt = None, db: DbOpt = None):
+    """Ask a running `autoloop run` to stop after its current trial."""
+    store = _open_store(repo, db)
+    run_row = pick_run(store, tag)
+    store.request_stop(run_row["tag"])
+    typer.echo(f"asked run '{run_row['tag']}' to stop after its current trial")
+
+
+@app.command()
+@handles_errors
+def status(repo: RepoOpt = Path("."), tag: TagOpt = None, db: DbOpt = None,
+           as_json: Annotated[bool, typer.Option("--json", help="Print the status as JSON.")] = False):
+    """Show what is running (its step, loss and time left), and the best so far."""
+    from autoloop.review import run_status
+
+    store = _open_store(repo, db)
+    info = run_status(store, pick_run(store, tag), repo)
+    if as_json:
+        typer.echo(json.dumps(info, indent=1, default=str))
+        return
+    from autoloop.review import format_status
+
+    typer.echo(format_status(info))
+
+
+# ---------------------------------------------------------------------------- ideas
+
+
+@app.command()
+@handles_errors
+def seed(
+    description: Annotated[str, typer.Argument(help="What the idea is, in a sentence; it becomes the trial's description.")],
+    set_: Annotated[Optional[list[str]], typer.Option("--set", help="NAME=VALUE: set an UPPER_CASE constant of train.py (repeatable).")] = None,
+    patch: Annotated[Optional[Path], typer.Option(help="A unified diff (git diff format) against train.py to apply.")] = None,
+    priority: Annotated[int, typer.Option(help="Higher priorities are tried first; ties go oldest first.")] = 0,
+    repo: RepoOpt = Path("."),
+    tag: Annotated[Optional[str], typer.Option(help="Only this run may take the idea; any run by default.")] = None,
+    db: DbOpt = None,
+):
+    """Queue an idea for the loop; a running loop picks it up at its next proposal."""
+    from autoloop.ideas import seed_idea
+
+    config = _config(repo, db=db)
+    idea = seed_idea(config, repo, description, sets=set_ or [], patch=patch, priority=priority, tag=_explicit_tag(tag))
+    typer.echo(f"seeded idea {idea['id']}: {description}")
+
+
+@app.command()
+@handles_errors
+def ideas(repo: RepoOpt = Path("."), db: DbOpt = None,
+          as_json: Annotated[bool, typer.Option("--json", help="Print the ideas as JSON.")] = False):
+    """List the seeded ideas and what became of them."""
+    from autoloop.review import format_ideas
+
+    store = _open_store(repo, db)
+    rows = store.ideas()
+    typer.echo(json.dumps(rows, indent=1, default=str) if as_json else format_ideas(store, rows))
+
+
+# ---------------------------------------------------------------------------- review
+
+
+@app.command()
+@handles_errors
+def log(
+    repo: RepoOpt = Path("."),
+    tag: TagOpt = None,
+    db: DbOpt = None,
+    last: Annotated[Optional[int], typer.Option(help="Show only the last N trials.")] = None,
+    status_: Annotated[Optional[str], typer.Option("--status", help="Show only trials with this status (keep, discard, crash, timeout, invalid, interrupted, running).")] = None,
+    kind: Annotated[Optional[str], typer.Option(help="Show only trials of this kind (baseline, proposal, rerun, ...).")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the trials as JSON, for scripts and agents.")] = False,
+):
+    """List the trials of a run: what was tried, what was kept, and why."""
+    from autoloop.review import format_log, log_rows
+
+    store = _open_store(repo, db)
+    run_row = pick_run(store, tag)
+    rows = log_rows(store, run_row, last=last, status=status_, kind=kind)
+    typer.echo(json.dumps(rows, indent=1, default=str) if as_json else format_log(run_row, rows))
+
+
+def _register_optional_commands() -> None:
+    try:
+        from autoloop.cli_prepare import prepare
+    except ImportError:  # pragma: no cover
+        return
+    app.command("prepare")(handles_errors(prepare))
+
+
+_register_optional_commands()
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,142 @@
+"""One resolver for the configuration of a run.
+
+Precedence, lowest to highest: the defaults below < `[tool.autoloop]` in the repository's
+pyproject.toml < `AUTOLOOP_<FIELD>` environment variables < CLI flags. Every field has
+one name in all three places (dashes in TOML and flags, upper case in the environment),
+e.g. `time_budget`: `time-budget = 30`, `AUTOLOOP_TIME_BUDGET=30`, `--time-budget 30`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shlex
+import sys
+from dataclasses import dataclass, field, fields
+from datetime import date
+from pathlib import Path
+from typing import Any, get_args, get_origin, get_type_hints
+
+from autoloop.errors import AutoloopError
+
+try:  # Python 3.11+
+    import tomllib
+except ModuleNotFoundError:  # pragma: no cover - Python 3.10
+    import tomli as tomllib  # type: ignore[no-redef]
+
+ENV_PREFIX = "AUTOLOOP_"
+
+
+@dataclass
+class Config:
+    tag: str = ""  # run name; branch autoloop/<tag>; default: today's date, e.g. nov29
+    db: str = "experiments.db"  # trial log, relative to the repository
+    train_command: str = "python train.py"  # a leading `python` means this interpreter
+    editable: list[str] = field(default_factory=lambda: ["train.py"])  # files proposals may change
+    protected: list[str] = field(
+        default_factory=lambda: ["autoloop/**", "program.md", "pyproject.toml", ".autoloop/**", "experiments.db*"]
+    )
+    time_budget: float = 300.0  # seconds of timed training per trial
+    max_steps: int | None = None  # step budget instead (deterministic; for tests and quick runs)
+    grace_seconds: float = 180.0  # start-up, compile and evaluation allowance on top of the budget
+    seed: int = 1337
+    dataset: str | None = None  # prepared dataset name or folder; default: the embedded corpus
+    max_trials: int | None = None  # stop after this many trials in this invocation (baseline included)
+    hours: float | None = None  # stop before a trial that could not finish within this many hours
+    keep_margin: float = 0.0  # keep only when val_bpb beats the best by more than this
+    proposers: list[str] = field(default_factory=lambda: ["ideas"])  # tried in order, first proposal wins
+    max_consecutive_failures: int = 3  # circuit breaker: crashes/timeouts in a row before re-running the incumbent
+    allow_env_change: bool = False  # resume on another GPU / torch / data / harness anyway (recorded)
+    verify: bool = True  # verify keep candidates in a fresh process before keeping them
+
+    def train_argv(self) -> list[str]:
+        argv = shlex.split(self.train_command)
+        if not argv:
+            raise AutoloopError("train_command is empty: set it to e.g. 'python train.py'")
+        if argv[0] in ("python", "python3"):
+            argv[0] = sys.executable
+        return argv
+
+    def with_defaults(self) -> "Config":
+        if not self.tag:
+            today = date.today()
+            self.tag = today.strftime("%b").lower() + str(today.day)
+        return self
+
+
+_FIELDS = {f.name: f for f in fields(Config)}
+_HINTS = get_type_hints(Config)
+
+
+def _coerce(name: str, raw: Any, source: str) -> Any:
+    """Turn a TOML, environment or flag value into the field's type, or say what is wrong."""
+    hint = _HINTS[name]
+    args = [a for a in get_args(hint) if a is not type(None)]
+    base = args[0] if get_origin(hint) is not None and args and get_origin(hint) is not list else hint
+    if raw is None or (isinstance(raw, str) and raw.strip().lower() in ("", "none", "null") and type(None) in get_args(hint)):
+        return None
+    try:
+        if get_origin(hint) is list or hint is list or get_origin(base) is list:
+            if isinstance(raw, str):
+                return [part.strip() for part in raw.split(",") if part.strip()]
+            return [str(item) for item in raw]
+        if base is bool:
+            if isinstance(raw, bool):
+                return raw
+            value = str(raw).strip().lower()
+            if value in ("1", "true", "yes", "on"):
+                return True
+            if value in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(raw)
+        if base is int:
+            if isinstance(raw, float) and not raw.is_integer():
+                raise ValueError(raw)
+            return int(raw)
+        if base is float:
+            return float(raw)
+        return str(raw)
+    except (TypeError, ValueError):
+        kind = getattr(base, "__name__", str(base))
+        raise AutoloopError(f"{source}: {name} = {raw!r} is not a valid {kind}: fix the value") from None
+
+
+def read_pyproject(repo: Path) -> dict[str, Any]:
+    path = Path(repo) / "pyproject.toml"
+    if not path.exists():
+        return {}
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise AutoloopError(f"{path} does not parse ({exc}): fix the TOML") from None
+    section = data.get("tool", {}).get("autoloop", {})
+    values = {}
+    for key, raw in section.items():
+        name = key.replace("-", "_")
+        if name not in _FIELDS:
+            raise AutoloopError(f"{path}: unknown setting [tool.autoloop] {key}: valid settings are {', '.join(sorted(_FIELDS))}")
+        values[name] = _coerce(name, raw, f"{path} [tool.autoloop]")
+    return values
+
+
+def read_environment(environ: dict[str, str] | None = None) -> dict[str, Any]:
+    environ = os.environ if environ is None else environ
+    values = {}
+    for name in _FIELDS:
+        key = ENV_PREFIX + name.upper()
+        if key in environ:
+            values[name] = _coerce(name, environ[key], f"environment {key}")
+    return values
+
+
+def resolve(repo: Path | str = ".", flags: dict[str, Any] | None = None, environ: dict[str, str] | None = None) -> Config:
+    """Defaults < pyproject.toml [tool.autoloop] < AUTOLOOP_* environment < flags (None = not given)."""
+    merged: dict[str, Any] = {}
+    merged.update(read_pyproject(Path(repo)))
+    merged.update(read_environment(environ))
+    for name, value in (flags or {}).items():
+        if name not in _FIELDS:
+            raise AutoloopError(f"unknown setting {name!r}")
+        if value is not None:
+            merged[name] = _coerce(name, value, f"--{name.replace('_', '-')}")
+    return dataclasses.replace(Config(), **merged).with_defaults()

@@ -1,0 +1,578 @@
+"""The controller: the only writer of experiments.db and of git refs.
+
+One trial, in the order that keeps every crash recoverable:
+
+1. A proposal is materialized from the parent (best) commit and validated; an invalid
+   one becomes an `invalid` row with nothing committed.
+2. The trial row is written `running` with the parent and the edits (the intent).
+3. The commit is created through a temporary index (the worktree is untouched), its sha
+   and diff go into the row, and only then does the branch move to it.
+4. Training runs in its own process group; its pgid, pid and start time go into the row
+   before the controller waits on it.
+5. The decision and the run's new best commit are written in one transaction: the db is
+   the truth, and git is made to agree with it.
+6. Git converges: a kept commit stays on the branch; any other is archived under
+   refs/autoloop/<tag>/trials/<n> and the branch is reset to the best commit.
+
+On start-up (`recover`) the controller kills a training process group left by a dead
+controller, marks its row `interrupted`, archives commits of finished trials that lack
+their ref, and resets the branch and worktree to the db's best commit. Each window is
+reachable by fault injection (`autoloop.faults`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from autoloop import faults
+from autoloop.config import Config
+from autoloop.decide import Decision, decide_by_margin
+from autoloop.errors import AutoloopError
+from autoloop.gitops import GitRepo
+from autoloop.lock import RunLock
+from autoloop.proposals import InvalidProposal, Proposal, materialize, validate
+from autoloop.proposers import ProposalContext, build_chain
+from autoloop.runner import RunOutcome, gpu_busy_report, kill_process_group, run_training
+from autoloop.scheduler import Scheduler, WorkItem
+from autoloop.store import IdeaStatus, Kind, MetricSource, RunStatus, Status, Store
+
+STATE_DIR = ".autoloop"
+
+
+@dataclass
+class RunSummary:
+    tag: str
+    trials_run: int = 0
+    kept: int = 0
+    stop_reason: str = ""
+    best_metric: float | None = None
+    baseline_metric: float | None = None
+    best_commit: str | None = None
+    paused: bool = False
+    statuses: dict = field(default_factory=dict)
+
+
+class Controller:
+    def __init__(
+        self,
+        config: Config,
+        repo_dir: Path | str = ".",
+        *,
+        display=None,
+        decide: Callable[[float, float | None, float], Decision] = decide_by_margin,
+        verifier=None,
+        chain=None,
+    ):
+        self.config = config
+        self.repo_dir = Path(repo_dir).resolve()
+        self.display = display
+        self.decide = decide
+        self.verifier = verifier
+        self._chain = chain
+        self.abort_requested = False
+        self.repo: GitRepo | None = None
+        self.store: Store | None = None
+        self.run_row: dict | None = None
+        self.branch = ""
+
+    # ------------------------------------------------------------------ paths and setup
+
+    @property
+    def tag(self) -> str:
+        return self.config.tag
+
+    @property
+    def state_dir(self) -> Path:
+        return self.repo_dir / STATE_DIR
+
+    def trial_dir(self, number: int) -> Path:
+        return self.state_dir / self.tag / "trials" / str(number)
+
+    def db_path(self) -> Path:
+        path = Path(self.config.db)
+        return path if path.is_absolute() else self.repo_dir / path
+
+    def _say(self, message: str, style: str | None = None) -> None:
+        if self.display is not None:
+            self.display.say(message, style)
+
+    def _event(self, kind: str, message: str, trial_id: int | None = None) -> None:
+        self.store.add_event(self.run_row["id"], kind, message, trial_id=trial_id)
+
+    def _exclude_runtime_files(self) -> None:
+        """Keep .autoloop/ and the db out of `git status` in a user's own repo too."""
+        exclude = Path(self.repo.repo.git_dir) / "info" / "exclude"
+        exclude.parent.mkdir(parents=True, exist_ok=True)
+        current = exclude.read_text() if exclude.exists() else ""
+        wanted = [f"/{STATE_DIR}/", f"/{Path(self.config.db).name}*"]
+        missing = [line for line in wanted if line not in current.splitlines()]
+        if missing:
+            with open(exclude, "a") as handle:
+                handle.write(("" if current.endswith("\n") or not current else "\n") + "\n".join(missing) + "\n")
+
+    def _train_script(self) -> Path | None:
+        for arg in self.config.train_argv()[1:]:
+            if arg.endswith(".py"):
+                return self.repo_dir / arg
+        return None
+
+    # ------------------------------------------------------------------ environment
+
+    def _environment(self) -> dict:
+        from autoloop.envinfo import collect_environment
+        from autoloop import harness
+
+        env = collect_environment()
+        data_dir = self.data_dir()
+        try:
+            dataset = harness.load_dataset(data_dir)
+        except harness.HarnessError:
+            raise
+        env["data_fingerprint"] = dataset.fingerprint
+        env["harness_fingerprint"] = harness.compute_harness_fingerprint()
+        return env
+
+    def data_dir(self) -> Path:
+        from autoloop.harness import default_data_dir
+
+        if self.config.dataset:
+            try:
+                from autoloop.prepare import resolve_data_dir
+            except ImportError:  # pragma: no cover - prepare module absent
+                return Path(self.config.dataset).expanduser()
+            return resolve_data_dir(self.config.dataset)
+        return default_data_dir()
+
+    _COMPARED = ("gpu", "torch_version", "cuda_version", "data_fingerprint", "harness_fingerprint")
+
+    def _check_comparability(self, env: dict) -> None:
+        changes = {
+            key: (self.run_row.get(key), env.get(key))
+            for key in self._COMPARED
+            if self.run_row.get(key) != env.get(key)
+        }
+        if not changes:
+            return
+        described = "; ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in changes.items())
+        if not self.config.allow_env_change:
+            raise AutoloopError(
+                f"run '{self.tag}' was started with a different environment ({described}): its trials would not be "
+                "comparable; use another --tag, or pass --allow-env-change to continue anyway (it is recorded)"
+            )
+        history = list(self.run_row.get("env_changes") or [])
+        history.append({"at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "changes": {k: list(v) for k, v in changes.items()}})
+        self.store.update_run(self.run_row["id"], env_changes=history, **{k: env.get(k) for k in changes})
+        self._event("env_change", f"environment changed and accepted: {described}")
+        self._say(f"environment changed (accepted with --allow-env-change): {described}", "yellow")
+
+    # ------------------------------------------------------------------ start-up
+
+    def open(self) -> None:
+        if self._train_script() is not None and not self._train_script().exists():
+            raise AutoloopError(
+                f"training script {self._train_script()} does not exist: create it or set train_command in [tool.autoloop]"
+            )
+        self.repo = GitRepo.open(self.repo_dir)
+        self.state_dir.mkdir(exist_ok=True)
+        self.store = Store(self.db_path())
+        self._lock = RunLock(self.state_dir / f"{self.tag}.lock").acquire(self.tag)
+        try:
+            self._exclude_runtime_files()
+            env = self._environment()
+            existing = self.store.get_run(self.tag)
+            if existing is None:
+                branch, base, _ = self.repo.ensure_branch(self.tag)
+                self.run_row = self.store.create_run(
+                    self.tag,
+                    branch=branch,
+                    repo=str(self.repo_dir),
+                    base_commit=base,
+                    best_commit=base,
+                    config=_config_dict(self.config),
+                    status=RunStatus.ACTIVE,
+                    **{k: env.get(k) for k in (
+                        "host", "gpu", "driver", "torch_version", "cuda_version", "python_version",
+                        "data_fingerprint", "harness_fingerprint",
+                    )},
+                )
+                self.branch = branch
+            else:
+                self.run_row = existing
+                self.branch = existing["branch"]
+                self._check_comparability(env)
+                self.recover()
+                self.repo.ensure_branch(self.tag)
+                self.store.update_run(existing["id"], status=RunStatus.ACTIVE, stop_requested=0, pause_reason=None,
+                                      config=_config_dict(self.config))
+            self.run_row = self.store.get_run(self.tag)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        lock = getattr(self, "_lock", None)
+        if lock is not None:
+            lock.release()
+        if self.store is not None:
+            self.store.close()
+
+    def best_commit(self) -> str:
+        run = self.store.get_run(self.tag)
+        return run["best_commit"] or run["base_commit"]
+
+    def recover(self) -> list[int]:
+        """Make processes, git and db agree after a dead controller. Returns recovered trial numbers."""
+        run_id = self.run_row["id"]
+        recovered = []
+        ours_dirty = False
+        for trial in self.store.running_trials(run_id):
+            if trial.get("pgid"):
+                kill_process_group(trial["pgid"], expected_pid=trial.get("pid"), expected_start_time=trial.get("pid_start_time"))
+            self.store.update_trial(
+                trial["id"], status=Status.INTERRUPTED,
+                reason="the controller stopped while this trial ran; recovered at the next start",
+            )
+            if trial.get("idea_id"):
+                # The idea was never evaluated: give it back to the queue.
+                self.store.set_idea_status(trial["idea_id"], IdeaStatus.PENDING)
+            self._event("recovered", f"trial {trial['number']} interrupted by a dead controller", trial_id=trial["id"])
+            recovered.append(trial["number"])
+            ours_dirty = True
+        archived = self.repo.archived(self.tag)
+        best = self.best_commit()
+        for trial in self.store.trials(run_id):
+            sha = trial.get("trial_commit")
+            if sha and trial["kind"] != Kind.BASELINE.value and trial["status"] != Status.KEEP.value \
+                    and sha != best and trial["number"] not in archived and self.repo.commit_exists(sha):
+                self.repo.archive(self.tag, trial["number"], sha)
+        tip = self.repo.branch_commit(self.branch)
+        if tip is not None and tip != best:
+            known = {t.get("trial_commit") for t in self.store.trials(run_id)} | {self.run_row["base_commit"]}
+            if tip not in known:
+                # A commit on the run's branch that no trial made: keep it reachable.
+                ref = f"refs/autoloop/{self.tag}/orphans/{tip[:12]}"
+                self.repo._git("update-ref", ref, tip)
+                self._event("recovered", f"branch tip {tip[:12]} had no trial row; archived as {ref}")
+            ours_dirty = True
+        if ours_dirty or (tip is not None and tip != best):
+            self.repo.checkout_commit(self.branch, best)
+        return recovered
+
+    # ------------------------------------------------------------------ the loop
+
+    def chain(self):
+        if self._chain is None:
+            self._chain = build_chain(self.config)
+        return self._chain
+
+    def _stop_reason(self, started: float, trials_run: int) -> str | None:
+        cfg = self.config
+        if self.abort_requested:
+            return "interrupted (Ctrl-C)"
+        if cfg.max_trials is not None and trials_run >= cfg.max_trials:
+            return f"reached --max-trials {cfg.max_trials}"
+        if self.store.stop_requested(self.run_row["id"]):
+            return "stopped by `autoloop stop`"
+        if cfg.hours is not None:
+            left = started + cfg.hours * 3600 - time.time()
+            if left < self._trial_estimate():
+                return f"--hours {cfg.hours}: the next trial could not finish in the {max(left, 0) / 60:.1f} min left"
+        return None
+
+    def _trial_estimate(self) -> float:
+        walls = [t["wall_seconds"] for t in self.store.trials(self.run_row["id"], last=20) if t.get("wall_seconds")]
+        if walls:
+            return statistics.median(walls)
+        return self.config.time_budget + 30.0
+
+    def run(self) -> RunSummary:
+        """Run trials until a stop condition; always leaves git on the best commit."""
+        self.open()
+        summary = RunSummary(tag=self.tag)
+        previous = {}
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                previous[sig] = signal.signal(sig, self._on_signal)
+            except ValueError:  # not the main thread (e.g. some test runners)
+                pass
+        try:
+            scheduler = Scheduler(self)
+            started = time.time()
+            while True:
+                reason = self._stop_reason(started, summary.trials_run)
+                if reason:
+                    summary.stop_reason = reason
+                    break
+                item = scheduler.next_item()
+                if item is None:
+                    summary.stop_reason = scheduler.exhausted_reason
+                    break
+                if item.kind == "pause":
+                    summary.stop_reason = f"paused: {item.reason}"
+                    summary.paused = True
+                    self.store.update_run(self.run_row["id"], status=RunStatus.PAUSED, pause_reason=item.reason)
+                    self._event("paused", item.reason)
+                    break
+                trial = self.execute(item)
+                summary.trials_run += 1
+                scheduler.observe(trial)
+            if not summary.paused:
+                final = RunStatus.STOPPED if (self.abort_requested or "stop" in summary.stop_reason) else RunStatus.FINISHED
+                self.store.update_run(self.run_row["id"], status=final, stop_requested=0)
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            try:
+                if self.repo is not None and self.store is not None and self.run_row is not None:
+                    self._converge_git()
+            finally:
+                self._fill_summary(summary)
+                self.close()
+        return summary
+
+    def _on_signal(self, signum, frame) -> None:
+        if self.abort_requested:
+            raise KeyboardInterrupt  # a second Ctrl-C: stop waiting politely
+        self.abort_requested = True
+        self._say("stopping: killing the current trial and resetting to the best commit (Ctrl-C again to force)", "yellow")
+
+    def _converge_git(self) -> None:
+        best = self.best_commit()
+        if self.repo.branch_commit(self.branch) != best or self.repo.is_dirty():
+            self.repo.checkout_commit(self.branch, best)
+
+    def _fill_summary(self, summary: RunSummary) -> None:
+        run_id = self.run_row["id"] if self.run_row else None
+        if run_id is None:
+            return
+        trials = self.store.trials(run_id)
+        for t in trials:
+            summary.statuses[t["status"]] = summary.statuses.get(t["status"], 0) + 1
+        best = self.store.best_trial(run_id)
+        summary.best_metric = best["metric"] if best else None
+        summary.best_commit = self.best_commit()
+        baseline = [t for t in trials if t["kind"] == Kind.BASELINE.value and t["metric"] is not None]
+        summary.baseline_metric = baseline[0]["metric"] if baseline else None
+        summary.kept = summary.statuses.get(Status.KEEP.value, 0)
+
+    # ------------------------------------------------------------------ one trial
+
+    def proposal_context(self, parent: str) -> ProposalContext:
+        best = self.store.best_trial(self.run_row["id"])
+
+        def read_parent_file(path: str) -> str | None:
+            try:
+                return self.repo.show_file(parent, path)
+            except AutoloopError:
+                return None
+
+        return ProposalContext(
+            config=self.config, store=self.store, run=self.run_row, repo=self.repo, parent_commit=parent,
+            read_parent_file=read_parent_file, best_metric=best["metric"] if best else None,
+        )
+
+    def _program_hash(self) -> str | None:
+        path = self.repo_dir / "program.md"
+        return hashlib.sha256(path.read_bytes()).hexdigest()[:16] if path.exists() else None
+
+    def execute(self, item: WorkItem) -> dict:
+        if item.kind == "proposal":
+            return self._execute_proposal(item.proposal, item.parent, derived_from=item.derived_from, kind=item.trial_kind)
+        return self._execute_rerun(item)
+
+    def _common_fields(self) -> dict:
+        return {"seed": self.config.seed, "program_hash": self._program_hash(), "started_at": _now()}
+
+    def _record_invalid(self, proposal: Proposal, parent: str, reason: str, kind: Kind) -> dict:
+        trial = self.store.new_trial(
+            self.run_row["id"], kind, status=Status.INVALID, reason=reason, description=proposal.description,
+            proposer=proposal.source, idea_id=proposal.idea_id, parent_commit=parent, edits=json.loads(proposal.to_json()),
+            model=proposal.model, best_before=self._best_metric(), **self._common_fields(),
+        )
+        self.store.update_trial(trial["id"], status=Status.INVALID)  # stamps finished_at
+        if proposal.idea_id:
+            self.store.set_idea_status(proposal.idea_id, IdeaStatus.DONE, trial_id=trial["id"])
+        self._say(f"trial {trial['number']} invalid: {reason}", "red")
+        return self.store.trial_by_id(trial["id"])
+
+    def _best_metric(self) -> float | None:
+        best = self.store.best_trial(self.run_row["id"])
+        return best["metric"] if best else None
+
+    def _execute_proposal(self, proposal: Proposal, parent: str, *, derived_from=None, kind=Kind.PROPOSAL) -> dict:
+        ctx = self.proposal_context(parent)
+        try:
+            files = materialize(proposal, str(self.repo_dir), parent, ctx.read_parent_file)
+            changed = validate(files, ctx.read_parent_file, editable=self.config.editable, protected=self.config.protected)
+        except InvalidProposal as exc:
+            return self._record_invalid(proposal, parent, str(exc), kind)
+        trial = self.store.new_trial(
+            self.run_row["id"], kind, description=proposal.description, proposer=proposal.source,
+            idea_id=proposal.idea_id, parent_commit=parent, edits=json.loads(proposal.to_json()), model=proposal.model,
+            derived_from=derived_from, best_before=self._best_metric(), **self._common_fields(),
+        )
+        if proposal.idea_id:
+            self.store.set_idea_status(proposal.idea_id, IdeaStatus.TAKEN, trial_id=trial["id"])
+        faults.fault_point("after_row")
+        message = f"autoloop {self.tag} trial {trial['number']}: {proposal.description}"
+        sha = self.repo.commit_files(parent, changed, message)
+        self.store.update_trial(trial["id"], trial_commit=sha, diff=self.repo.diff(parent, sha))
+        faults.fault_point("after_commit")
+        self.repo.checkout_commit(self.branch, sha)
+        return self._train_and_decide(self.store.trial_by_id(trial["id"]))
+
+    def _execute_rerun(self, item: WorkItem) -> dict:
+        best = self.best_commit()
+        trial = self.store.new_trial(
+            self.run_row["id"], item.trial_kind, description=item.reason, proposer="controller", parent_commit=best,
+            trial_commit=best, derived_from=item.derived_from, best_before=self._best_metric(), **self._common_fields(),
+        )
+        faults.fault_point("after_row")
+        if self.repo.branch_commit(self.branch) != best or self.repo.is_dirty():
+            self.repo.checkout_commit(self.branch, best)
+        return self._train_and_decide(self.store.trial_by_id(trial["id"]))
+
+    def _child_env(self, trial_dir: Path) -> dict:
+        cfg = self.config
+        env = {
+            "AUTOLOOP_TIME_BUDGET": str(cfg.time_budget),
+            "AUTOLOOP_SEED": str(cfg.seed),
+            "AUTOLOOP_RESULT": str(trial_dir / "result.json"),
+            "AUTOLOOP_CHECKPOINT": str(trial_dir / "checkpoint.pt"),
+            "AUTOLOOP_PROGRESS": str(trial_dir / "progress.jsonl"),
+            "AUTOLOOP_DATA_DIR": str(self.data_dir()),
+        }
+        if cfg.max_steps:
+            env["AUTOLOOP_MAX_STEPS"] = str(cfg.max_steps)
+        return env
+
+    def _train_and_decide(self, trial: dict) -> dict:
+        number = trial["number"]
+        trial_dir = self.trial_dir(number)
+        if trial_dir.exists():
+            shutil.rmtree(trial_dir)  # left by an interrupted attempt with this number
+        trial_dir.mkdir(parents=True)
+        busy = gpu_busy_report()
+        if busy:
+            message = "the GPU is held by other processes: " + "; ".join(busy)
+            self._event("gpu_busy", message, trial_id=trial["id"])
+            self._say(message, "yellow")
+        log_path = trial_dir / "train.log"
+        self.store.update_trial(trial["id"], log_path=str(log_path), heartbeat_at=_now())
+        if self.display is not None:
+            self.display.trial_started(trial, self._best_metric(), self.config)
+
+        def on_start(pid: int, pgid: int, start_time: int | None) -> None:
+            self.store.update_trial(trial["id"], pid=pid, pgid=pgid, pid_start_time=start_time, started_at=_now())
+            faults.fault_point("during_training")
+
+        last_beat = [time.monotonic()]
+
+        def should_abort() -> bool:
+            if self.display is not None:
+                self.display.poll(trial_dir / "progress.jsonl")
+            if time.monotonic() - last_beat[0] > 30:
+                last_beat[0] = time.monotonic()
+                self.store.update_trial(trial["id"], heartbeat_at=_now())
+            return self.abort_requested
+
+        outcome = run_training(
+            self.config.train_argv(), cwd=self.repo_dir, env=self._child_env(trial_dir), log_path=log_path,
+            deadline_seconds=self.config.time_budget + self.config.grace_seconds, on_start=on_start,
+            should_abort=should_abort,
+        )
+        faults.fault_point("after_training")
+        fields, status, reason = self._judge(trial, outcome, trial_dir)
+        keep = status == Status.KEEP
+        with self.store.transaction():
+            self.store.update_trial(trial["id"], status=status, reason=reason, **fields)
+            if keep:
+                self.store.update_run(self.run_row["id"], best_commit=trial["trial_commit"])
+        faults.fault_point("during_reset")
+        if outcome.result and outcome.result.get("curve"):
+            self.store.add_curve(trial["id"], outcome.result["curve"])
+        if not keep and trial["kind"] not in (Kind.BASELINE.value, Kind.RERUN.value) and trial.get("trial_commit"):
+            self.repo.archive(self.tag, number, trial["trial_commit"])
+        self._converge_git()
+        if trial.get("idea_id"):
+            self.store.set_idea_status(
+                trial["idea_id"], IdeaStatus.PENDING if status == Status.INTERRUPTED else IdeaStatus.DONE,
+                trial_id=trial["id"],
+            )
+        checkpoint = trial_dir / "checkpoint.pt"
+        if not keep and checkpoint.exists():
+            checkpoint.unlink()  # only kept trials' weights are worth the disk
+        final = self.store.trial_by_id(trial["id"])
+        if self.display is not None:
+            self.display.trial_finished(final)
+        return final
+
+    def _judge(self, trial: dict, outcome: RunOutcome, trial_dir: Path) -> tuple[dict, Status, str]:
+        """Fields to record, the status and its reason, from the training outcome."""
+        result = outcome.result or {}
+        fields = {
+            "wall_seconds": outcome.wall_seconds,
+            "error_tail": outcome.error_tail if outcome.status != "ok" else None,
+            "result": {k: v for k, v in result.items() if k != "curve"} or None,
+            "metric": outcome.metric,
+            "metric_source": outcome.metric_source if outcome.metric is not None else None,
+        }
+        for key in ("training_seconds", "total_seconds", "compile_seconds", "eval_seconds", "num_steps",
+                    "total_tokens", "num_params", "mfu_percent", "peak_memory_mb"):
+            value = result.get(key)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                fields[key] = int(value) if key in ("num_steps", "total_tokens", "num_params") else float(value)
+        if (trial_dir / "checkpoint.pt").exists():
+            fields["checkpoint_path"] = str(trial_dir / "checkpoint.pt")
+        best_before = trial.get("best_before")
+        if outcome.status == "aborted":
+            return fields, Status.INTERRUPTED, "interrupted by the user"
+        if outcome.status == "timeout":
+            return fields, Status.TIMEOUT, outcome.reason
+        if outcome.status != "ok":
+            return fields, Status.CRASH, outcome.reason
+        metric = outcome.metric
+        if best_before is not None:
+            fields["delta"] = metric - best_before
+        if trial["kind"] == Kind.RERUN.value:
+            self.store.add_measurement(trial["id"], seed=self.config.seed, metric=metric)
+            return fields, Status.DISCARD, f"re-run of the incumbent: val_bpb {metric:.6f} (best {best_before:.6f})" \
+                if best_before is not None else f"re-run: val_bpb {metric:.6f}"
+        best = self.store.best_trial(self.run_row["id"])
+        if best is not None and best.get("metric_source") != MetricSource.REPORTED.value \
+                and outcome.metric_source == MetricSource.REPORTED.value:
+            return fields, Status.INVALID, (
+                "only a printed val_bpb (no result JSON): it cannot be checked, so it is not compared with the "
+                "harness-measured best"
+            )
+        decision = self.decide(metric, best_before if trial["kind"] != Kind.BASELINE.value else None,
+                               self.config.keep_margin)
+        if not decision.keep:
+            return fields, Status.DISCARD, decision.reason
+        if self.verifier is not None and self.config.verify:
+            verdict = self.verifier(self, trial, outcome, fields)
+            fields.update(verdict.fields)
+            if not verdict.ok:
+                return fields, Status.INVALID, verdict.reason
+        return fields, Status.KEEP, decision.reason
+
+
+def _now() -> str:
+    from autoloop.store import utcnow
+
+    return utcnow()
+
+
+def _config_dict(config: Config) -> dict:
+    from dataclasses import asdict
+
+    return asdict(config)

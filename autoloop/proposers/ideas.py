@@ -1,0 +1,36 @@
+"""The human's idea queue: `autoloop seed "..." --set NAME=VALUE` or `--patch FILE`.
+
+Ideas live in the db, so ideas seeded while a run is going are picked up at the next
+proposal. This proposer takes ideas that carry an edit (constants or a patch), highest
+priority first, then oldest; text-only ideas wait for an LLM or agent proposer.
+"""
+
+from __future__ import annotations
+
+from autoloop.config import Config
+from autoloop.proposals import Edit, Proposal
+from autoloop.pyconst import parse_value
+
+
+class IdeasProposer:
+    name = "ideas"
+
+    def __init__(self, config: Config):
+        self.config = config
+
+    def propose(self, ctx) -> Proposal | None:
+        idea = ctx.store.next_idea(ctx.run["id"], actionable_only=True)
+        if idea is None:
+            return None
+        edits = []
+        if idea.get("sets"):
+            # Values are stored as the text the human typed ("2**18", "0.02", "'adamw'").
+            values = {name: parse_value(str(text)) for name, text in idea["sets"].items()}
+            edits.append(Edit(path=self.config.editable[0], sets=values))
+        return Proposal(
+            description=idea["text"],
+            edits=edits,
+            patch=idea.get("patch") or None,
+            source="human",
+            idea_id=idea["id"],
+        )

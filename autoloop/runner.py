@@ -1,0 +1,511 @@
+"""Run one training process and read its outcome.
+
+The training command runs in its own session and process group (`start_new_session=True`,
+so pgid == pid), with stdout and stderr appended to a log file and stdin from /dev/null.
+Everything the training started - dataloader workers, compile workers, a stray shell - is
+in that group, so the runner stops work by signalling the group, never one pid:
+
+* at the deadline or when `should_abort()` says so: SIGTERM to the group, up to
+  `kill_grace_seconds` for it to exit, then SIGKILL;
+* after the main process exits on its own: SIGKILL to the group at once, so no grandchild
+  (which might ignore SIGTERM) keeps holding the GPU into the next trial.
+
+The main process is not reaped until the group is gone: while it is an unreaped zombie its
+pid, which is also the group id, cannot be reused, so signalling the group can never hit an
+unrelated process. A process group counts as gone when only zombies are left in it (an
+orphaned grandchild that was killed may wait a moment for init to reap it).
+
+The child's environment is the parent's minus anything that looks like a secret (a
+variable whose name contains KEY, TOKEN, SECRET or PASSWORD: API keys never reach the
+training subprocess), plus PYTHONUNBUFFERED=1, plus the AUTOLOOP_* contract variables the
+caller passes.
+
+The result comes from the result JSON (`AUTOLOOP_RESULT`, metric source "harness") if the
+script wrote one, else from the final `---` block of `key: value` lines in the log (metric
+source "reported"; autoresearch's `peak_vram_mb`, `num_params_M` and `total_tokens_M`
+are mapped to `peak_memory_mb`, `num_params` and `total_tokens`).
+
+Crash recovery (a controller that died mid-trial) uses `kill_process_group` with the pid,
+pgid and start time the controller stored when the trial started.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import select
+import shlex
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from autoloop.errors import AutoloopError
+
+SECRET_MARKERS = ("KEY", "TOKEN", "SECRET", "PASSWORD")
+ERROR_TAIL_LINES = 40
+# How long to wait for a SIGKILLed group to disappear; only a process stuck in the kernel
+# (e.g. in a GPU driver call) takes longer, and waiting forever would hang the loop.
+KILL_WAIT_SECONDS = 10.0
+# Only the end of a log matters for the summary block, the FAIL line and the error tail.
+MAX_LOG_READ_BYTES = 2 * 1024 * 1024
+MAX_REASON_CHARS = 500
+
+# autoresearch's summary keys -> (our key, scale)
+REPORTED_KEY_MAP = {
+    "peak_vram_mb": ("peak_memory_mb", 1),
+    "num_params_M": ("num_params", 1_000_000),
+    "total_tokens_M": ("total_tokens", 1_000_000),
+}
+
+
+@dataclass
+class RunOutcome:
+    """What happened to one training process.
+
+    status: "ok" (exit 0 with a finite val_bpb), "crash", "timeout" or "aborted".
+    metric: val_bpb when finite, else None. metric_source: "harness" (result JSON) or
+    "reported" (printed block), None without a metric. reason: one line, None when ok.
+    result: the parsed result JSON, or the parsed summary block, or None.
+    """
+
+    status: str
+    returncode: int | None
+    result: dict[str, Any] | None
+    metric: float | None
+    metric_source: str | None
+    reason: str | None
+    error_tail: str
+    wall_seconds: float
+    pid: int
+    pgid: int
+    start_time: int | None = None
+
+
+# ---------------------------------------------------------------------------------------
+# Processes
+# ---------------------------------------------------------------------------------------
+
+
+def _proc_stat(pid: int | str) -> list[str] | None:
+    """Fields 3.. of /proc/<pid>/stat (state first), or None if unreadable.
+
+    The command name (field 2) may contain spaces and parentheses, so split after the
+    last ')'.
+    """
+    try:
+        data = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return data[data.rindex(")") + 2 :].split()
+
+
+def process_start_time(pid: int) -> int | None:
+    """Start time of `pid` in clock ticks since boot (/proc/<pid>/stat field 22), or None
+    if there is no such process (or no /proc). Together with the pid it identifies a
+    process even after the pid number has been recycled."""
+    fields = _proc_stat(pid)
+    return int(fields[19]) if fields else None
+
+
+def process_group_alive(pgid: int) -> bool:
+    """True if any process other than a zombie is in process group `pgid`."""
+    if pgid <= 0:
+        return False
+    if os.path.isdir("/proc/self"):
+        for entry in os.scandir("/proc"):
+            if entry.name.isdigit():
+                fields = _proc_stat(entry.name)
+                if fields and int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
+                    return True
+        return False
+    # No /proc (not Linux): zombies count as alive here.
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _wait_group_gone(pgid: int, timeout: float, before_check: Callable[[], None] | None = None) -> bool:
+    deadline = time.monotonic() + timeout
+    while True:
+        if before_check is not None:
+            before_check()
+        if not process_group_alive(pgid):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+
+
+def _stop_group(pgid: int, grace: float, before_check: Callable[[], None] | None = None) -> bool:
+    """SIGTERM, up to `grace` seconds, then SIGKILL. True if the group is gone."""
+    _signal_group(pgid, signal.SIGTERM)
+    if _wait_group_gone(pgid, grace, before_check):
+        return True
+    _signal_group(pgid, signal.SIGKILL)
+    return _wait_group_gone(pgid, KILL_WAIT_SECONDS, before_check)
+
+
+def kill_process_group(
+    pgid: int,
+    *,
+    expected_pid: int | None = None,
+    expected_start_time: int | None = None,
+    grace: float = 5,
+) -> bool:
+    """Kill a training process group left behind by a controller that died.
+
+    Kills only what is provably ours: if the recorded pid exists but has a different start
+    time, the pid was recycled (and so the group id belongs to someone else): nothing is
+    killed. If the recorded leader is gone, the group is killed only if processes are still
+    in it (orphaned grandchildren; the kernel does not hand out a pid that is still in use
+    as a group id). SIGTERM, `grace` seconds, SIGKILL, then waits for the group to vanish.
+    Returns True if it signalled a live group.
+    """
+    if pgid <= 1 or pgid == os.getpgrp():
+        raise ValueError(f"refusing to kill process group {pgid}")
+    if expected_pid is not None:
+        start_time = process_start_time(expected_pid)
+        if start_time is not None and expected_start_time is not None and start_time != expected_start_time:
+            return False
+    if not process_group_alive(pgid):
+        return False
+    try:
+        _stop_group(pgid, grace)
+    except PermissionError:
+        raise AutoloopError(
+            f"cannot kill process group {pgid} (permission denied): kill it yourself "
+            f"(`kill -- -{pgid}`) and rerun"
+        ) from None
+    return True
+
+
+def gpu_busy_report() -> list[str]:
+    """`pid, process_name, used_memory` lines for processes on the GPU, per nvidia-smi;
+    empty when nvidia-smi is missing or fails."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-compute-apps=pid,process_name,used_memory", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=15,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return []
+    if out.returncode != 0:
+        return []
+    return [line.strip() for line in out.stdout.splitlines() if line.strip()]
+
+
+def child_environment(extra: dict[str, Any]) -> dict[str, str]:
+    """The training process's environment: ours without secrets, PYTHONUNBUFFERED=1, then
+    `extra` (a None value unsets the variable)."""
+    env = {
+        name: value
+        for name, value in os.environ.items()
+        if not any(marker in name.upper() for marker in SECRET_MARKERS)
+    }
+    env["PYTHONUNBUFFERED"] = "1"  # so the log is written line by line as training goes
+    for name, value in extra.items():
+        if value is None:
+            env.pop(name, None)
+        else:
+            env[name] = str(value)
+    return env
+
+
+class _ExitWatch:
+    """Detects that the child exited without reaping it (see the module docstring)."""
+
+    def __init__(self, proc: subprocess.Popen):
+        self.proc = proc
+        self.fd: int | None = None
+        if hasattr(os, "pidfd_open"):
+            try:
+                # Readable once the process exits: lets wait() wake at once instead of
+                # at the next poll tick.
+                self.fd = os.pidfd_open(proc.pid)
+            except OSError:
+                self.fd = None
+
+    def exited(self) -> bool:
+        if not hasattr(os, "waitid"):
+            return self.proc.poll() is not None  # reaps; acceptable where waitid is missing
+        try:
+            info = os.waitid(os.P_PID, self.proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:
+            return True  # already reaped
+        return info is not None
+
+    def wait(self, timeout: float) -> bool:
+        if timeout > 0:
+            if self.fd is not None:
+                select.select([self.fd], [], [], timeout)
+            else:
+                time.sleep(timeout)
+        return self.exited()
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+# ---------------------------------------------------------------------------------------
+# Running
+# ---------------------------------------------------------------------------------------
+
+
+def run_training(
+    command: list[str],
+    *,
+    cwd: str | Path,
+    env: dict[str, Any],
+    log_path: str | Path,
+    deadline_seconds: float,
+    kill_grace_seconds: float = 10,
+    on_start: Callable[[int, int, int | None], None] | None = None,
+    should_abort: Callable[[], bool] | None = None,
+    poll_interval: float = 0.2,
+) -> RunOutcome:
+    """Run `command` until it exits, the deadline passes or `should_abort()` is true.
+
+    `env` holds the AUTOLOOP_* contract variables to add. If it names AUTOLOOP_RESULT, a
+    file already at that path is deleted first: it cannot be this run's result.
+    `on_start(pid, pgid, start_time)` is called right after the spawn so the caller can
+    record the group before waiting; if it (or `should_abort`) raises, or the caller is
+    interrupted (KeyboardInterrupt), the group is SIGKILLed and the exception propagates.
+    The deadline counts from the spawn and covers start-up, compile, training and eval.
+    """
+    log_path = Path(log_path)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    result_path = Path(env["AUTOLOOP_RESULT"]) if env.get("AUTOLOOP_RESULT") else None
+    if result_path is not None:
+        result_path.unlink(missing_ok=True)
+
+    with log_path.open("ab") as log:
+        log.write(f"# autoloop {_now()}: {shlex.join(map(str, command))}\n".encode())
+        log.flush()
+        offset = log.tell()
+        started = time.monotonic()
+        proc = subprocess.Popen(
+            [str(part) for part in command],
+            cwd=str(cwd),
+            env=child_environment(env),
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    pid = pgid = proc.pid  # a new session makes the child its group's leader
+    start_time = process_start_time(pid)
+    watch = _ExitWatch(proc)
+    # Where zombies cannot be told apart (no /proc), reap the leader as soon as it exits
+    # so that the group can be seen to vanish.
+    reap = None if os.path.isdir("/proc/self") else proc.poll
+
+    stopped: str | None = None
+    try:
+        if on_start is not None:
+            on_start(pid, pgid, start_time)
+        deadline = started + deadline_seconds
+        while not watch.exited():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                stopped = "timeout"
+                break
+            if should_abort is not None and should_abort():
+                stopped = "aborted"
+                break
+            watch.wait(min(poll_interval, remaining))
+        if stopped is not None:
+            group_gone = _stop_group(pgid, kill_grace_seconds, reap)
+        else:
+            # The main process is done; anything left in its group is a leftover.
+            _signal_group(pgid, signal.SIGKILL)
+            group_gone = _wait_group_gone(pgid, KILL_WAIT_SECONDS, reap)
+        returncode = proc.wait()
+    except BaseException:
+        _signal_group(pgid, signal.SIGKILL)
+        proc.wait()
+        raise
+    finally:
+        watch.close()
+    wall_seconds = time.monotonic() - started
+
+    text = _read_from(log_path, offset)
+    outcome = _judge(
+        text,
+        stopped=stopped,
+        returncode=returncode,
+        result_path=result_path,
+        deadline_seconds=deadline_seconds,
+    )
+    outcome.wall_seconds = wall_seconds
+    outcome.pid, outcome.pgid, outcome.start_time = pid, pgid, start_time
+
+    footer = f"# autoloop {_now()}: {outcome.status}, exit {returncode}, {wall_seconds:.1f} s"
+    if outcome.reason:
+        footer += f": {outcome.reason}"
+    if not group_gone:
+        footer += f" (processes of group {pgid} survived SIGKILL)"
+    with log_path.open("ab") as log:
+        log.write((footer + "\n").encode())
+    return outcome
+
+
+def _judge(
+    text: str,
+    *,
+    stopped: str | None,
+    returncode: int,
+    result_path: Path | None,
+    deadline_seconds: float,
+) -> RunOutcome:
+    """Apply the outcome rules to what the process left behind."""
+    lines = text.splitlines()
+    error_tail = "\n".join(lines[-ERROR_TAIL_LINES:])
+
+    result: dict[str, Any] | None = None
+    source: str | None = None
+    result_problem: str | None = None
+    if result_path is not None and result_path.exists():
+        try:
+            loaded = json.loads(result_path.read_text())
+            if isinstance(loaded, dict):
+                result, source = loaded, "harness"
+            else:
+                result_problem = f"result JSON {result_path} is not an object"
+        except (OSError, ValueError) as error:
+            result_problem = f"result JSON {result_path} is unreadable: {error}"
+    if result is None:
+        result = parse_summary_block(text)
+        source = "reported" if result is not None else None
+
+    raw_metric = result.get("val_bpb") if result is not None else None
+    metric = _as_float(raw_metric)
+    finite = metric is not None and math.isfinite(metric)
+
+    def outcome(status: str, reason: str | None) -> RunOutcome:
+        return RunOutcome(
+            status=status,
+            returncode=returncode,
+            result=result,
+            metric=metric if finite else None,
+            metric_source=source if finite else None,
+            reason=_one_line(reason) if reason else None,
+            error_tail=error_tail,
+            wall_seconds=0.0,
+            pid=0,
+            pgid=0,
+        )
+
+    if stopped == "timeout":
+        return outcome("timeout", f"killed at the {deadline_seconds:g} s deadline")
+    if stopped == "aborted":
+        return outcome("aborted", "aborted before it finished")
+    if returncode != 0:
+        return outcome("crash", _crash_reason(lines, returncode))
+    if metric is None:
+        reason = "finished without a val_bpb metric"
+        if result_problem:
+            reason += f" ({result_problem})"
+        return outcome("crash", reason)
+    if not finite:
+        return outcome("crash", f"val_bpb is {metric}")
+    return outcome("ok", None)
+
+
+def _crash_reason(lines: list[str], returncode: int) -> str:
+    """The last `FAIL: ...` line; else, for a signal death, its name; else the last
+    non-empty line (the exception line of a traceback)."""
+    for line in reversed(lines):
+        if line.strip().startswith("FAIL:"):
+            return line.strip()
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        return f"killed by {name}"
+    for line in reversed(lines):
+        if line.strip():
+            return line.strip()
+    return f"exited with code {returncode} and no output"
+
+
+def parse_summary_block(text: str) -> dict[str, Any] | None:
+    """Parse the `key: value` lines after the last line that is exactly `---`.
+
+    Numbers become int or float (nan and inf included), other values stay strings;
+    autoresearch's keys are mapped (see REPORTED_KEY_MAP). None if there is no block.
+    """
+    lines = text.splitlines()
+    starts = [i for i, line in enumerate(lines) if line.strip() == "---"]
+    if not starts:
+        return None
+    block: dict[str, Any] = {}
+    for line in lines[starts[-1] + 1 :]:
+        match = re.match(r"^\s*([A-Za-z_][A-Za-z0-9_.]*)\s*:\s*(.*?)\s*$", line)
+        if match:
+            block[match.group(1)] = _parse_scalar(match.group(2))
+    for key, (ours, scale) in REPORTED_KEY_MAP.items():
+        if key in block:
+            value = block.pop(key)
+            if isinstance(value, (int, float)) and scale != 1:
+                value = int(round(value * scale)) if math.isfinite(value) else value
+            block.setdefault(ours, value)
+    return block or None
+
+
+def _parse_scalar(raw: str) -> Any:
+    if re.fullmatch(r"[+-]?\d+", raw):
+        return int(raw)
+    try:
+        return float(raw)
+    except ValueError:
+        return raw
+
+
+def _as_float(value: Any) -> float | None:
+    if value is None or isinstance(value, bool):
+        return None
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def _one_line(text: str) -> str:
+    line = " ".join(text.split())
+    return line if len(line) <= MAX_REASON_CHARS else line[: MAX_REASON_CHARS - 3] + "..."
+
+
+def _read_from(path: Path, offset: int) -> str:
+    """This run's part of the log (the file may hold earlier attempts), at most its last
+    MAX_LOG_READ_BYTES."""
+    with path.open("rb") as handle:
+        size = handle.seek(0, os.SEEK_END)
+        handle.seek(max(offset, size - MAX_LOG_READ_BYTES))
+        return handle.read().decode("utf-8", errors="replace")
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")

@@ -1,0 +1,102 @@
+"""The scheduler: which work item comes next.
+
+The loop is a scheduler of work items over an executor, so new kinds of work (re-runs,
+repairs, ablations, parallel lineages) are new items, not new loops. Its state is
+derived from the db, so a resumed run continues where it stopped.
+
+Order: the unmodified baseline first (until one succeeds); after K consecutive
+crashes or timeouts, a re-run of the incumbent (if that fails too, the run pauses with a
+diagnosis instead of burning the night); otherwise the proposer chain's next proposal.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+
+from autoloop.proposals import Proposal
+from autoloop.store import Kind, Status
+
+_FAILED = (Status.CRASH.value, Status.TIMEOUT.value)
+_LOW_DISK_BYTES = 1 << 30
+
+
+@dataclass
+class WorkItem:
+    kind: str  # "baseline" | "rerun" | "proposal" | "pause"
+    reason: str = ""
+    proposal: Proposal | None = None
+    parent: str | None = None
+    derived_from: int | None = None
+    trial_kind: Kind = Kind.PROPOSAL
+
+
+class Scheduler:
+    def __init__(self, controller):
+        self.controller = controller
+        self.exhausted_reason = ""
+        # Failures before this invocation do not count: after a pause the user fixes the
+        # cause and resumes, and the run must not pause again on the old evidence.
+        self.first_number = max((t["number"] for t in self._trials()), default=0) + 1
+
+    @property
+    def store(self):
+        return self.controller.store
+
+    def _trials(self) -> list[dict]:
+        return self.store.trials(self.controller.run_row["id"])
+
+    def next_item(self) -> WorkItem | None:
+        all_trials = [t for t in self._trials() if t["status"] != Status.INTERRUPTED.value]
+        trials = [t for t in all_trials if t["number"] >= self.first_number]
+        baselines = [t for t in all_trials if t["kind"] == Kind.BASELINE.value]
+        if not any(t["status"] == Status.KEEP.value for t in baselines):
+            failed = [t for t in baselines if t["number"] >= self.first_number]
+            if failed:
+                return WorkItem("pause", reason=self._diagnose(f"the baseline fails: {failed[-1]['reason']}"))
+            return WorkItem("baseline", reason="baseline: the unmodified training script", trial_kind=Kind.BASELINE)
+        tail = self._failure_tail(trials)
+        limit = max(1, self.controller.config.max_consecutive_failures)
+        if tail and tail[-1]["kind"] == Kind.RERUN.value:
+            return WorkItem("pause", reason=self._diagnose(f"the incumbent itself failed on re-run: {tail[-1]['reason']}"))
+        if len(tail) >= limit:
+            best = self.store.best_trial(self.controller.run_row["id"])
+            return WorkItem(
+                "rerun", reason=f"circuit breaker: {len(tail)} failures in a row; re-running the incumbent",
+                derived_from=best["id"] if best else None, trial_kind=Kind.RERUN,
+            )
+        parent = self.controller.best_commit()
+        proposal = self.controller.chain().propose(self.controller.proposal_context(parent))
+        if proposal is None:
+            self.exhausted_reason = (
+                f"no more proposals: the idea queue is empty and the proposers ({', '.join(self.controller.chain().names)}) "
+                "have nothing to offer; seed ideas with `autoloop seed` and run again"
+            )
+            return None
+        return WorkItem("proposal", reason=proposal.description, proposal=proposal, parent=parent)
+
+    def observe(self, trial: dict) -> None:
+        """Hook for schedulers that learn from results; the state lives in the db."""
+
+    @staticmethod
+    def _failure_tail(trials: list[dict]) -> list[dict]:
+        """The trailing run of crashed/timed-out trials (invalid proposals do not count)."""
+        tail = []
+        for trial in reversed(trials):
+            if trial["status"] == Status.INVALID.value and trial["kind"] != Kind.RERUN.value:
+                continue
+            if trial["status"] not in _FAILED:
+                break
+            tail.append(trial)
+        return list(reversed(tail))
+
+    def _diagnose(self, what: str) -> str:
+        from autoloop.runner import gpu_busy_report
+
+        free = shutil.disk_usage(self.controller.repo_dir).free
+        if free < _LOW_DISK_BYTES:
+            return f"{what}; the disk is almost full ({free >> 20} MB free): free some space and resume"
+        busy = gpu_busy_report()
+        if busy:
+            return f"{what}; the GPU is held by other processes ({'; '.join(busy)}): stop them and resume"
+        return f"{what}: check the trial's log, fix the cause and resume with `autoloop run --tag {self.controller.tag}`"

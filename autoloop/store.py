@@ -1,0 +1,853 @@
+"""experiments.db: the SQLite log of every run and trial.
+
+Concurrency rules
+-----------------
+The controller is the only writer of experiments.db; reports, `autoloop status` and other
+tools read it while a run is going. SQLite gives us that safely only with these rules:
+
+* **WAL journal.** Readers read a snapshot and never block the writer; the writer never
+  blocks readers. `synchronous=NORMAL` is durable enough in WAL mode (a power cut can lose
+  the last transactions, never corrupt the file) and much faster than FULL.
+* **A long busy timeout (30 s)**, both as `sqlite3.connect(timeout=...)` and as
+  `PRAGMA busy_timeout`, so a second writer (a second controller started by mistake, a
+  remote worker's importer, a test) waits for the lock instead of failing.
+* **`BEGIN IMMEDIATE` for every read-then-write** (see `Store.transaction`). A deferred
+  `BEGIN` takes the write lock only at its first write; if another connection committed
+  after our first read, SQLite cannot upgrade our stale snapshot and fails at once with
+  "database is locked" - the busy timeout does not help. `BEGIN IMMEDIATE` takes the write
+  lock up front (waiting up to the busy timeout), so the read inside it is current. Trial
+  numbers and idea hand-out depend on this.
+* **Readers never hold write locks.** Reads run in autocommit mode (no explicit
+  transaction) and fetch all rows at once, so the implicit read transaction ends before the
+  method returns. Opening a Store only reads, unless migrations are pending.
+* The connection is created with `isolation_level=None` (the driver never opens
+  transactions behind our back) and `check_same_thread=False`; a re-entrant lock serialises
+  threads that share one Store. `transaction()` nests via SAVEPOINTs.
+
+All writes go through `transaction()`, inside which sqlite-utils' own `atomic()` uses
+savepoints rather than a (deferred) `BEGIN` of its own.
+
+Schema
+------
+The schema evolves through `MIGRATIONS`, an ordered list of named functions. Each applied
+migration is recorded in `_migrations(name, applied_at)`; opening a database applies the
+missing ones in order inside one `BEGIN IMMEDIATE` transaction. A database that records a
+migration this code does not know was written by a newer autoloop and is refused rather
+than misread. The vocabularies (`Status`, `Kind`, `MetricSource`, `RunStatus`,
+`IdeaStatus`) are the single source of truth: the CHECK constraints are generated from
+them. SQLite cannot alter a CHECK constraint in place, so adding a value to one of these
+enums needs a new migration that rebuilds the affected table.
+
+Values
+------
+Timestamps are UTC ISO-8601 strings (`utcnow()`). JSON columns (`JSON_COLUMNS`) take and
+return Python objects; the Store serialises them. Enum members and plain strings are both
+accepted wherever a vocabulary value is expected. Note that SQLite stores a NaN REAL as
+NULL, so a NaN metric reads back as None.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import sqlite3
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import sqlite_utils
+
+from autoloop.errors import AutoloopError
+
+BUSY_TIMEOUT_SECONDS = 30
+SQLITE_HEADER = b"SQLite format 3\x00"
+
+
+# ---------------------------------------------------------------------------------------
+# Vocabularies (mirrored in the CHECK constraints)
+# ---------------------------------------------------------------------------------------
+
+
+class Status(str, enum.Enum):
+    """Outcome of a trial. Every status but `running` is final."""
+
+    RUNNING = "running"
+    KEEP = "keep"  # became the new best (verified); the branch stays on its commit
+    DISCARD = "discard"  # trained fine but did not beat the best
+    CRASH = "crash"  # non-zero exit, NaN loss, no metric
+    TIMEOUT = "timeout"  # killed at the deadline
+    INVALID = "invalid"  # rejected proposal or failed verification
+    INTERRUPTED = "interrupted"  # the controller stopped or died while it ran
+
+
+class Kind(str, enum.Enum):
+    """Why a trial was run."""
+
+    BASELINE = "baseline"
+    PROPOSAL = "proposal"
+    RERUN = "rerun"
+    DRIFT = "drift"
+    ABLATION = "ablation"
+    REPAIR = "repair"
+
+
+class MetricSource(str, enum.Enum):
+    """Where a trial's metric comes from; sources are never mixed in comparisons."""
+
+    VERIFIED = "verified"  # re-evaluated out of process by the harness verifier
+    HARNESS = "harness"  # from the train script's result JSON, not re-checked
+    REPORTED = "reported"  # only the printed `key: value` block (e.g. a third-party script)
+
+
+class RunStatus(str, enum.Enum):
+    ACTIVE = "active"
+    PAUSED = "paused"
+    STOPPED = "stopped"
+    FINISHED = "finished"
+
+
+class IdeaStatus(str, enum.Enum):
+    PENDING = "pending"
+    TAKEN = "taken"
+    DONE = "done"
+    DROPPED = "dropped"
+
+
+FINAL_STATUSES = frozenset(s for s in Status if s is not Status.RUNNING)
+
+# Columns holding JSON text; the Store converts to and from Python objects.
+JSON_COLUMNS: dict[str, frozenset[str]] = {
+    "runs": frozenset({"config", "env_changes"}),
+    "trials": frozenset({"edits", "result"}),
+    "ideas": frozenset({"sets"}),
+}
+
+# Columns constrained to a vocabulary; values are validated before they reach SQLite so
+# the error names the allowed values.
+ENUM_COLUMNS: dict[str, dict[str, type[enum.Enum]]] = {
+    "runs": {"status": RunStatus},
+    "trials": {"kind": Kind, "status": Status, "metric_source": MetricSource},
+    "ideas": {"status": IdeaStatus},
+}
+
+
+def utcnow() -> str:
+    """The current time as a UTC ISO-8601 string, e.g. 2025-01-31T02:03:04.567+00:00."""
+    return datetime.now(timezone.utc).isoformat(timespec="milliseconds")
+
+
+def _check(column: str, vocabulary: type[enum.Enum], nullable: bool = False) -> str:
+    values = ", ".join(f"'{member.value}'" for member in vocabulary)
+    if nullable:
+        return f"CHECK ({column} IS NULL OR {column} IN ({values}))"
+    return f"CHECK ({column} IN ({values}))"
+
+
+# ---------------------------------------------------------------------------------------
+# Migrations: append only. Never edit or reorder an applied migration; add a new one.
+# ---------------------------------------------------------------------------------------
+
+
+def _m0001_initial(conn: sqlite3.Connection) -> None:
+    statements = [
+        f"""
+        CREATE TABLE runs (
+            id INTEGER PRIMARY KEY,
+            tag TEXT NOT NULL UNIQUE,
+            branch TEXT,
+            repo TEXT,
+            base_commit TEXT,
+            best_commit TEXT,
+            config TEXT,
+            host TEXT,
+            gpu TEXT,
+            driver TEXT,
+            torch_version TEXT,
+            cuda_version TEXT,
+            python_version TEXT,
+            data_fingerprint TEXT,
+            harness_fingerprint TEXT,
+            env_changes TEXT,
+            status TEXT NOT NULL DEFAULT 'active' {_check('status', RunStatus)},
+            pause_reason TEXT,
+            stop_requested INTEGER NOT NULL DEFAULT 0,
+            created_at TEXT NOT NULL,
+            updated_at TEXT NOT NULL
+        )""",
+        f"""
+        CREATE TABLE ideas (
+            id INTEGER PRIMARY KEY,
+            run_id INTEGER REFERENCES runs(id),
+            text TEXT NOT NULL,
+            sets TEXT,
+            patch TEXT,
+            priority INTEGER NOT NULL DEFAULT 0,
+            status TEXT NOT NULL DEFAULT 'pending' {_check('status', IdeaStatus)},
+            trial_id INTEGER REFERENCES trials(id),
+            source TEXT,
+            created_at TEXT NOT NULL
+        )""",
+        f"""
+        CREATE TABLE trials (
+            id INTEGER PRIMARY KEY,
+            run_id INTEGER NOT NULL REFERENCES runs(id),
+            number INTEGER NOT NULL,
+            lineage TEXT NOT NULL DEFAULT 'main',
+            kind TEXT NOT NULL {_check('kind', Kind)},
+            status TEXT NOT NULL DEFAULT 'running' {_check('status', Status)},
+            reason TEXT,
+            derived_from INTEGER REFERENCES trials(id),
+            proposer TEXT,
+            idea_id INTEGER REFERENCES ideas(id),
+            description TEXT,
+            parent_commit TEXT,
+            trial_commit TEXT,
+            diff TEXT,
+            edits TEXT,
+            metric REAL,
+            metric_source TEXT {_check('metric_source', MetricSource, nullable=True)},
+            heldout_metric REAL,
+            best_before REAL,
+            delta REAL,
+            training_seconds REAL,
+            total_seconds REAL,
+            compile_seconds REAL,
+            eval_seconds REAL,
+            verify_seconds REAL,
+            wall_seconds REAL,
+            num_steps INTEGER,
+            total_tokens INTEGER,
+            num_params INTEGER,
+            mfu_percent REAL,
+            peak_memory_mb REAL,
+            seed INTEGER,
+            program_hash TEXT,
+            model TEXT,
+            log_path TEXT,
+            checkpoint_path TEXT,
+            error_tail TEXT,
+            pgid INTEGER,
+            pid INTEGER,
+            pid_start_time INTEGER,
+            heartbeat_at TEXT,
+            started_at TEXT,
+            finished_at TEXT,
+            created_at TEXT NOT NULL,
+            result TEXT,
+            UNIQUE (run_id, number)
+        )""",
+        """
+        CREATE TABLE measurements (
+            id INTEGER PRIMARY KEY,
+            trial_id INTEGER NOT NULL REFERENCES trials(id),
+            seed INTEGER,
+            metric REAL,
+            heldout_metric REAL,
+            created_at TEXT NOT NULL
+        )""",
+        """
+        CREATE TABLE curves (
+            id INTEGER PRIMARY KEY,
+            trial_id INTEGER NOT NULL REFERENCES trials(id),
+            step INTEGER NOT NULL,
+            seconds REAL,
+            loss REAL,
+            lr REAL,
+            grad_norm REAL
+        )""",
+        """
+        CREATE TABLE proposals (
+            id INTEGER PRIMARY KEY,
+            run_id INTEGER REFERENCES runs(id),
+            trial_id INTEGER REFERENCES trials(id),
+            proposer TEXT,
+            model TEXT,
+            prompt_tokens INTEGER,
+            completion_tokens INTEGER,
+            cost_usd REAL,
+            latency_seconds REAL,
+            error TEXT,
+            created_at TEXT NOT NULL
+        )""",
+        """
+        CREATE TABLE events (
+            id INTEGER PRIMARY KEY,
+            run_id INTEGER REFERENCES runs(id),
+            trial_id INTEGER REFERENCES trials(id),
+            kind TEXT NOT NULL,
+            message TEXT,
+            created_at TEXT NOT NULL
+        )""",
+        "CREATE INDEX trials_run_status ON trials(run_id, status)",
+        "CREATE INDEX ideas_pending ON ideas(status, priority)",
+        "CREATE INDEX measurements_trial ON measurements(trial_id)",
+        "CREATE INDEX curves_trial ON curves(trial_id, step)",
+        "CREATE INDEX proposals_trial ON proposals(trial_id)",
+        "CREATE INDEX events_run ON events(run_id, id)",
+    ]
+    for statement in statements:
+        conn.execute(statement)
+
+
+MIGRATIONS: list[tuple[str, Callable[[sqlite3.Connection], None]]] = [
+    ("0001_initial", _m0001_initial),
+]
+
+
+# ---------------------------------------------------------------------------------------
+# The Store
+# ---------------------------------------------------------------------------------------
+
+
+class Store:
+    """experiments.db, opened with the concurrency settings described in the module docstring.
+
+    Rows come back as plain dicts with JSON columns decoded. `db` is the underlying
+    `sqlite_utils.Database` for ad hoc read queries (reports); write only through the
+    methods here so the locking rules hold.
+    """
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self._lock = threading.RLock()
+        self._savepoints = 0
+        self._columns: dict[str, list[str]] = {}
+        _refuse_non_sqlite_file(self.path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self.conn = sqlite3.connect(
+                str(self.path),
+                timeout=BUSY_TIMEOUT_SECONDS,
+                isolation_level=None,
+                check_same_thread=False,
+            )
+        except sqlite3.Error as error:
+            raise AutoloopError(
+                f"cannot open {self.path} ({error}): check that --db points at a writable file"
+            ) from error
+        try:
+            self._configure()
+            self.db = sqlite_utils.Database(self.conn, execute_plugins=False)
+            self._migrate()
+            self._columns = {
+                table: [row[1] for row in self.conn.execute(f"PRAGMA table_info({table})")]
+                for table in ("runs", "trials", "ideas", "measurements", "curves", "proposals", "events")
+            }
+        except BaseException:
+            self.conn.close()
+            raise
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    def _configure(self) -> None:
+        try:
+            # busy_timeout first: switching to WAL needs a brief exclusive lock.
+            self.conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_SECONDS * 1000}")
+            mode = self.conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+            self.conn.execute("PRAGMA synchronous = NORMAL")
+            self.conn.execute("PRAGMA foreign_keys = ON")
+        except sqlite3.DatabaseError as error:
+            if _is_not_a_database(error):
+                raise AutoloopError(
+                    f"{self.path} is not an autoloop database ({error}): "
+                    "point --db at an experiments.db or remove the file"
+                ) from error
+            raise
+        if mode.lower() != "wal":
+            # WAL needs shared memory; it fails on some network filesystems, and without
+            # it readers would block the controller.
+            raise AutoloopError(
+                f"cannot use WAL journaling for {self.path} (got {mode!r}): "
+                "put the database on a local filesystem"
+            )
+
+    def close(self) -> None:
+        with self._lock:
+            self.conn.close()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # -- migrations -----------------------------------------------------------------------
+
+    def applied_migrations(self) -> list[str]:
+        """Names recorded in `_migrations`, in the order they were applied."""
+        if not self._table_exists("_migrations"):
+            return []
+        return [row["name"] for row in self._query("SELECT name FROM _migrations ORDER BY rowid")]
+
+    def _migrate(self) -> None:
+        known = [name for name, _ in MIGRATIONS]
+        if not self._table_exists("_migrations"):
+            others = [
+                row["name"]
+                for row in self._query(
+                    "SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite_%'"
+                )
+            ]
+            if others:
+                # Someone else's SQLite file: do not add our tables to it.
+                raise AutoloopError(
+                    f"{self.path} is not an autoloop database (it has tables {', '.join(sorted(others))} "
+                    "but no _migrations): point --db at an experiments.db or remove the file"
+                )
+        # Read-only check first so that opening an up-to-date database never takes the
+        # write lock (readers must not block the controller).
+        if self.applied_migrations() == known:
+            return
+        with self.transaction():
+            self.conn.execute(
+                "CREATE TABLE IF NOT EXISTS _migrations (name TEXT PRIMARY KEY, applied_at TEXT NOT NULL)"
+            )
+            # Re-read under the write lock: another process may have migrated meanwhile.
+            applied = set(self.applied_migrations())
+            unknown = sorted(applied - set(known))
+            if unknown:
+                raise AutoloopError(
+                    f"experiments.db at {self.path} was written by a newer autoloop "
+                    f"(unknown migration '{unknown[0]}'): upgrade autoloop or use another --db"
+                )
+            for name, migrate in MIGRATIONS:
+                if name not in applied:
+                    migrate(self.conn)
+                    self.conn.execute(
+                        "INSERT INTO _migrations (name, applied_at) VALUES (?, ?)", (name, utcnow())
+                    )
+
+    # -- transactions and low-level helpers ----------------------------------------------
+
+    @contextmanager
+    def transaction(self) -> Iterator[Store]:
+        """`BEGIN IMMEDIATE` ... `COMMIT`, or `ROLLBACK` if the block raises.
+
+        Use it around every read-then-write. Nested use (from the same thread) becomes a
+        SAVEPOINT inside the outer transaction, so Store methods compose.
+        """
+        with self._lock:
+            if self.conn.in_transaction:
+                self._savepoints += 1
+                name = f"autoloop_sp{self._savepoints}"
+                self.conn.execute(f"SAVEPOINT {name}")
+                try:
+                    yield self
+                except BaseException:
+                    # An error that already destroyed the transaction leaves nothing to undo.
+                    if self.conn.in_transaction:
+                        self.conn.execute(f"ROLLBACK TO {name}")
+                        self.conn.execute(f"RELEASE {name}")
+                    raise
+                else:
+                    self.conn.execute(f"RELEASE {name}")
+                finally:
+                    self._savepoints -= 1
+                return
+            try:
+                self.conn.execute("BEGIN IMMEDIATE")
+            except sqlite3.OperationalError as error:
+                if "locked" in str(error) or "busy" in str(error):
+                    raise AutoloopError(
+                        f"{self.path} stayed locked for {BUSY_TIMEOUT_SECONDS} s: another process "
+                        "holds a write transaction; close it (e.g. an open sqlite3 shell) and retry"
+                    ) from error
+                raise
+            try:
+                yield self
+            except BaseException:
+                if self.conn.in_transaction:
+                    self.conn.execute("ROLLBACK")
+                raise
+            try:
+                self.conn.execute("COMMIT")
+            except BaseException:
+                if self.conn.in_transaction:
+                    self.conn.execute("ROLLBACK")
+                raise
+
+    def _query(self, sql: str, params: Iterable[Any] = ()) -> list[dict[str, Any]]:
+        """Run a read and fetch everything now, so no read transaction outlives the call."""
+        with self._lock:
+            cursor = self.conn.execute(sql, tuple(params))
+            names = [d[0] for d in cursor.description]
+            return [dict(zip(names, row)) for row in cursor.fetchall()]
+
+    def _table_exists(self, name: str) -> bool:
+        return bool(
+            self._query("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (name,))
+        )
+
+    def _encode(self, table: str, fields: dict[str, Any]) -> dict[str, Any]:
+        """Validate column names and vocabularies; serialise JSON columns and enums."""
+        columns = self._columns[table]
+        json_columns = JSON_COLUMNS.get(table, frozenset())
+        enums = ENUM_COLUMNS.get(table, {})
+        encoded: dict[str, Any] = {}
+        for name, value in fields.items():
+            if name not in columns:
+                raise TypeError(f"{table} has no column {name!r}")
+            if name in enums and value is not None:
+                try:
+                    value = enums[name](value).value
+                except ValueError:
+                    allowed = ", ".join(member.value for member in enums[name])
+                    raise ValueError(f"{table}.{name} must be one of {allowed}, not {value!r}") from None
+            elif name in json_columns and value is not None:
+                value = json.dumps(value)
+            elif isinstance(value, enum.Enum):
+                value = value.value
+            elif isinstance(value, Path):
+                value = str(value)
+            encoded[name] = value
+        return encoded
+
+    @staticmethod
+    def _decode(table: str, row: dict[str, Any] | None) -> dict[str, Any] | None:
+        if row is None:
+            return None
+        for name in JSON_COLUMNS.get(table, ()):
+            if row.get(name) is not None:
+                row[name] = json.loads(row[name])
+        return row
+
+    def _rows(self, table: str, sql: str, params: Iterable[Any] = ()) -> list[dict[str, Any]]:
+        return [self._decode(table, row) for row in self._query(sql, params)]  # type: ignore[misc]
+
+    def _insert(self, table: str, fields: dict[str, Any]) -> int:
+        with self.transaction():
+            return int(self.db[table].insert(self._encode(table, fields)).last_rowid)  # type: ignore[union-attr]
+
+    def _update(self, table: str, row_id: int, fields: dict[str, Any]) -> None:
+        encoded = self._encode(table, fields)
+        if not encoded:
+            return
+        assignments = ", ".join(f"{name} = ?" for name in encoded)
+        with self.transaction():
+            cursor = self.conn.execute(
+                f"UPDATE {table} SET {assignments} WHERE id = ?", (*encoded.values(), row_id)
+            )
+            if cursor.rowcount != 1:
+                raise KeyError(f"no row with id {row_id} in {table}")
+
+    # -- runs -----------------------------------------------------------------------------
+
+    def create_run(self, tag: str, **fields: Any) -> dict[str, Any]:
+        """Insert a run (status active) and return it. A tag is unique across the database."""
+        now = utcnow()
+        with self.transaction():
+            if self.get_run(tag) is not None:
+                raise AutoloopError(
+                    f"a run tagged '{tag}' already exists in {self.path}: resume it or pick another --tag"
+                )
+            row_id = self._insert("runs", {"created_at": now, "updated_at": now, **fields, "tag": tag})
+            return self._run_by_id(row_id)
+
+    def get_run(self, tag: str) -> dict[str, Any] | None:
+        rows = self._rows("runs", "SELECT * FROM runs WHERE tag = ?", (tag,))
+        return rows[0] if rows else None
+
+    def _run_by_id(self, run_id: int) -> dict[str, Any]:
+        rows = self._rows("runs", "SELECT * FROM runs WHERE id = ?", (run_id,))
+        if not rows:
+            raise KeyError(f"no run with id {run_id}")
+        return rows[0]
+
+    def runs(self) -> list[dict[str, Any]]:
+        return self._rows("runs", "SELECT * FROM runs ORDER BY id")
+
+    def update_run(self, run_id: int, **fields: Any) -> None:
+        """Set fields of a run; `updated_at` is set to now unless given."""
+        self._update("runs", run_id, {"updated_at": utcnow(), **fields})
+
+    def request_stop(self, tag: str) -> dict[str, Any]:
+        """Ask the controller of run `tag` to stop after the current trial (it polls
+        `stop_requested`). The controller clears the flag when it resumes the run."""
+        with self.transaction():
+            run = self.get_run(tag)
+            if run is None:
+                known = ", ".join(r["tag"] for r in self.runs()) or "none"
+                raise AutoloopError(f"no run tagged '{tag}' in {self.path} (runs: {known}): check --tag and --db")
+            self.update_run(run["id"], stop_requested=1)
+            return self._run_by_id(run["id"])
+
+    def stop_requested(self, run_id: int) -> bool:
+        rows = self._query("SELECT stop_requested FROM runs WHERE id = ?", (run_id,))
+        return bool(rows and rows[0]["stop_requested"])
+
+    # -- trials ---------------------------------------------------------------------------
+
+    def new_trial(self, run_id: int, kind: Kind | str, **fields: Any) -> dict[str, Any]:
+        """Insert a trial with the run's next number (1, 2, ...) and return it.
+
+        Status defaults to running. The number is allocated under `BEGIN IMMEDIATE`, so
+        numbers stay unique per run across lineages and concurrent writers.
+        """
+        with self.transaction():
+            number = self._query(
+                "SELECT COALESCE(MAX(number), 0) + 1 AS n FROM trials WHERE run_id = ?", (run_id,)
+            )[0]["n"]
+            row_id = self._insert(
+                "trials",
+                {
+                    "status": Status.RUNNING,
+                    "created_at": utcnow(),
+                    **fields,
+                    "run_id": run_id,
+                    "number": number,
+                    "kind": kind,
+                },
+            )
+            return self.trial_by_id(row_id)  # type: ignore[return-value]
+
+    def update_trial(self, trial_id: int, **fields: Any) -> None:
+        """Set fields of a trial.
+
+        Setting a final status also stamps `finished_at` with now, unless it is given or
+        already set (a later correction, e.g. keep -> invalid, keeps the first time).
+        """
+        status = fields.get("status")
+        with self.transaction():
+            self._update("trials", trial_id, fields)
+            if status is not None and Status(status) in FINAL_STATUSES and "finished_at" not in fields:
+                self.conn.execute(
+                    "UPDATE trials SET finished_at = COALESCE(finished_at, ?) WHERE id = ?",
+                    (utcnow(), trial_id),
+                )
+
+    def get_trial(self, run_id: int, number: int) -> dict[str, Any] | None:
+        rows = self._rows("trials", "SELECT * FROM trials WHERE run_id = ? AND number = ?", (run_id, number))
+        return rows[0] if rows else None
+
+    def trial_by_id(self, trial_id: int) -> dict[str, Any] | None:
+        rows = self._rows("trials", "SELECT * FROM trials WHERE id = ?", (trial_id,))
+        return rows[0] if rows else None
+
+    def trials(
+        self,
+        run_id: int | None = None,
+        status: Status | str | Iterable[Status | str] | None = None,
+        kind: Kind | str | Iterable[Kind | str] | None = None,
+        last: int | None = None,
+        lineage: str | None = None,
+    ) -> list[dict[str, Any]]:
+        """Trials ordered by (run, number). `status`/`kind` take one value or several;
+        `last=N` returns only the N highest-numbered matches (still in ascending order)."""
+        where, params = [], []
+        if run_id is not None:
+            where.append("run_id = ?")
+            params.append(run_id)
+        if lineage is not None:
+            where.append("lineage = ?")
+            params.append(lineage)
+        for column, value, vocabulary in (("status", status, Status), ("kind", kind, Kind)):
+            if value is None:
+                continue
+            values = [value] if isinstance(value, str) else list(value)
+            values = [vocabulary(v).value for v in values]
+            where.append(f"{column} IN ({', '.join('?' for _ in values)})")
+            params.extend(values)
+        sql = "SELECT * FROM trials"
+        if where:
+            sql += " WHERE " + " AND ".join(where)
+        if last is not None:
+            sql = f"SELECT * FROM ({sql} ORDER BY run_id DESC, number DESC LIMIT ?)"
+            params.append(last)
+        sql += " ORDER BY run_id, number"
+        return self._rows("trials", sql, params)
+
+    def running_trials(self, run_id: int | None = None) -> list[dict[str, Any]]:
+        """Trials still marked running (of one run, or of all runs: for crash recovery)."""
+        return self.trials(run_id=run_id, status=Status.RUNNING)
+
+    def best_trial(self, run_id: int, lineage: str | None = None) -> dict[str, Any] | None:
+        """The kept trial with the lowest metric (ties: the earlier one), or None.
+
+        A successful baseline is stored with status keep, so it is the first best. Kept
+        trials of one run share a metric source (verified, or reported for third-party
+        scripts), so their metrics are comparable.
+        """
+        sql = "SELECT * FROM trials WHERE run_id = ? AND status = ? AND metric IS NOT NULL"
+        params: list[Any] = [run_id, Status.KEEP.value]
+        if lineage is not None:
+            sql += " AND lineage = ?"
+            params.append(lineage)
+        rows = self._rows("trials", sql + " ORDER BY metric, number LIMIT 1", params)
+        return rows[0] if rows else None
+
+    # -- ideas ----------------------------------------------------------------------------
+
+    def add_idea(
+        self,
+        text: str,
+        *,
+        run_id: int | None = None,
+        sets: dict[str, Any] | None = None,
+        patch: str | None = None,
+        priority: int = 0,
+        source: str | None = None,
+    ) -> dict[str, Any]:
+        """Queue an idea (status pending). run_id None means any run may take it; `sets`
+        maps hyperparameter constant names to values; higher priority is taken first."""
+        row_id = self._insert(
+            "ideas",
+            {
+                "text": text,
+                "run_id": run_id,
+                "sets": sets,
+                "patch": patch,
+                "priority": priority,
+                "source": source,
+                "status": IdeaStatus.PENDING,
+                "created_at": utcnow(),
+            },
+        )
+        return self._rows("ideas", "SELECT * FROM ideas WHERE id = ?", (row_id,))[0]
+
+    def next_idea(self, run_id: int, *, actionable_only: bool = False) -> dict[str, Any] | None:
+        """Take the next pending idea for this run (its own or a global one): highest
+        priority first, then oldest. It is marked taken in the same transaction, so two
+        controllers never take the same idea. `actionable_only` skips text-only ideas
+        (no constants, no patch), which wait for an LLM or agent proposer."""
+        actionable = " AND (sets IS NOT NULL OR patch IS NOT NULL)" if actionable_only else ""
+        with self.transaction():
+            rows = self._rows(
+                "ideas",
+                "SELECT * FROM ideas WHERE status = ? AND (run_id = ? OR run_id IS NULL)" + actionable + " "
+                "ORDER BY priority DESC, id LIMIT 1",
+                (IdeaStatus.PENDING.value, run_id),
+            )
+            if not rows:
+                return None
+            self._update("ideas", rows[0]["id"], {"status": IdeaStatus.TAKEN})
+            rows[0]["status"] = IdeaStatus.TAKEN.value
+            return rows[0]
+
+    def set_idea_status(self, idea_id: int, status: IdeaStatus | str, trial_id: int | None = None) -> None:
+        fields: dict[str, Any] = {"status": status}
+        if trial_id is not None:
+            fields["trial_id"] = trial_id
+        self._update("ideas", idea_id, fields)
+
+    def ideas(self, run_id: int | None = None, status: IdeaStatus | str | None = None) -> list[dict[str, Any]]:
+        """Ideas oldest first; with run_id, that run's ideas plus the global ones."""
+        where, params = [], []
+        if run_id is not None:
+            where.append("(run_id = ? OR run_id IS NULL)")
+            params.append(run_id)
+        if status is not None:
+            where.append("status = ?")
+            params.append(IdeaStatus(status).value)
+        sql = "SELECT * FROM ideas" + (" WHERE " + " AND ".join(where) if where else "") + " ORDER BY id"
+        return self._rows("ideas", sql, params)
+
+    # -- per-trial detail tables ---------------------------------------------------------
+
+    def add_curve(self, trial_id: int, points: Iterable[dict[str, Any]]) -> int:
+        """Store a training curve: dicts with step, seconds, loss, lr, grad_norm (missing
+        keys are NULL, other keys ignored). Returns the number of points stored."""
+        keys = ("step", "seconds", "loss", "lr", "grad_norm")
+        rows = [{"trial_id": trial_id, **{k: p.get(k) for k in keys}} for p in points]
+        if rows:
+            with self.transaction():
+                self.db["curves"].insert_all(rows)
+        return len(rows)
+
+    def curve(self, trial_id: int) -> list[dict[str, Any]]:
+        return self._query(
+            "SELECT step, seconds, loss, lr, grad_norm FROM curves WHERE trial_id = ? ORDER BY step, id",
+            (trial_id,),
+        )
+
+    def add_measurement(
+        self, trial_id: int, metric: float | None, *, seed: int | None = None, heldout_metric: float | None = None
+    ) -> int:
+        """Record one run of a trial's code (re-runs add more rows for the same trial)."""
+        return self._insert(
+            "measurements",
+            {"trial_id": trial_id, "seed": seed, "metric": metric, "heldout_metric": heldout_metric, "created_at": utcnow()},
+        )
+
+    def measurements(self, trial_id: int) -> list[dict[str, Any]]:
+        return self._query("SELECT * FROM measurements WHERE trial_id = ? ORDER BY id", (trial_id,))
+
+    def add_proposal_record(
+        self,
+        *,
+        proposer: str,
+        run_id: int | None = None,
+        trial_id: int | None = None,
+        model: str | None = None,
+        prompt_tokens: int | None = None,
+        completion_tokens: int | None = None,
+        cost_usd: float | None = None,
+        latency_seconds: float | None = None,
+        error: str | None = None,
+    ) -> int:
+        """Record one call to a proposer (tokens, cost, latency; `error` if it failed)."""
+        return self._insert(
+            "proposals",
+            {
+                "run_id": run_id,
+                "trial_id": trial_id,
+                "proposer": proposer,
+                "model": model,
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": completion_tokens,
+                "cost_usd": cost_usd,
+                "latency_seconds": latency_seconds,
+                "error": error,
+                "created_at": utcnow(),
+            },
+        )
+
+    def add_event(self, run_id: int | None, kind: str, message: str, trial_id: int | None = None) -> int:
+        """Log a run-level event, e.g. kind "env_change", "circuit_breaker", "paused"."""
+        return self._insert(
+            "events",
+            {"run_id": run_id, "trial_id": trial_id, "kind": kind, "message": message, "created_at": utcnow()},
+        )
+
+    def events(self, run_id: int | None = None, kind: str | None = None, last: int | None = None) -> list[dict[str, Any]]:
+        where, params = [], []
+        if run_id is not None:
+            where.append("run_id = ?")
+            params.append(run_id)
+        if kind is not None:
+            where.append("kind = ?")
+            params.append(kind)
+        sql = "SELECT * FROM events" + (" WHERE " + " AND ".join(where) if where else "")
+        if last is not None:
+            sql = f"SELECT * FROM ({sql} ORDER BY id DESC LIMIT ?)"
+            params.append(last)
+        return self._query(sql + " ORDER BY id", params)
+
+    def integrity_check(self) -> list[str]:
+        """`PRAGMA integrity_check` rows; ["ok"] for a healthy file."""
+        return [row[0] for row in self.conn.execute("PRAGMA integrity_check").fetchall()]
+
+
+# ---------------------------------------------------------------------------------------
+
+
+def _refuse_non_sqlite_file(path: Path) -> None:
+    """Refuse a path that exists but is not a SQLite file, before SQLite touches it."""
+    if path.is_dir():
+        raise AutoloopError(f"{path} is a directory: point --db at an experiments.db file")
+    if not path.exists() or path.stat().st_size == 0:
+        return  # a new (or empty) file becomes a new database
+    with path.open("rb") as handle:
+        header = handle.read(len(SQLITE_HEADER))
+    if header != SQLITE_HEADER:
+        raise AutoloopError(
+            f"{path} is not an autoloop database (not a SQLite file): "
+            "point --db at an experiments.db or remove the file"
+        )
+
+
+def _is_not_a_database(error: sqlite3.DatabaseError) -> bool:
+    # SQLITE_NOTADB = 26, SQLITE_CORRUPT = 11
+    return getattr(error, "sqlite_errorcode", None) in (11, 26) or "not a database" in str(error)

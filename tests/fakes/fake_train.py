@@ -1,0 +1,66 @@
+"""A fake training script implementing the train-script contract, for controller tests.
+
+val_bpb is a known function of the constants below (minimum 1.0 at LR = 0.01,
+WIDTH = 64), so a test knows which proposals improve. MODE makes it misbehave the way
+real scripts do: crash, hang, NaN, no metric, summary-only output, or a child process
+that ignores SIGTERM.
+"""
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+
+LR = 0.02  # learning rate; range 0.0001..1 log
+WIDTH = 64  # model width; power of two
+SLEEP = 0.0  # seconds to pretend to train
+MODE = "ok"  # ok | crash | hang | nan | nometric | reported | stubborn_child | fail
+
+
+def val_bpb() -> float:
+    return 1.0 + (math.log10(LR) + 2.0) ** 2 + 0.1 * (math.log2(WIDTH) - 6.0) ** 2
+
+
+def main() -> None:
+    start = time.time()
+    progress = os.environ.get("AUTOLOOP_PROGRESS")
+    if progress:
+        with open(progress, "a") as handle:
+            handle.write(json.dumps({"step": 1, "loss": 3.0, "training_seconds": 0.0}) + "\n")
+    if MODE == "stubborn_child":
+        subprocess.Popen([sys.executable, "-c",
+                          "import signal,time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"])
+        time.sleep(600)
+    if MODE == "hang":
+        time.sleep(600)
+    if MODE == "crash":
+        raise RuntimeError("CUDA out of memory (pretend)")
+    if MODE == "fail":
+        print("FAIL: loss is nan", flush=True)
+        sys.exit(1)
+    time.sleep(SLEEP)
+    metric = float("nan") if MODE == "nan" else val_bpb()
+    result = {
+        "val_bpb": metric, "training_seconds": SLEEP, "total_seconds": time.time() - start,
+        "compile_seconds": 0.0, "eval_seconds": 0.0, "num_steps": 10, "total_tokens": 1000,
+        "num_params": 1000, "mfu_percent": None, "peak_memory_mb": 1.0, "device": "cpu", "seed": 0,
+        "curve": [{"step": 1, "seconds": 0.0, "loss": 3.0, "lr": LR, "grad_norm": 1.0}],
+    }
+    if MODE == "nometric":
+        print("done, but no metric", flush=True)
+        return
+    if MODE != "reported" and os.environ.get("AUTOLOOP_RESULT"):
+        with open(os.environ["AUTOLOOP_RESULT"], "w") as handle:
+            json.dump(result, handle)
+    print("---")
+    print(f"val_bpb:          {metric:.6f}")
+    print(f"training_seconds: {SLEEP:.1f}")
+    print("peak_vram_mb:     1.0")
+    print("num_params_M:     0.001")
+
+
+if __name__ == "__main__":
+    main()

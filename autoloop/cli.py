@@ -211,6 +211,14 @@ def log(
 
 
 def _register_optional_commands() -> None:
+    from autoloop import cli_review  # the morning review; its `log` replaces the one above
+    app.command("log")(handles_errors(cli_review.log))
+    app.command("show")(handles_errors(cli_review.show))
+    app.command("diff")(handles_errors(cli_review.diff))
+    app.command("best")(handles_errors(cli_review.best))
+    app.command("finalize")(handles_errors(cli_review.finalize))
+    app.command("report")(handles_errors(cli_review.report))
+    app.command("export")(handles_errors(cli_review.export))
     try:
         from autoloop.cli_prepare import prepare
     except ImportError:  # pragma: no cover

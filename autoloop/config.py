@@ -9,6 +9,7 @@ e.g. `time_budget`: `time-budget = 30`, `AUTOLOOP_TIME_BUDGET=30`, `--time-budge
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import shlex
 import sys
@@ -44,10 +45,25 @@ class Config:
     max_trials: int | None = None  # stop after this many trials in this invocation (baseline included)
     hours: float | None = None  # stop before a trial that could not finish within this many hours
     keep_margin: float = 0.0  # keep only when val_bpb beats the best by more than this
-    proposers: list[str] = field(default_factory=lambda: ["ideas"])  # tried in order, first proposal wins
+    # Tried in order, first proposal wins. "auto" = the LLM and/or agent when llm_model /
+    # agent_command is set, then search; just search when neither is (proposers/base.py).
+    proposers: list[str] = field(default_factory=lambda: ["ideas", "auto"])
     max_consecutive_failures: int = 3  # circuit breaker: crashes/timeouts in a row before re-running the incumbent
     allow_env_change: bool = False  # resume on another GPU / torch / data / harness anyway (recorded)
     verify: bool = True  # verify keep candidates in a fresh process before keeping them
+    # LLM and coding-agent proposers (docs/llm.md). Setting llm_model or agent_command puts
+    # that proposer into the default chain ("auto"). API keys are read from the environment
+    # variable named by llm_api_key_env and never stored in the config, the db or logs.
+    llm_model: str | None = None  # model name the server knows, e.g. gpt-4.1 or qwen2.5-coder:32b
+    llm_base_url: str | None = None  # OpenAI-compatible endpoint; default: $OPENAI_BASE_URL, else OpenAI
+    llm_api_key_env: str = "OPENAI_API_KEY"  # the environment variable that holds the API key
+    llm_timeout: float = 600.0  # seconds one request may take before it is retried
+    llm_retries: int = 2  # retries of a failed or timed-out request before the chain falls through
+    llm_max_repairs: int = 2  # times a rejected answer is sent back with the reason
+    llm_prices: dict = field(default_factory=dict)  # $ per 1M tokens: {model: [input, output]}
+    max_cost: float | None = None  # stop calling paid models once the run's proposals cost this many $
+    agent_command: str | None = None  # coding agent run in a throwaway clone, e.g. "claude -p"
+    agent_timeout: float = 1800.0  # seconds before the agent is killed
 
     def train_argv(self) -> list[str]:
         argv = shlex.split(self.train_command)
@@ -76,6 +92,12 @@ def _coerce(name: str, raw: Any, source: str) -> Any:
     if raw is None or (isinstance(raw, str) and raw.strip().lower() in ("", "none", "null") and type(None) in get_args(hint)):
         return None
     try:
+        if hint is dict or get_origin(hint) is dict:
+            # A TOML table, or JSON text in the environment / a flag.
+            value = json.loads(raw) if isinstance(raw, str) else raw
+            if not isinstance(value, dict):
+                raise ValueError(raw)
+            return value
         if get_origin(hint) is list or hint is list or get_origin(base) is list:
             if isinstance(raw, str):
                 return [part.strip() for part in raw.split(",") if part.strip()]

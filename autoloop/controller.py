@@ -10,7 +10,10 @@ One trial, in the order that keeps every crash recoverable:
 4. Training runs in its own process group; its pgid, pid and start time go into the row
    before the controller waits on it.
 5. The decision and the run's new best commit are written in one transaction: the db is
-   the truth, and git is made to agree with it.
+   the truth, and git is made to agree with it. Before it, the verifier (autoloop.verify)
+   compares the harness and data with their state before training and checks the
+   reported budget; a trial the decision would keep is first verified in a fresh process
+   (causality, re-evaluated val_bpb, held-out), and the verified value decides.
 6. Git converges: a kept commit stays on the branch; any other is archived under
    refs/autoloop/<tag>/trials/<n> and the branch is reset to the best commit.
 
@@ -46,6 +49,9 @@ from autoloop.scheduler import Scheduler, WorkItem
 from autoloop.store import IdeaStatus, Kind, MetricSource, RunStatus, Status, Store
 
 STATE_DIR = ".autoloop"
+# `Controller(verifier=...)` default: the real verifier (autoloop.verify). Pass None to turn
+# off integrity checks and verification, e.g. for a fake script that has no model.
+DEFAULT_VERIFIER = object()
 
 
 @dataclass
@@ -69,15 +75,20 @@ class Controller:
         *,
         display=None,
         decide: Callable[[float, float | None, float], Decision] = decide_by_margin,
-        verifier=None,
+        verifier=DEFAULT_VERIFIER,
         chain=None,
     ):
         self.config = config
         self.repo_dir = Path(repo_dir).resolve()
         self.display = display
         self.decide = decide
+        if verifier is DEFAULT_VERIFIER:
+            from autoloop.verify import Verifier
+
+            verifier = Verifier()
         self.verifier = verifier
         self._chain = chain
+        self.scheduler: Scheduler | None = None  # set by run(); prepares proposals while trials train
         self.abort_requested = False
         self.repo: GitRepo | None = None
         self.store: Store | None = None
@@ -260,7 +271,7 @@ class Controller:
             if tip not in known:
                 # A commit on the run's branch that no trial made: keep it reachable.
                 ref = f"refs/autoloop/{self.tag}/orphans/{tip[:12]}"
-                self.repo._git("update-ref", ref, tip)
+                self.repo.set_ref(ref, tip)
                 self._event("recovered", f"branch tip {tip[:12]} had no trial row; archived as {ref}")
             ours_dirty = True
         if ours_dirty or (tip is not None and tip != best):
@@ -296,7 +307,7 @@ class Controller:
 
     def run(self) -> RunSummary:
         """Run trials until a stop condition; always leaves git on the best commit."""
-        self.open()
+        self.chain()  # a misconfigured proposer (no model, agent not installed) fails now, before the baseline
         summary = RunSummary(tag=self.tag)
         previous = {}
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -305,14 +316,20 @@ class Controller:
             except ValueError:  # not the main thread (e.g. some test runners)
                 pass
         try:
-            scheduler = Scheduler(self)
+            self.open()
+        except BaseException:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            raise
+        try:
+            scheduler = self.scheduler = Scheduler(self)
             started = time.time()
             while True:
                 reason = self._stop_reason(started, summary.trials_run)
                 if reason:
                     summary.stop_reason = reason
                     break
-                item = scheduler.next_item()
+                item = self._integrity_pause() or scheduler.next_item()
                 if item is None:
                     summary.stop_reason = scheduler.exhausted_reason
                     break
@@ -332,6 +349,8 @@ class Controller:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
             try:
+                if self.scheduler is not None:
+                    self.scheduler.close()  # hands back a proposal prepared for a trial that will not run
                 if self.repo is not None and self.store is not None and self.run_row is not None:
                     self._converge_git()
             finally:
@@ -366,17 +385,19 @@ class Controller:
 
     # ------------------------------------------------------------------ one trial
 
-    def proposal_context(self, parent: str) -> ProposalContext:
+    def proposal_context(self, parent: str, repo: GitRepo | None = None) -> ProposalContext:
+        """`repo`: a GitRepo of the same repository for use from another thread (prefetch)."""
         best = self.store.best_trial(self.run_row["id"])
+        repo = repo or self.repo
 
         def read_parent_file(path: str) -> str | None:
             try:
-                return self.repo.show_file(parent, path)
+                return repo.show_file(parent, path)
             except AutoloopError:
                 return None
 
         return ProposalContext(
-            config=self.config, store=self.store, run=self.run_row, repo=self.repo, parent_commit=parent,
+            config=self.config, store=self.store, run=self.run_row, repo=repo, parent_commit=parent,
             read_parent_file=read_parent_file, best_metric=best["metric"] if best else None,
         )
 
@@ -389,16 +410,27 @@ class Controller:
             return self._execute_proposal(item.proposal, item.parent, derived_from=item.derived_from, kind=item.trial_kind)
         return self._execute_rerun(item)
 
-    def _common_fields(self) -> dict:
-        return {"seed": self.config.seed, "program_hash": self._program_hash(), "started_at": _now()}
+    def _common_fields(self, proposal: Proposal | None = None) -> dict:
+        # An LLM/agent proposal carries the hash of the program.md it was written from.
+        program_hash = (proposal.meta.get("program_hash") if proposal else None) or self._program_hash()
+        return {"seed": self.config.seed, "program_hash": program_hash, "started_at": _now()}
 
-    def _record_invalid(self, proposal: Proposal, parent: str, reason: str, kind: Kind) -> dict:
+    def _record_proposal_calls(self, proposal: Proposal, trial_id: int) -> None:
+        """Tokens, cost and latency of the calls that produced the proposal, now that its trial exists."""
+        for call in proposal.meta.get("calls", ()):
+            self.store.add_proposal_record(run_id=self.run_row["id"], trial_id=trial_id, **call)
+        if proposal.meta.get("transcript"):
+            self._event("transcript", f"{proposal.source}: {proposal.meta['transcript']}", trial_id=trial_id)
+
+    def _record_invalid(self, proposal: Proposal, parent: str, reason: str, kind: Kind, derived_from=None) -> dict:
         trial = self.store.new_trial(
             self.run_row["id"], kind, status=Status.INVALID, reason=reason, description=proposal.description,
             proposer=proposal.source, idea_id=proposal.idea_id, parent_commit=parent, edits=json.loads(proposal.to_json()),
-            model=proposal.model, best_before=self._best_metric(), **self._common_fields(),
+            model=proposal.model, derived_from=derived_from, best_before=self._best_metric(),
+            **self._common_fields(proposal),
         )
         self.store.update_trial(trial["id"], status=Status.INVALID)  # stamps finished_at
+        self._record_proposal_calls(proposal, trial["id"])
         if proposal.idea_id:
             self.store.set_idea_status(proposal.idea_id, IdeaStatus.DONE, trial_id=trial["id"])
         self._say(f"trial {trial['number']} invalid: {reason}", "red")
@@ -410,16 +442,20 @@ class Controller:
 
     def _execute_proposal(self, proposal: Proposal, parent: str, *, derived_from=None, kind=Kind.PROPOSAL) -> dict:
         ctx = self.proposal_context(parent)
+        if proposal.meta.get("invalid"):
+            # The proposer already judged it (an LLM answer still unusable after repairs, a duplicate).
+            return self._record_invalid(proposal, parent, proposal.meta["invalid"], kind, derived_from)
         try:
             files = materialize(proposal, str(self.repo_dir), parent, ctx.read_parent_file)
             changed = validate(files, ctx.read_parent_file, editable=self.config.editable, protected=self.config.protected)
         except InvalidProposal as exc:
-            return self._record_invalid(proposal, parent, str(exc), kind)
+            return self._record_invalid(proposal, parent, str(exc), kind, derived_from)
         trial = self.store.new_trial(
             self.run_row["id"], kind, description=proposal.description, proposer=proposal.source,
             idea_id=proposal.idea_id, parent_commit=parent, edits=json.loads(proposal.to_json()), model=proposal.model,
-            derived_from=derived_from, best_before=self._best_metric(), **self._common_fields(),
+            derived_from=derived_from, best_before=self._best_metric(), **self._common_fields(proposal),
         )
+        self._record_proposal_calls(proposal, trial["id"])
         if proposal.idea_id:
             self.store.set_idea_status(proposal.idea_id, IdeaStatus.TAKEN, trial_id=trial["id"])
         faults.fault_point("after_row")
@@ -474,6 +510,8 @@ class Controller:
         def on_start(pid: int, pgid: int, start_time: int | None) -> None:
             self.store.update_trial(trial["id"], pid=pid, pgid=pgid, pid_start_time=start_time, started_at=_now())
             faults.fault_point("during_training")
+            if self.scheduler is not None:
+                self.scheduler.prefetch(trial)  # the next proposal is prepared while this trial trains
 
         last_beat = [time.monotonic()]
 
@@ -485,18 +523,22 @@ class Controller:
                 self.store.update_trial(trial["id"], heartbeat_at=_now())
             return self.abort_requested
 
+        snapshot = getattr(self.verifier, "snapshot", None)
+        before = snapshot(self) if snapshot is not None else None  # harness and data, to compare after
         outcome = run_training(
             self.config.train_argv(), cwd=self.repo_dir, env=self._child_env(trial_dir), log_path=log_path,
             deadline_seconds=self.config.time_budget + self.config.grace_seconds, on_start=on_start,
             should_abort=should_abort,
         )
         faults.fault_point("after_training")
-        fields, status, reason = self._judge(trial, outcome, trial_dir)
+        fields, status, reason = self._judge(trial, outcome, trial_dir, before=before)
         keep = status == Status.KEEP
         with self.store.transaction():
             self.store.update_trial(trial["id"], status=status, reason=reason, **fields)
             if keep:
                 self.store.update_run(self.run_row["id"], best_commit=trial["trial_commit"])
+        if keep and fields.get("heldout_metric") is not None:
+            self._watch_overfitting(trial)
         faults.fault_point("during_reset")
         if outcome.result and outcome.result.get("curve"):
             self.store.add_curve(trial["id"], outcome.result["curve"])
@@ -516,8 +558,25 @@ class Controller:
             self.display.trial_finished(final)
         return final
 
-    def _judge(self, trial: dict, outcome: RunOutcome, trial_dir: Path) -> tuple[dict, Status, str]:
-        """Fields to record, the status and its reason, from the training outcome."""
+    def _integrity_pause(self) -> WorkItem | None:
+        """A pause when the harness or the data changed under the run (autoloop.verify)."""
+        check = getattr(self.verifier, "check_run", None)
+        reason = check(self) if check is not None else None
+        return WorkItem("pause", reason=reason) if reason else None
+
+    def _watch_overfitting(self, trial: dict) -> None:
+        from autoloop.overfit import watch
+
+        signal_ = watch(self.store, self.run_row["id"])
+        if signal_ is not None:
+            self._event("overfitting", signal_["message"], trial_id=trial["id"])
+            self._say(signal_["message"], "yellow")
+
+    def _judge(self, trial: dict, outcome: RunOutcome, trial_dir: Path, before=None) -> tuple[dict, Status, str]:
+        """Fields to record, the status and its reason, from the training outcome.
+
+        `before`: the verifier's snapshot of the harness and data from before training.
+        """
         result = outcome.result or {}
         fields = {
             "wall_seconds": outcome.wall_seconds,
@@ -536,6 +595,10 @@ class Controller:
         best_before = trial.get("best_before")
         if outcome.status == "aborted":
             return fields, Status.INTERRUPTED, "interrupted by the user"
+        check_trial = getattr(self.verifier, "check_trial", None)
+        problem = check_trial(self, trial, outcome, before) if check_trial is not None else None
+        if problem:
+            return fields, Status.INVALID, problem
         if outcome.status == "timeout":
             return fields, Status.TIMEOUT, outcome.reason
         if outcome.status != "ok":
@@ -563,6 +626,15 @@ class Controller:
             fields.update(verdict.fields)
             if not verdict.ok:
                 return fields, Status.INVALID, verdict.reason
+            if fields.get("metric") is not None and fields["metric"] != metric:
+                # The verified value is what is stored and compared, so it decides.
+                metric = fields["metric"]
+                if best_before is not None:
+                    fields["delta"] = metric - best_before
+                decision = self.decide(metric, best_before if trial["kind"] != Kind.BASELINE.value else None,
+                                       self.config.keep_margin)
+                if not decision.keep:
+                    return fields, Status.DISCARD, f"verified val_bpb {metric:.6f}: {decision.reason}"
         return fields, Status.KEEP, decision.reason
 
 

@@ -1,30 +1,124 @@
-"""Reading a run back: the log, the status of a running loop, the ideas.
+"""Reading a run back: the log, one trial in full, the best result, the run's headline
+numbers, the status of a running loop, the ideas.
 
-Everything here only reads experiments.db (and a running trial's progress file), so it
-is safe to use from another terminal while the controller writes.
+Everything here only reads experiments.db (and the files a trial left under
+`.autoloop/`), so it is safe to use from another terminal while the controller writes:
+each query fetches all its rows at once (no read transaction outlives a call), and a
+trial still `running` is shown as such rather than skipped.
+
+Definitions shared by `autoloop log`, `best`, `report` and `export`:
+
+* **delta**: the trial's metric minus the best metric before it (`best_before`), as the
+  controller stored it; negative is better.
+* **kept changes**: trials with status `keep` whose kind changes the code (proposal,
+  repair, ablation). The baseline is stored as `keep` (it is the first best) but is not
+  a change; re-runs and drift checks never change the code.
+* **keep rate**: kept changes / decided changes, where decided = kind changes the code and
+  the status is final and not `interrupted` (keep, discard, crash, timeout, invalid).
+* **crashed**: `crash` + `timeout`. **GPU hours**: the summed wall time of every
+  training process (crashed ones included: they used the GPU too).
+* **the best trial**: the kept trial whose commit is the run's best commit (the commit
+  the branch stands on), else the kept trial with the lowest metric.
 """
 
 from __future__ import annotations
 
+import json
+import re
 import time
 from datetime import datetime
 from pathlib import Path
+from typing import Any, Iterable
 
 from autoloop.display import format_metric, last_progress
+from autoloop.errors import AutoloopError
+from autoloop.store import Kind, Status
 
 LOG_FIELDS = ("number", "kind", "status", "reason", "metric", "metric_source", "delta", "best_before",
               "description", "proposer", "minutes", "trial_commit", "heldout_metric")
+# Also in `log --json`, for scripts and agents.
+LOG_JSON_EXTRA = ("lineage", "idea_id", "parent_commit", "started_at", "finished_at")
+DEFAULT_LOG_LAST = 50
+LOG_TAIL_LINES = 40
+
+CHANGE_KINDS = (Kind.PROPOSAL.value, Kind.REPAIR.value, Kind.ABLATION.value)
+CRASHED = (Status.CRASH.value, Status.TIMEOUT.value)
+DECIDED = (Status.KEEP.value, Status.DISCARD.value, Status.CRASH.value, Status.TIMEOUT.value, Status.INVALID.value)
+
+# Columns never shown by `show` (process bookkeeping of a finished trial).
+_PROCESS_FIELDS = ("pgid", "pid", "pid_start_time", "heartbeat_at")
+
+
+# ---------------------------------------------------------------------------- queries
+
+
+def select(store, sql: str, params: Iterable[Any] = ()) -> list[dict[str, Any]]:
+    """Run a read-only query on the store and fetch every row now (see the Store's
+    concurrency rules: no read transaction may outlive the call)."""
+    cursor = store.db.execute(sql, tuple(params))
+    names = [d[0] for d in cursor.description]
+    return [dict(zip(names, row)) for row in cursor.fetchall()]
+
+
+def parse_choices(value: str | Iterable[str] | None, vocabulary, what: str) -> list[str] | None:
+    """'crash,timeout' or ['crash', 'timeout'] -> checked values; None passes through."""
+    if value is None:
+        return None
+    parts = value.split(",") if isinstance(value, str) else list(value)
+    values = [str(getattr(p, "value", p)).strip().lower() for p in parts if str(getattr(p, "value", p)).strip()]
+    allowed = [member.value for member in vocabulary]
+    for v in values:
+        if v not in allowed:
+            raise AutoloopError(f"unknown {what} '{v}': use one of {', '.join(allowed)} (comma-separated for several)")
+    return values or None
 
 
 def _minutes(trial: dict) -> float | None:
-    if trial.get("wall_seconds"):
+    if trial.get("wall_seconds") is not None:
         return round(trial["wall_seconds"] / 60, 2)
     return None
 
 
-def log_rows(store, run: dict, *, last: int | None = None, status: str | None = None, kind: str | None = None) -> list[dict]:
-    trials = store.trials(run["id"], status=status, kind=kind, last=last)
-    return [{**{k: t.get(k) for k in LOG_FIELDS if k != "minutes"}, "minutes": _minutes(t)} for t in trials]
+def _delta(trial: dict) -> float | None:
+    if trial.get("delta") is not None:
+        return trial["delta"]
+    if trial.get("metric") is not None and trial.get("best_before") is not None:
+        return trial["metric"] - trial["best_before"]
+    return None
+
+
+def count_trials(store, run: dict) -> int:
+    return select(store, "SELECT COUNT(*) AS n FROM trials WHERE run_id = ?", (run["id"],))[0]["n"]
+
+
+def log_rows(store, run: dict, *, last: int | None = None, status=None, kind=None, extra: bool = False) -> list[dict]:
+    """The rows of `autoloop log`, oldest first: LOG_FIELDS (plus LOG_JSON_EXTRA with
+    `extra`). `status`/`kind` take one value, a comma-separated string or a list;
+    `last=N` keeps the N highest-numbered matches. Only the needed columns are read, so
+    a 10,000-trial log with full diffs stays fast."""
+    if last is not None and last < 1:
+        raise AutoloopError(f"--last {last} shows nothing: give a positive number of trials")
+    statuses = parse_choices(status, Status, "status")
+    kinds = parse_choices(kind, Kind, "kind")
+    columns = [c for c in LOG_FIELDS if c != "minutes"] + ["wall_seconds"] + list(LOG_JSON_EXTRA)
+    where, params = ["run_id = ?"], [run["id"]]
+    for column, values in (("status", statuses), ("kind", kinds)):
+        if values:
+            where.append(f"{column} IN ({', '.join('?' for _ in values)})")
+            params.extend(values)
+    sql = f"SELECT {', '.join(columns)} FROM trials WHERE {' AND '.join(where)}"
+    if last is not None:
+        sql = f"SELECT * FROM ({sql} ORDER BY number DESC LIMIT ?)"
+        params.append(last)
+    rows = select(store, sql + " ORDER BY number", params)
+    fields = LOG_FIELDS + (LOG_JSON_EXTRA if extra else ())
+    out = []
+    for t in rows:
+        row = {k: t.get(k) for k in fields if k != "minutes"}
+        row["delta"] = _delta(t)
+        row["minutes"] = _minutes(t)
+        out.append({k: row[k] for k in fields})
+    return out
 
 
 def _cut(text: str | None, width: int) -> str:
@@ -32,8 +126,11 @@ def _cut(text: str | None, width: int) -> str:
     return text if len(text) <= width else text[: width - 1] + "…"
 
 
-def format_log(run: dict, rows: list[dict]) -> str:
+def format_log(run: dict, rows: list[dict], *, total: int | None = None) -> str:
+    """The log as a table; `total` (the run's trial count) adds a 'showing N of M' line."""
     if not rows:
+        if total == 0:
+            return f"run '{run['tag']}' has no trials yet"
         return f"run '{run['tag']}' has no trials matching that"
     lines = [f"{'#':>4} {'kind':<9} {'status':<11} {'val_bpb':>9} {'delta':>9} {'min':>6}  description / reason"]
     for r in rows:
@@ -50,7 +147,356 @@ def format_log(run: dict, rows: list[dict]) -> str:
             lines.append(f"{'':>50}  ↳ {_cut(r['reason'], 100)}")
     if any(r.get("metric_source") == "reported" for r in rows):
         lines.append("* unverified: only printed by the script, not measured by the harness")
+    if total is not None and total > len(rows):
+        lines.append(f"showing {len(rows)} of {total} trials of run '{run['tag']}' (--last N or --status to choose)")
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------- one trial
+
+
+def get_trial(store, run: dict, number: int) -> dict:
+    """The trial `number` of `run`, or one line naming the trials that do exist."""
+    trial = store.get_trial(run["id"], number)
+    if trial is None:
+        span = select(store, "SELECT MIN(number) AS lo, MAX(number) AS hi FROM trials WHERE run_id = ?", (run["id"],))[0]
+        known = f"trials {span['lo']}-{span['hi']}" if span["lo"] is not None else "no trials yet"
+        raise AutoloopError(f"run '{run['tag']}' has no trial {number} ({known}): check the number, or --tag for another run")
+    return trial
+
+
+def trial_file(trial: dict, run: dict, repo: Path | None, column: str, name: str) -> Path | None:
+    """A file a trial left behind: the path in its row, else the same file under
+    `<repo>/.autoloop/<tag>/trials/<n>/` (the repository may have moved since)."""
+    recorded = trial.get(column)
+    if recorded and Path(recorded).exists():
+        return Path(recorded)
+    if repo is not None:
+        candidate = Path(repo) / ".autoloop" / run["tag"] / "trials" / str(trial["number"]) / name
+        if candidate.exists():
+            return candidate
+    return None
+
+
+def tail_lines(path: Path, count: int = LOG_TAIL_LINES, max_bytes: int = 65536) -> list[str]:
+    """The last `count` lines of a text file, reading at most `max_bytes` from its end."""
+    with open(path, "rb") as handle:
+        handle.seek(0, 2)
+        size = handle.tell()
+        handle.seek(max(0, size - max_bytes))
+        data = handle.read().decode(errors="replace")
+    lines = data.splitlines()
+    if size > max_bytes and lines:
+        lines = lines[1:]  # the first line is probably cut
+    return lines[-count:]
+
+
+def archive_ref(run: dict, trial: dict) -> str | None:
+    """Where the controller keeps a non-kept trial's commit reachable."""
+    if trial.get("trial_commit") and trial["status"] not in (Status.KEEP.value, Status.RUNNING.value) \
+            and trial["kind"] not in (Kind.BASELINE.value, Kind.RERUN.value):
+        return f"refs/autoloop/{run['tag']}/trials/{trial['number']}"
+    return None
+
+
+def trial_detail(store, run: dict, number: int, repo: Path | None = None, *, log_lines: int = LOG_TAIL_LINES) -> dict:
+    """Every field of a trial plus the evidence behind its decision: its measurements,
+    events, idea, the keep margin in force, where its commit lives, and its log's tail."""
+    trial = get_trial(store, run, number)
+    detail = {k: v for k, v in trial.items() if k not in _PROCESS_FIELDS}
+    detail["run"] = run["tag"]
+    detail["delta"] = _delta(trial)
+    detail["minutes"] = _minutes(trial)
+    detail["keep_margin"] = (run.get("config") or {}).get("keep_margin")
+    detail["measurements"] = store.measurements(trial["id"])
+    detail["events"] = select(store, "SELECT kind, message, created_at FROM events WHERE trial_id = ? ORDER BY id",
+                              (trial["id"],))
+    detail["curve_points"] = select(store, "SELECT COUNT(*) AS n FROM curves WHERE trial_id = ?", (trial["id"],))[0]["n"]
+    detail["idea"] = None
+    if trial.get("idea_id"):
+        ideas = select(store, "SELECT id, text, sets, patch, status FROM ideas WHERE id = ?", (trial["idea_id"],))
+        if ideas:
+            detail["idea"] = {**ideas[0], "sets": json.loads(ideas[0]["sets"]) if ideas[0]["sets"] else None}
+    detail["archive_ref"] = archive_ref(run, trial)
+    log = trial_file(trial, run, repo, "log_path", "train.log")
+    detail["log_file"] = str(log) if log else None
+    detail["log_tail"] = tail_lines(log, log_lines) if log else None
+    if trial["status"] == Status.RUNNING.value and log is not None:
+        detail["progress"] = last_progress(log.with_name("progress.jsonl"))
+    return detail
+
+
+def _num(value, spec: str = ".6f", unit: str = "") -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:{spec}}{unit}"
+    return f"{value}{unit}"
+
+
+def format_trial(d: dict, *, with_diff: bool = True) -> str:
+    lines = [f"trial {d['number']} of run '{d['run']}' [{d['kind']}]: {d['status']}"]
+
+    def field(label: str, value) -> None:
+        if value not in (None, ""):
+            lines.append(f"  {label:<14} {value}")
+
+    field("description", d.get("description"))
+    proposer = d.get("proposer") or ""
+    if d.get("model"):
+        proposer += f" (model {d['model']})"
+    field("proposer", proposer)
+    if d.get("idea"):
+        idea = d["idea"]
+        sets = ", ".join(f"{k}={v}" for k, v in (idea.get("sets") or {}).items())
+        field("idea", f"{idea['id']}: {idea['text']}" + (f" [{sets}]" if sets else ""))
+    field("reason", d.get("reason"))
+
+    lines.append("evidence")
+    source = f" ({d['metric_source']})" if d.get("metric_source") else ""
+    field("val_bpb", _num(d.get("metric")) + source)
+    field("best before", _num(d.get("best_before")))
+    field("delta", _num(d.get("delta"), "+.6f"))
+    field("keep margin", d.get("keep_margin"))
+    field("held-out bpb", _num(d.get("heldout_metric")) if d.get("heldout_metric") is not None else None)
+    if d.get("verify_seconds") is not None:
+        field("verified in", _num(d["verify_seconds"], ".1f", " s"))
+    for m in d.get("measurements") or []:
+        field("measurement", f"val_bpb {_num(m.get('metric'))} (seed {m.get('seed')})")
+    for e in d.get("events") or []:
+        field("event", f"{e['kind']}: {e['message']}")
+    if d.get("progress"):
+        p = d["progress"]
+        field("progress", ", ".join(f"{k} {v}" for k, v in p.items()))
+
+    lines.append("commits")
+    field("parent", d.get("parent_commit"))
+    field("trial", d.get("trial_commit"))
+    field("archived as", d.get("archive_ref"))
+
+    lines.append("run")
+    field("seed", d.get("seed"))
+    field("lineage", d.get("lineage"))
+    field("derived from", d.get("derived_from"))
+    field("steps", d.get("num_steps"))
+    field("tokens", d.get("total_tokens"))
+    field("parameters", d.get("num_params"))
+    field("MFU", _num(d.get("mfu_percent"), ".1f", " %") if d.get("mfu_percent") is not None else None)
+    field("peak memory", _num(d.get("peak_memory_mb"), ".0f", " MB") if d.get("peak_memory_mb") is not None else None)
+    timings = [f"{name} {d[key]:.1f} s" for name, key in (
+        ("training", "training_seconds"), ("compile", "compile_seconds"), ("eval", "eval_seconds"),
+        ("total", "total_seconds"), ("wall", "wall_seconds")) if d.get(key) is not None]
+    field("time", ", ".join(timings))
+    field("started", d.get("started_at"))
+    field("finished", d.get("finished_at"))
+    field("program.md", d.get("program_hash"))
+    field("checkpoint", d.get("checkpoint_path"))
+    field("curve", f"{d['curve_points']} points" if d.get("curve_points") else None)
+    result = d.get("result") or {}
+    shown = {"val_bpb", "training_seconds", "total_seconds", "compile_seconds", "eval_seconds", "num_steps",
+             "total_tokens", "num_params", "mfu_percent", "peak_memory_mb", "seed"}
+    for key, value in result.items():
+        if key not in shown and value is not None:
+            field(key, value)
+
+    if with_diff:
+        lines.append("diff")
+        if d.get("diff"):
+            lines.extend("  " + line for line in d["diff"].rstrip("\n").splitlines())
+        else:
+            lines.append("  (none: " + no_diff_reason(d) + ")")
+    if d.get("error_tail") and not d.get("log_tail"):
+        lines.append("error tail")
+        lines.extend("  " + line for line in d["error_tail"].splitlines())
+    if d.get("log_tail") is not None:
+        lines.append(f"log: last {len(d['log_tail'])} lines of {d['log_file']}")
+        lines.extend("  " + line for line in d["log_tail"])
+    elif d.get("log_path"):
+        lines.append(f"log: {d['log_path']} is gone")
+    return "\n".join(lines)
+
+
+def no_diff_reason(trial: dict) -> str:
+    if trial["kind"] == Kind.BASELINE.value:
+        return "the baseline trains the base commit unchanged"
+    if trial["kind"] in (Kind.RERUN.value, Kind.DRIFT.value):
+        return f"a {trial['kind']} trains the incumbent commit unchanged"
+    if trial["status"] == Status.INVALID.value and not trial.get("trial_commit"):
+        return "the proposal was rejected before it was committed; its edits are in `autoloop show --json`"
+    return "no diff was recorded for this trial"
+
+
+def trial_diff(store, run: dict, number: int, repo: Path | None = None) -> tuple[str, str | None]:
+    """(diff, note): the trial's diff from its row, else recomputed from git; when there
+    is none, an empty diff and a one-line note saying why."""
+    trial = get_trial(store, run, number)
+    if trial.get("diff"):
+        return trial["diff"], None
+    if repo is not None and trial.get("trial_commit") and trial.get("parent_commit") \
+            and trial["trial_commit"] != trial["parent_commit"]:
+        from autoloop.gitops import GitRepo
+
+        git = GitRepo.open(repo)
+        if git.commit_exists(trial["trial_commit"]) and git.commit_exists(trial["parent_commit"]):
+            return git.diff(trial["parent_commit"], trial["trial_commit"]), None
+    return "", f"trial {number} has no diff: {no_diff_reason(trial)}"
+
+
+# ---------------------------------------------------------------------------- run summary
+
+
+def require_trials(store, run: dict) -> int:
+    total = count_trials(store, run)
+    if total == 0:
+        raise AutoloopError(f"run '{run['tag']}' has no trials yet: wait for its baseline, or pick another run with --tag")
+    return total
+
+
+def baseline_trial(store, run: dict) -> dict | None:
+    """The first baseline that produced a metric."""
+    rows = select(store, "SELECT * FROM trials WHERE run_id = ? AND kind = ? AND metric IS NOT NULL "
+                         "ORDER BY number LIMIT 1", (run["id"], Kind.BASELINE.value))
+    return rows[0] if rows else None
+
+
+def best_trial(store, run: dict) -> dict | None:
+    """The kept trial at the run's best commit, else the kept trial with the lowest metric."""
+    if run.get("best_commit"):
+        rows = select(store, "SELECT * FROM trials WHERE run_id = ? AND status = ? AND trial_commit = ? "
+                             "AND metric IS NOT NULL ORDER BY number DESC LIMIT 1",
+                      (run["id"], Status.KEEP.value, run["best_commit"]))
+        if rows:
+            return rows[0]
+    return store.best_trial(run["id"])
+
+
+def headline(store, run: dict) -> dict:
+    """The run's numbers (see the module docstring for the definitions)."""
+    counts = {s.value: 0 for s in Status}
+    kept = decided = 0
+    total = 0
+    for row in select(store, "SELECT status, kind, COUNT(*) AS n FROM trials WHERE run_id = ? GROUP BY status, kind",
+                      (run["id"],)):
+        counts[row["status"]] += row["n"]
+        total += row["n"]
+        if row["kind"] in CHANGE_KINDS:
+            if row["status"] == Status.KEEP.value:
+                kept += row["n"]
+            if row["status"] in DECIDED:
+                decided += row["n"]
+    seconds = select(store, "SELECT COALESCE(SUM(wall_seconds), 0) AS s FROM trials WHERE run_id = ?", (run["id"],))[0]["s"]
+    base, best = baseline_trial(store, run), best_trial(store, run)
+    base_metric = base["metric"] if base else None
+    best_metric = best["metric"] if best else None
+    gain = None
+    if base_metric and best_metric is not None:
+        gain = (base_metric - best_metric) / base_metric
+    return {
+        "run": run["tag"], "run_status": run["status"], "trials": total, "kept": kept,
+        "discarded": counts[Status.DISCARD.value], "crashed": counts[Status.CRASH.value] + counts[Status.TIMEOUT.value],
+        "timeouts": counts[Status.TIMEOUT.value], "invalid": counts[Status.INVALID.value],
+        "interrupted": counts[Status.INTERRUPTED.value], "running": counts[Status.RUNNING.value],
+        "decided": decided, "keep_rate": kept / decided if decided else None, "gpu_hours": seconds / 3600,
+        "baseline_metric": base_metric, "baseline_trial": base["number"] if base else None,
+        "best_metric": best_metric, "best_trial": best["number"] if best else None,
+        "best_commit": best["trial_commit"] if best else run.get("best_commit"),
+        "relative_gain": gain, "statuses": counts,
+    }
+
+
+def best_summary(store, run: dict) -> dict:
+    """`autoloop best`: the best commit, its metric against the baseline, held-out metrics
+    where the verifier measured them."""
+    require_trials(store, run)
+    best = best_trial(store, run)
+    if best is None:
+        raise AutoloopError(f"run '{run['tag']}' has no successful trial yet (its baseline has not finished): "
+                            "check `autoloop log`")
+    base = baseline_trial(store, run)
+    info = headline(store, run)
+    return {
+        "run": run["tag"], "branch": run.get("branch"), "best_trial": best["number"], "best_commit": best["trial_commit"],
+        "description": best.get("description"), "metric": best["metric"], "metric_source": best.get("metric_source"),
+        "heldout_metric": best.get("heldout_metric"),
+        "baseline_trial": base["number"] if base else None, "baseline_metric": base["metric"] if base else None,
+        "baseline_heldout_metric": base.get("heldout_metric") if base else None,
+        "delta": best["metric"] - base["metric"] if base else None, "relative_gain": info["relative_gain"],
+        "kept": info["kept"], "trials": info["trials"], "checkpoint_path": best.get("checkpoint_path"),
+    }
+
+
+def format_best(b: dict) -> str:
+    lines = [f"best of run '{b['run']}': trial {b['best_trial']} at {b['best_commit']}"]
+    if b.get("description"):
+        lines.append(f"  {b['description']}")
+    source = f" ({b['metric_source']})" if b.get("metric_source") else ""
+    lines.append(f"  val_bpb   {format_metric(b['metric'])}{source}")
+    if b.get("baseline_metric") is not None:
+        gain = f", {b['relative_gain'] * 100:.2f}% better" if b.get("relative_gain") is not None else ""
+        lines.append(f"  baseline  {format_metric(b['baseline_metric'])} (trial {b['baseline_trial']}): "
+                     f"{b['delta']:+.6f}{gain}")
+    if b.get("heldout_metric") is not None or b.get("baseline_heldout_metric") is not None:
+        lines.append(f"  held-out  {format_metric(b.get('heldout_metric'))} "
+                     f"(baseline {format_metric(b.get('baseline_heldout_metric'))})")
+    else:
+        lines.append("  held-out  - (not verified)")
+    lines.append(f"  {b['kept']} kept change(s) in {b['trials']} trials on {b['branch']}; "
+                 "`autoloop finalize` makes a clean branch of them")
+    return "\n".join(lines)
+
+
+def kept_trials(store, run: dict) -> list[dict]:
+    """Every trial with status keep (the baseline first), in trial order."""
+    return select(store, "SELECT number, kind, description, proposer, metric, metric_source, heldout_metric, "
+                         "best_before, delta, trial_commit, parent_commit, checkpoint_path, finished_at "
+                         "FROM trials WHERE run_id = ? AND status = ? ORDER BY number", (run["id"], Status.KEEP.value))
+
+
+def progress_points(store, run: dict) -> list[dict]:
+    """(number, kind, status, metric) of every trial, for the progress chart."""
+    return select(store, "SELECT number, kind, status, metric FROM trials WHERE run_id = ? ORDER BY number", (run["id"],))
+
+
+_NUMBERS = re.compile(r"0x[0-9a-f]+|\d+(?:\.\d+)?")
+
+
+def reason_key(reason: str | None) -> str:
+    """Group reasons that differ only in numbers (sizes, times, line numbers)."""
+    return _NUMBERS.sub("#", (reason or "(no reason recorded)").strip().lower())
+
+
+def common_reasons(store, run: dict, statuses: Iterable[str], limit: int = 10) -> list[dict]:
+    """The most common reasons among trials with these statuses: [{reason (the latest
+    example), count, trials (numbers), statuses}], most common first."""
+    statuses = list(statuses)
+    rows = select(store, f"SELECT number, status, reason FROM trials WHERE run_id = ? AND status IN "
+                         f"({', '.join('?' for _ in statuses)}) ORDER BY number", (run["id"], *statuses))
+    groups: dict[str, dict] = {}
+    for row in rows:
+        group = groups.setdefault(reason_key(row["reason"]), {"count": 0, "trials": [], "statuses": set()})
+        group["count"] += 1
+        group["trials"].append(row["number"])
+        group["statuses"].add(row["status"])
+        group["reason"] = row["reason"] or "(no reason recorded)"
+    ordered = sorted(groups.values(), key=lambda g: (-g["count"], g["trials"][0]))
+    return [{**g, "statuses": sorted(g["statuses"])} for g in ordered[:limit]]
+
+
+def idea_outcomes(store, run: dict) -> list[dict]:
+    """The ideas this run could take (its own and global ones) and what became of them:
+    the trial that tried each, its status and delta (a global idea another run took
+    names that run)."""
+    return select(
+        store,
+        "SELECT i.id, i.text, i.sets, i.patch IS NOT NULL AS has_patch, i.priority, i.status, i.source, "
+        "t.number AS trial, t.status AS trial_status, t.metric AS trial_metric, t.delta AS trial_delta, "
+        "r.tag AS trial_run FROM ideas i LEFT JOIN trials t ON t.id = i.trial_id LEFT JOIN runs r ON r.id = t.run_id "
+        "WHERE i.run_id = ? OR i.run_id IS NULL ORDER BY i.id",
+        (run["id"],),
+    )
+
+
+# ---------------------------------------------------------------------------- status and ideas
 
 
 def run_status(store, run: dict, repo: Path) -> dict:
@@ -65,6 +511,11 @@ def run_status(store, run: dict, repo: Path) -> dict:
         "best_metric": best["metric"] if best else None, "best_trial": best["number"] if best else None,
         "trials": len(trials), "counts": counts, "running": None,
     }
+    # verification (autoloop.verify, autoloop.overfit): is the best checked, and is held-out still improving?
+    from autoloop.overfit import current_signal
+
+    info["best_metric_source"] = best.get("metric_source") if best else None
+    info["overfitting"] = (current_signal(store, run["id"]) or {}).get("message")
     running = [t for t in trials if t["status"] == "running"]
     if running:
         t = running[-1]
@@ -93,6 +544,10 @@ def format_status(info: dict) -> str:
         lines.append(f"paused: {info['pause_reason']}")
     if info["best_metric"] is not None:
         lines.append(f"best: val_bpb {format_metric(info['best_metric'])} (trial {info['best_trial']}, {str(info['best_commit'])[:12]})")
+        if info.get("best_metric_source") not in (None, "verified"):
+            lines[-1] += f" - unverified ({info['best_metric_source']})"
+    if info.get("overfitting"):
+        lines.append(info["overfitting"])
     r = info.get("running")
     if r:
         parts = [f"running: trial {r['number']} [{r['kind']}] {r.get('description') or ''}"]
@@ -113,13 +568,19 @@ def format_status(info: dict) -> str:
 def format_ideas(store, rows: list[dict]) -> str:
     if not rows:
         return "no ideas yet: seed one with `autoloop seed \"what to try\" --set NAME=VALUE`"
+    trial_ids = [idea["trial_id"] for idea in rows if idea.get("trial_id")]
+    trials: dict[int, dict] = {}
+    for start in range(0, len(trial_ids), 500):  # one query per 500 ideas, not one per idea
+        chunk = trial_ids[start:start + 500]
+        for t in select(store, f"SELECT id, number, status FROM trials WHERE id IN ({', '.join('?' for _ in chunk)})", chunk):
+            trials[t["id"]] = t
     lines = [f"{'id':>4} {'prio':>4} {'status':<8} {'trial':>5}  idea"]
     for idea in rows:
         trial = ""
-        if idea.get("trial_id"):
-            t = store.trial_by_id(idea["trial_id"])
-            trial = f"{t['number']}" if t else ""
-            if t and t.get("status") != "running":
+        t = trials.get(idea.get("trial_id"))
+        if t:
+            trial = f"{t['number']}"
+            if t.get("status") != "running":
                 trial += f" ({t['status']})"
         edit = ""
         if idea.get("sets"):
@@ -128,3 +589,4 @@ def format_ideas(store, rows: list[dict]) -> str:
             edit = " [patch]"
         lines.append(f"{idea['id']:>4} {idea['priority']:>4} {idea['status']:<8} {trial:>5}  {_cut(idea['text'], 70)}{edit}")
     return "\n".join(lines)
+

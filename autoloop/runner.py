@@ -305,15 +305,21 @@ def run_training(
         log.flush()
         offset = log.tell()
         started = time.monotonic()
-        proc = subprocess.Popen(
-            [str(part) for part in command],
-            cwd=str(cwd),
-            env=child_environment(env),
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+        try:
+            proc = subprocess.Popen(
+                [str(part) for part in command],
+                cwd=str(cwd),
+                env=child_environment(env),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        except OSError as error:
+            raise AutoloopError(
+                f"cannot start the training command {shlex.join(map(str, command))} in {cwd} ({error}): "
+                "check the train command and the working directory"
+            ) from error
     pid = pgid = proc.pid  # a new session makes the child its group's leader
     start_time = process_start_time(pid)
     watch = _ExitWatch(proc)

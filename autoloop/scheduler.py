@@ -6,7 +6,10 @@ derived from the db, so a resumed run continues where it stopped.
 
 Order: the unmodified baseline first (until one succeeds); after K consecutive
 crashes or timeouts, a re-run of the incumbent (if that fails too, the run pauses with a
-diagnosis instead of burning the night); otherwise the proposer chain's next proposal.
+diagnosis instead of burning the night); after a proposal that crashed with a plain
+error, one `repair` of it by the proposer that made it (llm, agent); otherwise the
+proposer chain's next proposal, prepared while the previous trial trained
+(`autoloop.prefetch`).
 """
 
 from __future__ import annotations
@@ -14,7 +17,9 @@ from __future__ import annotations
 import shutil
 from dataclasses import dataclass
 
+from autoloop.prefetch import Prefetcher
 from autoloop.proposals import Proposal
+from autoloop.proposers.base import ProposerUnavailable
 from autoloop.store import Kind, Status
 
 _FAILED = (Status.CRASH.value, Status.TIMEOUT.value)
@@ -38,6 +43,7 @@ class Scheduler:
         # Failures before this invocation do not count: after a pause the user fixes the
         # cause and resumes, and the run must not pause again on the old evidence.
         self.first_number = max((t["number"] for t in self._trials()), default=0) + 1
+        self.prefetcher = Prefetcher(controller, self.first_number)
 
     @property
     def store(self):
@@ -65,8 +71,11 @@ class Scheduler:
                 "rerun", reason=f"circuit breaker: {len(tail)} failures in a row; re-running the incumbent",
                 derived_from=best["id"] if best else None, trial_kind=Kind.RERUN,
             )
+        repair = self._repair_item()
+        if repair is not None:
+            return repair
         parent = self.controller.best_commit()
-        proposal = self.controller.chain().propose(self.controller.proposal_context(parent))
+        proposal = self.prefetcher.next_proposal(parent)
         if proposal is None:
             self.exhausted_reason = (
                 f"no more proposals: the idea queue is empty and the proposers ({', '.join(self.controller.chain().names)}) "
@@ -77,6 +86,38 @@ class Scheduler:
 
     def observe(self, trial: dict) -> None:
         """Hook for schedulers that learn from results; the state lives in the db."""
+
+    def prefetch(self, trial: dict) -> None:
+        """Training of `trial` has started: prepare the next proposal meanwhile (autoloop.prefetch)."""
+        self.prefetcher.start()
+
+    def close(self) -> None:
+        """The run ends: hand back a proposal prepared for a trial that will not run."""
+        self.prefetcher.close()
+
+    def _repair_item(self) -> WorkItem | None:
+        """One repair of the last trial if it was a proposal that crashed with a plain error
+        and its proposer can repair (llm, agent): a `repair` trial linked to the crash."""
+        trials = self._trials()
+        last = trials[-1] if trials else None
+        if last is None or last["status"] != Status.CRASH.value or last["kind"] != Kind.PROPOSAL.value:
+            return None
+        chain = self.controller.chain()
+        proposer = next((p for p in chain.proposers if p.name == last["proposer"] and hasattr(p, "repair")), None)
+        parent = self.controller.best_commit()
+        if proposer is None or last.get("parent_commit") != parent \
+                or any(t.get("derived_from") == last["id"] for t in trials):
+            return None
+        try:
+            proposal = proposer.repair(self.controller.proposal_context(parent), last)
+        except ProposerUnavailable as exc:
+            self.store.add_event(self.controller.run_row["id"], "proposer_unavailable",
+                                 f"{proposer.name}: no repair of trial {last['number']}: {exc}")
+            return None
+        if proposal is None:
+            return None
+        return WorkItem("proposal", reason=proposal.description, proposal=proposal, parent=parent,
+                        derived_from=last["id"], trial_kind=Kind.REPAIR)
 
     @staticmethod
     def _failure_tail(trials: list[dict]) -> list[dict]:

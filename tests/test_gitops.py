@@ -193,3 +193,9 @@ def test_set_ref_only_under_autoloop(repo: GitRepo, repo_dir: Path):
     assert git(repo_dir, "rev-parse", "refs/autoloop/t1/orphans/abc") == repo.head()
     with pytest.raises(ValueError):
         repo.set_ref("refs/heads/main", repo.head())
+
+
+def test_repository_without_commits(tmp_path: Path):
+    git(tmp_path, "init", "-q")
+    with pytest.raises(AutoloopError, match="has no commits yet"):
+        GitRepo.open(tmp_path).head()

@@ -5,6 +5,7 @@ Only torch, numpy and the standard library are imported, so train.py runs on a b
 GPU image.
 """
 
+from autoloop.harness.causality import CausalityReport, check_causality
 from autoloop.harness.checkpoint import import_train_module, load_trained_model, save_checkpoint
 from autoloop.harness.clock import TrainingClock
 from autoloop.harness.constants import (
@@ -24,9 +25,9 @@ from autoloop.harness.results import ProgressWriter, finish, parse_summary, summ
 from autoloop.harness.tokenizer import ByteTokenizer, Tokenizer
 
 __all__ = [
-    "ByteTokenizer", "DEFAULT_SEED", "DEFAULT_TIME_BUDGET", "Dataset", "HarnessError", "ProgressWriter",
+    "ByteTokenizer", "CausalityReport", "DEFAULT_SEED", "DEFAULT_TIME_BUDGET", "Dataset", "HarnessError", "ProgressWriter",
     "RunSpec", "TokenLoader", "Tokenizer", "TrainingClock", "UNTIMED_WARMUP_STEPS", "bpb_on_batches",
-    "cache_root", "compute_harness_fingerprint", "configure_compile_cache", "default_data_dir",
+    "cache_root", "check_causality", "compute_harness_fingerprint", "configure_compile_cache", "default_data_dir",
     "eval_tokens", "evaluate_bpb", "finish", "gpu_peak_flops", "harness_fingerprint", "import_train_module",
     "load_dataset", "load_trained_model", "parse_summary", "prepare_embedded", "save_checkpoint",
     "seq_len", "summary_block", "verify_dataset", "write_dataset",

@@ -62,15 +62,35 @@ class ProposerChain:
 # name -> "module:factory"; a factory takes the Config and returns a Proposer.
 REGISTRY: dict[str, str] = {
     "ideas": "autoloop.proposers.ideas:IdeasProposer",
+    "search": "autoloop.proposers.search:SearchProposer",
+    "llm": "autoloop.proposers.llm:LLMProposer",
+    "agent": "autoloop.proposers.agent:AgentProposer",
 }
+
+# "auto" in the chain: the LLM and/or agent when configured (llm_model, agent_command),
+# then search as the fallback for when they are unavailable, or alone when neither is.
+AUTO = "auto"
+
+
+def resolve_names(config: Config) -> list[str]:
+    """The chain's proposer names with `auto` expanded; each name once, first place wins."""
+    names: list[str] = []
+    for name in config.proposers:
+        if name == AUTO:
+            expanded = [n for n, on in (("llm", config.llm_model), ("agent", config.agent_command)) if on]
+            expanded += ["search"] if "search" in REGISTRY else []
+        else:
+            expanded = [name]
+        names.extend(n for n in expanded if n not in names)
+    return names
 
 
 def build_chain(config: Config) -> ProposerChain:
     proposers = []
-    for name in config.proposers:
+    for name in resolve_names(config):
         target = REGISTRY.get(name)
         if target is None:
-            raise AutoloopError(f"unknown proposer {name!r}: choose from {', '.join(REGISTRY)}")
+            raise AutoloopError(f"unknown proposer {name!r}: choose from {', '.join([*REGISTRY, AUTO])}")
         module, _, attr = target.partition(":")
         proposers.append(getattr(importlib.import_module(module), attr)(config))
     return ProposerChain(proposers)

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from autoloop.config import Config
 from autoloop.proposals import Edit, Proposal
-from autoloop.pyconst import parse_value
+from autoloop.errors import AutoloopError
+from autoloop.pyconst import Expression, parse_value
 
 
 class IdeasProposer:
@@ -25,7 +26,7 @@ class IdeasProposer:
         edits = []
         if idea.get("sets"):
             # Values are stored as the text the human typed ("2**18", "0.02", "'adamw'").
-            values = {name: parse_value(str(text)) for name, text in idea["sets"].items()}
+            values = {name: _value(str(text)) for name, text in idea["sets"].items()}
             edits.append(Edit(path=self.config.editable[0], sets=values))
         return Proposal(
             description=idea["text"],
@@ -34,3 +35,12 @@ class IdeasProposer:
             source="human",
             idea_id=idea["id"],
         )
+
+
+def _value(text: str):
+    try:
+        return parse_value(text)
+    except AutoloopError:
+        # Written as typed: validation then rejects the edit as a syntax error, so the
+        # idea ends as an invalid trial instead of stopping the run.
+        return Expression(text)

@@ -1,0 +1,169 @@
+"""The morning-review commands: log, show, diff, best, finalize, report, export.
+
+Plain functions with typer annotations; `autoloop.cli` registers them. They only parse
+options and call `autoloop.review`, `autoloop.finalize`, `autoloop.report` and
+`autoloop.export`. Every one reads the db without taking a write lock, so each works
+while a run is writing to it. `autoloop.cli` is imported inside the functions, not at
+the top, because `autoloop.cli` imports this module while it is itself being imported.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+RepoOpt = Annotated[Path, typer.Option("--repo", help="The git repository that holds train.py; the current folder by default.")]
+DbOpt = Annotated[Optional[str], typer.Option("--db", help="The trial database, relative to the repository; experiments.db by default.")]
+TagOpt = Annotated[Optional[str], typer.Option("--tag", "--run", help="The run's name; the most recent run by default.")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of text, for scripts and agents.")]
+NumberArg = Annotated[int, typer.Argument(help="The trial number, as `autoloop log` shows it.")]
+
+
+class _Session:
+    """The store and the chosen run of one command, closed when the command ends."""
+
+    def __init__(self, repo: Path, db: str | None, tag: str | None):
+        from autoloop.cli import _open_store, pick_run
+
+        self.store = _open_store(repo, db)
+        try:
+            self.run = pick_run(self.store, tag)
+        except BaseException:
+            self.store.close()
+            raise
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.store.close()
+
+
+def _dump(value) -> str:
+    return json.dumps(value, indent=1, default=str)
+
+
+def log(
+    repo: RepoOpt = Path("."),
+    tag: TagOpt = None,
+    db: DbOpt = None,
+    last: Annotated[Optional[int], typer.Option(help="Show only the last N trials (the text view shows the last 50 by default).")] = None,
+    all_: Annotated[bool, typer.Option("--all", help="Show every trial in the text view, not only the last 50.")] = False,
+    status_: Annotated[Optional[str], typer.Option("--status", help="Show only trials with these statuses, comma-separated (keep, discard, crash, timeout, invalid, interrupted, running).")] = None,
+    kind: Annotated[Optional[str], typer.Option(help="Show only trials of these kinds, comma-separated (baseline, proposal, rerun, drift, ablation, repair).")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print every matching trial as JSON (no default limit), for scripts and agents.")] = False,
+):
+    """List the trials of a run: what was tried, what was kept, and why."""
+    from autoloop.review import DEFAULT_LOG_LAST, count_trials, format_log, log_rows
+
+    with _Session(repo, db, tag) as s:
+        if as_json:
+            typer.echo(_dump(log_rows(s.store, s.run, last=last, status=status_, kind=kind, extra=True)))
+            return
+        limit = last if last is not None else (None if all_ else DEFAULT_LOG_LAST)
+        rows = log_rows(s.store, s.run, last=limit, status=status_, kind=kind)
+        total = count_trials(s.store, s.run) if not (status_ or kind) else None
+        typer.echo(format_log(s.run, rows, total=total))
+
+
+def show(
+    number: NumberArg,
+    repo: RepoOpt = Path("."),
+    tag: TagOpt = None,
+    db: DbOpt = None,
+    lines: Annotated[int, typer.Option(help="How many lines of the trial's log to show.")] = 40,
+    no_diff: Annotated[bool, typer.Option("--no-diff", help="Leave the diff out (see `autoloop diff N`).")] = False,
+    as_json: JsonOpt = False,
+):
+    """Show one trial in full: every field, the evidence behind its decision, its diff and the tail of its log."""
+    from autoloop.review import format_trial, trial_detail
+
+    with _Session(repo, db, tag) as s:
+        detail = trial_detail(s.store, s.run, number, repo, log_lines=max(lines, 0))
+        typer.echo(_dump(detail) if as_json else format_trial(detail, with_diff=not no_diff))
+
+
+def diff(number: NumberArg, repo: RepoOpt = Path("."), tag: TagOpt = None, db: DbOpt = None):
+    """Print a trial's diff against its parent, ready for `git apply`."""
+    from autoloop.review import trial_diff
+
+    with _Session(repo, db, tag) as s:
+        text, note = trial_diff(s.store, s.run, number, repo)
+    if note:
+        typer.echo(note, err=True)
+        return
+    typer.echo(text, nl=not text.endswith("\n"))
+
+
+def best(repo: RepoOpt = Path("."), tag: TagOpt = None, db: DbOpt = None, as_json: JsonOpt = False):
+    """Show the best commit of a run, its val_bpb against the baseline, and held-out val_bpb where verified."""
+    from autoloop.review import best_summary, format_best
+
+    with _Session(repo, db, tag) as s:
+        info = best_summary(s.store, s.run)
+    typer.echo(_dump(info) if as_json else format_best(info))
+
+
+def finalize(
+    repo: RepoOpt = Path("."),
+    tag: TagOpt = None,
+    db: DbOpt = None,
+    branch: Annotated[Optional[str], typer.Option(help="The branch to create; final/<tag> by default. The run's own branch is never touched.")] = None,
+    per_trial: Annotated[bool, typer.Option("--per-trial", help="One commit per kept trial instead of one squashed commit.")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Replace the branch if it already exists.")] = False,
+    checkout: Annotated[bool, typer.Option("--checkout", help="Check the new branch out afterwards (refused while the run is going or the worktree has uncommitted changes).")] = False,
+    as_json: JsonOpt = False,
+):
+    """Make a clean branch from the run's base with its kept changes, and keep the best trial's checkpoint under .autoloop/<tag>/best/."""
+    from autoloop.finalize import finalize as make_branch
+
+    with _Session(repo, db, tag) as s:
+        result = make_branch(s.store, s.run, repo, branch=branch, per_trial=per_trial, force=force, checkout=checkout)
+    if as_json:
+        typer.echo(_dump(result.to_dict()))
+        return
+    kind = f"{len(result.commits)} commits" if per_trial else "one commit"
+    typer.echo(f"branch {result.branch} at {result.commit[:12]}: {kind} on base {result.base_commit[:12]} with the kept "
+               f"trials {', '.join(map(str, result.trials))}; its tree is the best commit's ({result.best_commit[:12]}, trial {result.best_trial})")
+    typer.echo(f"checkpoint: {result.checkpoint}" if result.checkpoint else f"checkpoint: none ({result.checkpoint_note})")
+    if result.checked_out:
+        typer.echo(f"checked out {result.branch}")
+    else:
+        typer.echo(f"the worktree is unchanged: `git checkout {result.branch}` or `git push origin {result.branch}`")
+
+
+def report(
+    repo: RepoOpt = Path("."),
+    tag: TagOpt = None,
+    db: DbOpt = None,
+    out: Annotated[Optional[Path], typer.Option(help="The folder for report.html and its PNG charts; .autoloop/<tag>/report/ by default.")] = None,
+):
+    """Write a self-contained HTML report of a run (headline, progress chart, loss curves, kept changes, failures, ideas)."""
+    from autoloop.report import build_report, default_out_dir
+
+    with _Session(repo, db, tag) as s:
+        result = build_report(s.store, s.run, out if out is not None else default_out_dir(repo, s.run["tag"]))
+    head = result.data["headline"]
+    typer.echo(f"wrote {result.html_path} ({head['trials']} trials, {head['kept']} kept) and "
+               + ", ".join(str(p) for p in result.images.values()))
+
+
+def export(
+    repo: RepoOpt = Path("."),
+    tag: TagOpt = None,
+    db: DbOpt = None,
+    format_: Annotated[str, typer.Option("--format", help="tsv (autoresearch's results.tsv columns first), csv or json.")] = "tsv",
+    out: Annotated[Optional[Path], typer.Option(help="Write to this file instead of standard output.")] = None,
+):
+    """Export a run's trials as TSV, CSV or JSON; the TSV reads in autoresearch's analysis notebook."""
+    from autoloop.export import write_export
+
+    with _Session(repo, db, tag) as s:
+        text = write_export(s.store, s.run, format_, out)
+    if out is None:
+        typer.echo(text, nl=False)
+    else:
+        typer.echo(f"wrote {out}", err=True)

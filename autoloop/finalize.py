@@ -1,0 +1,189 @@
+"""`autoloop finalize`: a clean branch of what a run kept, and the best trial's weights.
+
+The run's own branch (`autoloop/<tag>`) is the controller's: it is never moved, reset or
+checked out here, so finalizing works while the run is still going. Instead:
+
+* The new branch starts at the run's base commit (`runs.base_commit`, where
+  `autoloop/<tag>` was created) and ends at a commit whose **tree is exactly the tree of
+  the run's best commit** - built with `git commit-tree <tree> -p <parent>` (plumbing),
+  so nothing is re-applied or merged and the result cannot differ from what was
+  measured. The default is one squashed commit whose message lists the kept changes
+  with their deltas; `--per-trial` makes one commit per kept trial instead, each with
+  the tree of that trial's commit, so `git log` tells the story step by step.
+* The kept changes are the kept trials whose commits lie on the path from the base to
+  the best commit (`git merge-base --is-ancestor`), in trial order.
+* Only the new branch's ref is written (`git update-ref`, refusing to replace an
+  existing branch unless `force`); the worktree, the index and the current branch stay
+  as they are, unless `checkout` asks to switch to the new branch (refused while the
+  run's controller holds its lock, since the controller trains on its checkout).
+* The best trial's checkpoint (`trials.checkpoint_path`) is copied to
+  `.autoloop/<tag>/best/` with a `best.json` that says which trial, commit and metric
+  it belongs to.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from autoloop.errors import AutoloopError
+from autoloop.gitops import BRANCH_PREFIX, GitRepo
+from autoloop.review import CHANGE_KINDS, baseline_trial, best_trial, kept_trials, require_trials, trial_file
+from autoloop.store import utcnow
+
+STATE_DIR = ".autoloop"
+
+
+@dataclass
+class Finalized:
+    branch: str
+    commit: str
+    base_commit: str
+    best_commit: str
+    best_trial: int
+    commits: list[str] = field(default_factory=list)
+    trials: list[int] = field(default_factory=list)
+    checkpoint: str | None = None
+    checkpoint_note: str | None = None
+    checked_out: bool = False
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def default_branch(tag: str) -> str:
+    # Outside autoloop/: that namespace holds the runs' own branches, and a later run
+    # tagged '<tag>-final' must not resume this branch as its own.
+    return f"final/{tag}"
+
+
+def _fmt(value: float | None, spec: str = ".6f") -> str:
+    return "-" if value is None else f"{value:{spec}}"
+
+
+def squash_message(run: dict, kept: list[dict], base: dict | None, best: dict) -> str:
+    lines = []
+    head = f"autoloop {run['tag']}: {len(kept)} kept change{'s' if len(kept) != 1 else ''}"
+    if base is not None:
+        gain = (base["metric"] - best["metric"]) / base["metric"] if base["metric"] else 0.0
+        head += f", val_bpb {_fmt(base['metric'])} -> {_fmt(best['metric'])} ({gain * 100:.2f}% better)"
+    lines += [head, ""]
+    for t in kept:
+        lines.append(f"- trial {t['number']}: {t.get('description') or '(no description)'} "
+                     f"(val_bpb {_fmt(t['metric'])}, {_fmt(t.get('delta'), '+.6f')})")
+    lines += ["", f"Autoloop-Run: {run['tag']}", f"Autoloop-Base: {run['base_commit']}",
+              f"Autoloop-Best: {best['trial_commit']} (trial {best['number']})"]
+    return "\n".join(lines) + "\n"
+
+
+def trial_message(run: dict, trial: dict) -> str:
+    return (f"{trial.get('description') or '(no description)'}\n\n"
+            f"autoloop {run['tag']} trial {trial['number']}: val_bpb {_fmt(trial['metric'])} "
+            f"({_fmt(trial.get('delta'), '+.6f')} vs the best before, {_fmt(trial.get('best_before'))})\n\n"
+            f"Autoloop-Run: {run['tag']}\nAutoloop-Trial: {trial['number']}\nAutoloop-Commit: {trial['trial_commit']}\n")
+
+
+def run_lock_held(repo_root: Path, tag: str) -> bool:
+    """True while a controller holds the run's lock (see autoloop.lock)."""
+    path = repo_root / STATE_DIR / f"{tag}.lock"
+    if not path.exists():
+        return False
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # closing releases the shared lock we may have taken
+    return False
+
+
+def finalize(store, run: dict, repo_dir: Path, *, branch: str | None = None, per_trial: bool = False,
+             force: bool = False, checkout: bool = False) -> Finalized:
+    require_trials(store, run)
+    git = GitRepo.open(repo_dir)
+    tag = run["tag"]
+    branch = branch or default_branch(tag)
+    if not git._succeeds("check-ref-format", f"refs/heads/{branch}"):
+        raise AutoloopError(f"'{branch}' is not a valid branch name: pick another with --branch")
+    own = run.get("branch") or BRANCH_PREFIX + tag
+    if branch == own or branch.startswith(own + "-w"):
+        raise AutoloopError(f"'{branch}' is the run's own branch, which finalize never touches: pick another with --branch")
+    existing = git.branch_commit(branch)
+    if existing is not None and not force:
+        raise AutoloopError(f"branch '{branch}' already exists (at {existing[:12]}): pass --branch NAME, or --force to replace it")
+    if existing is not None and git.current_branch() == branch:
+        raise AutoloopError(f"branch '{branch}' is checked out: switch to another branch before replacing it with --force")
+
+    if checkout:  # refuse before writing anything
+        if run_lock_held(git.root, tag):
+            raise AutoloopError(f"run '{tag}' is still running on this checkout, so --checkout would pull the tree from "
+                                "under it: finalize without --checkout, or after the run stops")
+        dirty = git.dirty_files()
+        if dirty:
+            raise AutoloopError(f"{len(dirty)} tracked file(s) have uncommitted changes ({', '.join(dirty[:3])}): "
+                                "commit or stash them, or finalize without --checkout")
+
+    base_sha = run.get("base_commit")
+    if not base_sha or not git.commit_exists(base_sha):
+        raise AutoloopError(f"the base commit of run '{tag}' ({base_sha}) is not in {git.root}: run finalize in the run's repository (--repo)")
+    best = best_trial(store, run)
+    if best is None:
+        raise AutoloopError(f"run '{tag}' has no successful trial yet: nothing to finalize")
+    best_sha = best["trial_commit"]
+    if not best_sha or not git.commit_exists(best_sha):
+        raise AutoloopError(f"the best commit of run '{tag}' ({best_sha}) is not in {git.root}: run finalize in the run's repository (--repo)")
+    kept = [t for t in kept_trials(store, run)
+            if t["kind"] in CHANGE_KINDS and t.get("trial_commit") and t["trial_commit"] != base_sha
+            and git.commit_exists(t["trial_commit"]) and git.is_ancestor(t["trial_commit"], best_sha)]
+    if not kept or best_sha == base_sha:
+        raise AutoloopError(f"run '{tag}' kept no change over its baseline: there is nothing to finalize")
+
+    identity = git._identity_env()
+    commits: list[str] = []
+    parent = base_sha
+    steps = [(t["trial_commit"], trial_message(run, t)) for t in kept] if per_trial else \
+        [(best_sha, squash_message(run, kept, baseline_trial(store, run), best))]
+    for source, message in steps:
+        tree = git._git("rev-parse", f"{source}^{{tree}}")
+        parent = git._git("commit-tree", tree, "-p", parent, "-m", message, env=identity)
+        commits.append(parent)
+    final_tree = git._git("rev-parse", f"{parent}^{{tree}}")
+    if final_tree != git._git("rev-parse", f"{best_sha}^{{tree}}"):  # cannot happen; guard the promise anyway
+        raise AutoloopError(f"internal error: the finalized tree differs from the best commit {best_sha[:12]}; nothing was written")
+    # Compare-and-swap: fail instead of clobbering a branch someone created meanwhile.
+    git._git("update-ref", "-m", f"autoloop finalize {tag}", f"refs/heads/{branch}", parent, existing or "0" * 40)
+
+    result = Finalized(branch=branch, commit=parent, base_commit=base_sha, best_commit=best_sha,
+                       best_trial=best["number"], commits=commits, trials=[t["number"] for t in kept])
+    _keep_checkpoint(result, run, best, git.root)
+    if checkout:
+        git._git("checkout", "-q", branch)
+        result.checked_out = True
+    return result
+
+
+def _keep_checkpoint(result: Finalized, run: dict, best: dict, root: Path) -> None:
+    target_dir = root / STATE_DIR / run["tag"] / "best"
+    source = trial_file(best, run, root, "checkpoint_path", "checkpoint.pt")
+    target_dir.mkdir(parents=True, exist_ok=True)
+    info = {"run": run["tag"], "trial": best["number"], "commit": best["trial_commit"], "val_bpb": best["metric"],
+            "metric_source": best.get("metric_source"), "heldout_bpb": best.get("heldout_metric"),
+            "branch": result.branch, "finalized_commit": result.commit, "checkpoint": None, "copied_at": utcnow()}
+    if source is None:
+        result.checkpoint_note = (f"trial {best['number']} has no checkpoint on disk (the training script saved none, "
+                                  "or it was deleted); only best.json was written")
+    else:
+        target = target_dir / source.name
+        tmp = target.with_name(target.name + ".tmp")
+        shutil.copy2(source, tmp)
+        os.replace(tmp, target)  # never a half-copied checkpoint under the final name
+        result.checkpoint = str(target)
+        info["checkpoint"] = str(target)
+        info["source"] = str(source)
+    (target_dir / "best.json").write_text(json.dumps(info, indent=1) + "\n")
+

@@ -1,0 +1,201 @@
+"""Integrity checks around every trial: the harness, the data and the budget.
+
+The verifier (autoloop.verify) checks a keep candidate's model; these cheaper checks run
+around every trial, because a trial that tampers with the harness or the data spoils
+every trial after it, and one that overruns its budget is not comparable whatever its
+score.
+
+Fingerprints, before and after each trial
+    The harness: sha256 of each source file under autoloop/harness (the evaluation, the
+    data loader, the clock, the verifier's own worker). The data: sha256 of each split of
+    the prepared dataset (~40 ms for the embedded corpus's 21 MB); a split larger than
+    FULL_HASH_MAX_BYTES is watched by size and modification time instead, so a multi-GB
+    training split costs nothing per trial (it is hashed in full when the run starts).
+    A trial that changed either is `invalid`, naming the files; the run then pauses,
+    because every later trial would be measured with something else.
+
+Budget, after each successful trial (all numbers come from the result JSON or the
+printed block, checked against the budget and against the controller's own clock):
+    * step mode (max_steps): num_steps <= max_steps + STEP_SLACK. The harness clock
+      stops at exactly max_steps; one step of slack forgives an off-by-one in a script
+      that counts its own steps.
+    * time mode: training_seconds <= budget * (1 + TIME_TOLERANCE) + one step. The clock
+      is checked after each step, so an honest run overshoots by at most its last step;
+      the step's length is estimated from the run's own figures (training seconds / timed
+      steps) and capped at MAX_STEP_SLACK of the budget, so a script cannot buy slack by
+      claiming to have taken few, long steps. TIME_TOLERANCE absorbs timer noise.
+    * time mode, the controller's clock: the process's wall time (spawn to exit) must
+      be explained by the budget plus the compile and evaluation time the script reports
+      (compile is the harness's untimed warm-up steps; evaluation is timed separately)
+      plus STARTUP_ALLOWANCE (interpreter and torch import, CUDA init, data loading,
+      checkpoint save). A script that trains longer than it says shows up here.
+    * tokens: total_tokens may not exceed num_steps * batch_tokens when the script
+      reports all three (a self-consistency check; tokens have no independent measure).
+    * fingerprints reported in the result JSON (data, harness) must be the run's.
+
+What these cannot catch: a script that lies about compile or evaluation seconds can hide
+that much training from the wall-clock check; the runner's kill deadline (budget +
+grace_seconds) is the hard bound on that. See docs/verification.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from autoloop.config import Config
+from autoloop.runner import RunOutcome
+
+FULL_HASH_MAX_BYTES = 512 * 2**20
+STEP_SLACK = 1
+TIME_TOLERANCE = 0.02
+MAX_STEP_SLACK = 0.25
+# Untimed start-up allowed on top of budget + reported compile + eval, in seconds.
+STARTUP_ALLOWANCE_SECONDS = 30.0
+STARTUP_ALLOWANCE_FRACTION = 0.1
+
+
+def harness_dir() -> Path:
+    """The harness that this process (and the training processes it starts) imports."""
+    from autoloop.harness.fingerprint import HARNESS_DIR
+
+    return HARNESS_DIR
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """What the harness and the data looked like at one moment."""
+
+    harness: dict[str, str] = field(default_factory=dict)  # relative path -> sha256
+    data: dict[str, str] = field(default_factory=dict)  # split -> sha256 or "stat:size:mtime_ns"
+    data_dir: str = ""
+
+
+def harness_file_hashes(directory: Path) -> dict[str, str]:
+    """sha256 of every .py file under the harness, by relative path (the fingerprint's inputs)."""
+    from autoloop.harness.fingerprint import sha256_file
+
+    return {
+        path.relative_to(directory).as_posix(): sha256_file(path)
+        for path in sorted(Path(directory).rglob("*.py"))
+        if "__pycache__" not in path.parts
+    }
+
+
+def data_signature(data_dir: Path) -> dict[str, str]:
+    """Per split: its sha256, or size and mtime for a split over FULL_HASH_MAX_BYTES."""
+    from autoloop.harness.constants import SPLITS
+    from autoloop.harness.fingerprint import sha256_file
+
+    signature = {}
+    for split in SPLITS:
+        path = Path(data_dir) / f"{split}.bin"
+        try:
+            stat = path.stat()
+        except FileNotFoundError:
+            signature[split] = "missing"
+            continue
+        if stat.st_size <= FULL_HASH_MAX_BYTES:
+            signature[split] = sha256_file(path)
+        else:
+            signature[split] = f"stat:{stat.st_size}:{stat.st_mtime_ns}:{stat.st_ino}"
+    meta = Path(data_dir) / "meta.json"
+    signature["meta.json"] = sha256_file(meta) if meta.exists() else "missing"
+    return signature
+
+
+def take_snapshot(harness: Path, data_dir: Path) -> Snapshot:
+    return Snapshot(harness=harness_file_hashes(harness), data=data_signature(data_dir), data_dir=str(data_dir))
+
+
+def changes(before: Snapshot, after: Snapshot) -> list[str]:
+    """Human-readable differences, e.g. ['harness metric.py modified', 'data split val.bin modified']."""
+    found = []
+    for name in sorted(set(before.harness) | set(after.harness)):
+        old, new = before.harness.get(name), after.harness.get(name)
+        if old != new:
+            what = "added" if old is None else "deleted" if new is None else "modified"
+            found.append(f"harness file {name} {what}")
+    for name in sorted(set(before.data) | set(after.data)):
+        if before.data.get(name) != after.data.get(name):
+            label = name if name.endswith(".json") else f"{name}.bin"
+            found.append(f"data file {label} changed")
+    return found
+
+
+def dataset_problems(data_dir: Path) -> list[str]:
+    """Splits whose content no longer matches the sha256 recorded when they were prepared.
+
+    Splits over FULL_HASH_MAX_BYTES are hashed too: this runs once per run start.
+    """
+    from autoloop import harness as H
+
+    ds = H.load_dataset(data_dir)
+    return [f"data split {name}.bin no longer matches its prepared hash" for name in H.verify_dataset(ds)]
+
+
+def _number(result: dict, key: str) -> float | None:
+    value = result.get(key)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value)
+
+
+def budget_problem(config: Config, outcome: RunOutcome, *, data_fingerprint: str | None = None,
+                   harness_fingerprint: str | None = None) -> str | None:
+    """Why a finished trial's report breaks its budget or contradicts the run, or None."""
+    result = outcome.result or {}
+    steps = _number(result, "num_steps")
+    tokens = _number(result, "total_tokens")
+    batch_tokens = _number(result, "batch_tokens")
+
+    reported_data = result.get("data_fingerprint")
+    if data_fingerprint and isinstance(reported_data, str) and reported_data != data_fingerprint:
+        return (f"trained and evaluated on another dataset (data fingerprint {reported_data[:12]}, the run's is "
+                f"{data_fingerprint[:12]}): its val_bpb is not comparable")
+    reported_harness = result.get("harness_fingerprint")
+    if harness_fingerprint and isinstance(reported_harness, str) and reported_harness != harness_fingerprint:
+        return (f"ran with another harness (fingerprint {reported_harness[:12]}, the run's is "
+                f"{harness_fingerprint[:12]}): its val_bpb was not measured by the fixed harness")
+
+    if steps is not None and tokens is not None and batch_tokens is not None and tokens > steps * batch_tokens:
+        return (f"reports {tokens:.0f} training tokens, more than its {steps:.0f} steps of {batch_tokens:.0f} tokens "
+                "account for")
+
+    if config.max_steps:
+        if steps is not None and steps > config.max_steps + STEP_SLACK:
+            return (f"trained {steps:.0f} steps, over its budget of {config.max_steps} "
+                    f"(+{STEP_SLACK} allowed)")
+        return None
+
+    from autoloop.harness.constants import UNTIMED_WARMUP_STEPS
+
+    budget = float(config.time_budget)
+    training = _number(result, "training_seconds")
+    step_slack = 0.0
+    if training is not None:
+        timed_steps = max(1.0, (steps or 1.0) - UNTIMED_WARMUP_STEPS)
+        step_slack = min(training / timed_steps, MAX_STEP_SLACK * budget)
+        allowed = budget * (1 + TIME_TOLERANCE) + step_slack
+        if training > allowed:
+            return (f"trained {training:.1f} s, over its {budget:g} s budget (allowed {allowed:.1f} s: "
+                    f"one step and {TIME_TOLERANCE:.0%})")
+    untimed = sum(_number(result, key) or 0.0 for key in ("compile_seconds", "eval_seconds"))
+    startup = STARTUP_ALLOWANCE_SECONDS + STARTUP_ALLOWANCE_FRACTION * budget
+    allowed_wall = budget * (1 + TIME_TOLERANCE) + step_slack + untimed + startup
+    if outcome.wall_seconds > allowed_wall:
+        return (f"ran {outcome.wall_seconds:.0f} s by the controller's clock, more than its {budget:g} s budget "
+                f"plus the {untimed:.0f} s of compile and evaluation it reports and {startup:.0f} s of start-up "
+                f"(allowed {allowed_wall:.0f} s): it trained longer than it says")
+    return None
+
+
+def describe_pause(found: list[str], tag: str) -> str:
+    """The pause reason for a run whose harness or data changed under it."""
+    listed = "; ".join(found[:5]) + (f"; and {len(found) - 5} more" if len(found) > 5 else "")
+    if any(item.startswith("harness") for item in found):
+        return (f"the harness changed during the run ({listed}): restore it (`git checkout -- autoloop/harness` in "
+                f"autoloop's checkout, or reinstall autoloop) and resume with `autoloop run --tag {tag}`, or resume "
+                "with --allow-env-change to accept the change")
+    return (f"the prepared data changed ({listed}): delete the data folder, prepare it again and resume with "
+            f"`autoloop run --tag {tag}`")

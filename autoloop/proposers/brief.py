@@ -1,0 +1,410 @@
+"""What an LLM or coding agent is told before it proposes: the shared research brief.
+
+Both the `llm` and the `agent` proposer render the same context from the db and the
+parent commit:
+
+* `program.md` from the repository root (the human's research brief; re-read before each
+  proposal, its hash travels with the proposal so the trial records the brief it saw);
+* the run's state and the harness's fixed constants (what no edit can change);
+* a rolling summary of everything tried, grouped by theme, so a long night does not
+  circle: a theme is an UPPER_CASE constant a diff assigns (with the values tried) or
+  else the top-level function or class a hunk falls in (git's hunk header);
+* a compact table of the recent trials and the diffs of the last few;
+* the human's waiting idea, if the proposer took one;
+* the editable files at the parent commit, in full.
+
+Duplicates: a proposal whose *normalised diff* equals that of a trial already run is not
+run again. The normalised diff is the multiset of removed and added lines per file,
+stripped of surrounding whitespace, blank lines dropped, and with a line that is both
+removed and added (moved, re-indented) cancelled out. It does not depend on the diff
+algorithm, line numbers or hunk headers, so a git diff stored in a trial row and a diff
+computed here with difflib compare equal when they make the same change.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import re
+import subprocess
+from collections import Counter
+from pathlib import Path
+
+from autoloop.proposals import matches
+from autoloop.store import IdeaStatus, Kind, Status
+
+RECENT_TRIALS = 20  # rows of the recent-trials table
+RECENT_DIFFS = 3  # trials whose diffs are shown in full (truncated)
+DIFF_LINES = 80  # lines of each shown diff
+THEMES = 30  # themes in the rolling summary (most recently tried first)
+THEME_EXAMPLES = 5  # values or descriptions listed per theme
+TEXT_CELL = 70  # characters of a description or reason in the table
+
+FALLBACK_PROGRAM = """\
+You are an ML researcher improving a small GPT pretraining script, train.py. Each change
+you propose is trained for a fixed time budget and kept only if the validation metric
+val_bpb (bits per byte, lower is better) improves. Propose one focused change at a time.
+"""
+
+
+# ---------------------------------------------------------------------------------------
+# program.md and ideas
+# ---------------------------------------------------------------------------------------
+
+
+def read_program(repo_dir: Path | str) -> tuple[str | None, str | None]:
+    """(text, hash) of program.md at the repository root; (None, None) when absent.
+
+    The hash is the controller's: sha256 of the bytes, first 16 hex digits.
+    """
+    path = Path(repo_dir) / "program.md"
+    if not path.exists():
+        return None, None
+    data = path.read_bytes()
+    return data.decode("utf-8", errors="replace"), hashlib.sha256(data).hexdigest()[:16]
+
+
+def take_idea(ctx) -> dict | None:
+    """Take the next pending idea this proposer should implement, for this run.
+
+    Text-only ideas always; ideas with constants or a patch only when the chain has no
+    `ideas` proposer to apply them as they are (a prepared LLM proposal must not take
+    them from under it). Highest priority first, then oldest; marked taken in the same
+    `BEGIN IMMEDIATE` transaction, so no other controller takes it too. The id is
+    published in `ctx.extra["taken_idea"]` so that whoever abandons the proposal
+    half-way (the prefetcher at shutdown) can hand the idea back.
+    """
+    from autoloop.proposers.base import resolve_names
+
+    if "ideas" not in resolve_names(ctx.config):
+        idea = ctx.store.next_idea(ctx.run["id"])
+    else:
+        with ctx.store.transaction():
+            waiting = [i for i in ctx.store.ideas(ctx.run["id"], status=IdeaStatus.PENDING)
+                       if not i.get("sets") and not i.get("patch")]
+            idea = min(waiting, key=lambda i: (-i["priority"], i["id"]), default=None)
+            if idea is not None:
+                ctx.store.set_idea_status(idea["id"], IdeaStatus.TAKEN)
+                idea["status"] = IdeaStatus.TAKEN.value
+    if idea is not None:
+        ctx.extra["taken_idea"] = idea["id"]
+    return idea
+
+
+def give_back_idea(ctx, idea: dict | None) -> None:
+    """The proposal failed before it became a trial: the idea waits for the next one."""
+    if idea is not None:
+        ctx.store.set_idea_status(idea["id"], IdeaStatus.PENDING)
+        ctx.extra.pop("taken_idea", None)
+
+
+# ---------------------------------------------------------------------------------------
+# Normalised diffs and duplicates
+# ---------------------------------------------------------------------------------------
+
+
+def _diff_files(diff: str):
+    """Yield (path, line) for each line of a unified diff, tracking the file it belongs to."""
+    path = None
+    for line in diff.splitlines():
+        if line.startswith("diff --git "):
+            match = re.match(r"diff --git a/(.*) b/(.*)$", line)
+            path = match.group(2) if match else path
+        elif line.startswith("+++ "):
+            target = line[4:].strip()
+            if target != "/dev/null":
+                path = target[2:] if target.startswith("b/") else target
+        elif line.startswith("--- "):
+            source = line[4:].strip()
+            if source != "/dev/null" and path is None:
+                path = source[2:] if source.startswith("a/") else source
+        else:
+            yield path, line
+
+
+def normalised_diff(diff: str | None) -> tuple:
+    """The change a diff makes, independent of line numbers and the diff algorithm."""
+    if not diff:
+        return ()
+    removed: Counter = Counter()
+    added: Counter = Counter()
+    for path, line in _diff_files(diff):
+        if line.startswith(("+++", "---")) or not line[:1] in ("+", "-"):
+            continue
+        text = line[1:].strip()
+        if not text:
+            continue
+        (added if line[0] == "+" else removed)[(path, text)] += 1
+    common = removed & added
+    removed, added = removed - common, added - common
+    return tuple(sorted([("-", *key, n) for key, n in removed.items()] + [("+", *key, n) for key, n in added.items()]))
+
+
+def files_diff(files: dict[str, str | None], read_parent_file) -> str:
+    """A unified diff (difflib) from the parent to the materialized files."""
+    parts = []
+    for path, new in sorted(files.items()):
+        old = read_parent_file(path)
+        parts.extend(difflib.unified_diff(
+            (old or "").splitlines(keepends=True), (new or "").splitlines(keepends=True),
+            "/dev/null" if old is None else f"a/{path}", "/dev/null" if new is None else f"b/{path}",
+        ))
+    return "".join(line if line.endswith("\n") else line + "\n" for line in parts)
+
+
+def find_duplicate(diff: str, trials: list[dict]) -> dict | None:
+    """The earliest trial that already made this change, or None.
+
+    Interrupted trials do not count: they never got a result and their idea is retried.
+    """
+    signature = normalised_diff(diff)
+    if not signature:
+        return None
+    for trial in trials:
+        if trial.get("diff") and trial["status"] != Status.INTERRUPTED.value \
+                and normalised_diff(trial["diff"]) == signature:
+            return trial
+    return None
+
+
+def duplicate_reason(trial: dict) -> str:
+    metric = f", val_bpb {trial['metric']:.6f}" if trial.get("metric") is not None else ""
+    return (
+        f"duplicate of trial {trial['number']} ({trial['status']}{metric}: {_cut(trial.get('description'), 80)}): "
+        "this exact change was already tried"
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# Themes: the rolling summary
+# ---------------------------------------------------------------------------------------
+
+_CONSTANT = re.compile(r"^([A-Z][A-Z0-9_]*)\s*(?::[^=]*)?=\s*(.*?)\s*(?:#.*)?$")
+_HUNK = re.compile(r"^@@ [^@]* @@ ?(.*)$")
+_DEF = re.compile(r"^(?:async\s+)?(?:def|class)\s+([A-Za-z_]\w*)")
+
+
+def diff_themes(diff: str | None) -> dict[str, str | None]:
+    """{theme: value}: constants a diff assigns (value = the new text) and the top-level
+    functions/classes it changes (value None). Other changes are theme 'other code'."""
+    themes: dict[str, str | None] = {}
+    context = None
+    for _path, line in _diff_files(diff or ""):
+        hunk = _HUNK.match(line)
+        if hunk:
+            found = _DEF.match(hunk.group(1).strip())
+            context = found.group(1) + "()" if found else None
+            continue
+        if line.startswith(("+++", "---")) or line[:1] not in ("+", "-"):
+            continue
+        body = line[1:]
+        if not body.strip() or body.lstrip().startswith("#"):
+            continue
+        constant = _CONSTANT.match(body)
+        if constant:
+            if line[0] == "+" or constant.group(1) not in themes:
+                themes[constant.group(1)] = constant.group(2) if line[0] == "+" else None
+            continue
+        defined = _DEF.match(body)
+        if defined and not body.startswith((" ", "\t")):
+            themes.setdefault(defined.group(1) + "()", None)
+        else:
+            themes.setdefault(context or "other code", None)
+    return themes
+
+
+def _outcome(trial: dict) -> str:
+    if trial.get("delta") is not None and trial["status"] in (Status.KEEP.value, Status.DISCARD.value):
+        return f"{trial['status']} {trial['delta']:+.4f}"
+    return trial["status"]
+
+
+def theme_summary(trials: list[dict]) -> str:
+    """One line per theme: how often it was tried, what came of it, most recent first."""
+    seen: dict[str, list[tuple[dict, str | None]]] = {}
+    for trial in trials:
+        if trial["kind"] == Kind.BASELINE.value or not trial.get("diff"):
+            continue
+        for theme, value in diff_themes(trial["diff"]).items():
+            seen.setdefault(theme, []).append((trial, value))
+    if not seen:
+        return "Nothing has been tried yet beyond the baseline."
+    order = sorted(seen, key=lambda t: max(tr["number"] for tr, _ in seen[t]), reverse=True)
+    lines = []
+    for theme in order[:THEMES]:
+        entries = seen[theme]
+        kept = sum(1 for tr, _ in entries if tr["status"] == Status.KEEP.value)
+        examples = []
+        for trial, value in entries[-THEME_EXAMPLES:]:
+            what = f"= {value}" if value is not None else f"\"{_cut(trial.get('description'), 50)}\""
+            examples.append(f"#{trial['number']} {what} ({_outcome(trial)})")
+        more = f"; {len(entries) - THEME_EXAMPLES} earlier" if len(entries) > THEME_EXAMPLES else ""
+        lines.append(f"- {theme}: {len(entries)} tried, {kept} kept: " + "; ".join(examples) + more)
+    if len(order) > THEMES:
+        lines.append(f"- ... and {len(order) - THEMES} older themes")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------
+# Rendering
+# ---------------------------------------------------------------------------------------
+
+
+def _cut(text: str | None, width: int) -> str:
+    text = " ".join((text or "").split())
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def _metric(value) -> str:
+    return "-" if value is None else f"{value:.6f}"
+
+
+def trials_table(trials: list[dict]) -> str:
+    if not trials:
+        return "(no trials yet)"
+    rows = ["| # | kind | status | val_bpb | delta | description | reason |", "|---|---|---|---|---|---|---|"]
+    for t in trials[-RECENT_TRIALS:]:
+        delta = "-" if t.get("delta") is None else f"{t['delta']:+.6f}"
+        rows.append(
+            f"| {t['number']} | {t['kind']} | {t['status']} | {_metric(t.get('metric'))} | {delta} | "
+            f"{_cut(t.get('description'), TEXT_CELL).replace('|', '/')} | {_cut(t.get('reason'), TEXT_CELL).replace('|', '/')} |"
+        )
+    return "\n".join(rows)
+
+
+def _truncated_diff(diff: str) -> str:
+    lines = diff.rstrip("\n").splitlines()
+    if len(lines) <= DIFF_LINES:
+        return "\n".join(lines)
+    return "\n".join(lines[:DIFF_LINES] + [f"... ({len(lines) - DIFF_LINES} more lines)"])
+
+
+def recent_diffs(trials: list[dict]) -> str:
+    shown = [t for t in trials if t.get("diff") and t["kind"] != Kind.BASELINE.value][-RECENT_DIFFS:]
+    if not shown:
+        return "(none yet)"
+    parts = []
+    for t in shown:
+        parts.append(f"### trial {t['number']} ({_outcome(t)}): {_cut(t.get('description'), 100)}\n"
+                     f"```diff\n{_truncated_diff(t['diff'])}\n```")
+    return "\n\n".join(parts)
+
+
+def harness_facts(config) -> str:
+    from autoloop.harness import constants as C
+    from autoloop.harness.tokenizer import ByteTokenizer
+
+    if config.max_steps:
+        budget = f"{config.max_steps} optimizer steps per trial (step budget; progress = step / steps)"
+    else:
+        budget = f"{config.time_budget:g} seconds of timed training per trial"
+    return "\n".join([
+        f"- budget: {budget}; start-up, compilation and evaluation get {config.grace_seconds:g} s more before a kill",
+        f"- untimed warm-up steps (compilation): {C.UNTIMED_WARMUP_STEPS}, fixed by the harness",
+        f"- context length: {C.SEQ_LEN['cuda']} tokens on CUDA, {C.SEQ_LEN['cpu']} on CPU",
+        f"- tokenizer: bytes (vocabulary {ByteTokenizer.vocab_size}); val_bpb = mean cross-entropy / ln 2 per raw byte",
+        f"- validation set: {C.EVAL_TOKENS['cuda']} target tokens on CUDA, {C.EVAL_TOKENS['cpu']} on CPU; "
+        "a held-out split checks kept trials",
+        f"- seed: {config.seed}; data, tokenizer, loader, evaluation and clock come from autoloop.harness (read-only)",
+    ])
+
+
+def state_line(ctx, trials: list[dict]) -> str:
+    baseline = next((t for t in trials if t["kind"] == Kind.BASELINE.value and t.get("metric") is not None), None)
+    best = ctx.store.best_trial(ctx.run["id"])
+    counts = Counter(t["status"] for t in trials)
+    counted = ", ".join(f"{n} {s}" for s, n in sorted(counts.items())) or "none"
+    parts = [f"Run '{ctx.run['tag']}': {len(trials)} trials so far ({counted})."]
+    if baseline is not None:
+        parts.append(f"Baseline val_bpb {_metric(baseline['metric'])}.")
+    if best is not None:
+        parts.append(f"Best val_bpb {_metric(best['metric'])} (trial {best['number']}); the files below are that version.")
+    running = [t["number"] for t in trials if t["status"] == Status.RUNNING.value]
+    if running:
+        parts.append(f"Trial {', '.join(map(str, running))} is training now (result not known yet): "
+                     "propose something else.")
+    return " ".join(parts)
+
+
+def idea_section(idea: dict | None) -> str:
+    if idea is None:
+        return ""
+    extra = ""
+    if idea.get("sets"):
+        extra += "\nSuggested constant values: " + ", ".join(f"{k} = {v}" for k, v in idea["sets"].items())
+    if idea.get("patch"):
+        extra += f"\nSuggested patch:\n```diff\n{_truncated_diff(idea['patch'])}\n```"
+    return (
+        "# The human's idea to try now\n"
+        "The human asked for this; implement it (say so in your description):\n"
+        f"> {idea['text']}{extra}\n\n"
+    )
+
+
+def files_section(ctx, read_file, heading: str) -> str:
+    parts = [f"# {heading}"]
+    for path in editable_paths(ctx, read_file):
+        text = read_file(path)
+        parts.append(f"## {path}\n```{_language(path)}\n{text.rstrip()}\n```")
+    return "\n\n".join(parts)
+
+
+def editable_paths(ctx, read_file) -> list[str]:
+    """Editable files that exist at the parent commit (glob patterns are listed by git)."""
+    paths = []
+    for pattern in ctx.config.editable:
+        if any(ch in pattern for ch in "*?["):
+            listed = subprocess.run(
+                ["git", "ls-tree", "-r", "--name-only", ctx.parent_commit], cwd=ctx.repo.root,
+                capture_output=True, text=True, check=True,
+            ).stdout.splitlines()
+            paths.extend(p for p in listed if matches(p, [pattern]) and p not in paths)
+        elif read_file(pattern) is not None and pattern not in paths:
+            paths.append(pattern)
+    return paths
+
+
+def _language(path: str) -> str:
+    return {"py": "python", "md": "markdown", "toml": "toml", "json": "json"}.get(path.rsplit(".", 1)[-1], "")
+
+
+def render_context(ctx, *, idea: dict | None = None, read_file=None, files_heading: str | None = None,
+                   extra: str = "") -> str:
+    """The user-side prompt shared by the LLM and the agent (the answer format is added
+    by each). `read_file` defaults to the parent commit; a repair passes the crashed
+    version instead."""
+    read_file = read_file or ctx.read_parent_file
+    trials = ctx.history()
+    sections = [
+        "# State\n" + state_line(ctx, trials),
+        "# Fixed by the harness (no edit can change these)\n" + harness_facts(ctx.config),
+        "# What has been tried, by theme (most recent first)\n" + theme_summary(trials),
+        "# Recent trials (newest last)\n" + trials_table(trials),
+        "# Diffs of the last few trials\n" + recent_diffs(trials),
+    ]
+    text = "\n\n".join(sections) + "\n\n" + idea_section(idea) + extra
+    heading = files_heading or "The editable files at the current best commit (your edits apply to these)"
+    return text + files_section(ctx, read_file, heading) + "\n"
+
+
+def repair_section(trial: dict) -> str:
+    """The crashed trial, its traceback and what is asked: fix it, keep the idea."""
+    return (
+        f"# Repair: trial {trial['number']} crashed\n"
+        f"Trial {trial['number']} (\"{_cut(trial.get('description'), 200)}\") crashed: {_cut(trial.get('reason'), 300)}\n"
+        "The end of its log:\n"
+        f"```\n{(trial.get('error_tail') or '').rstrip()}\n```\n"
+        "Fix the cause of the crash while keeping the idea of the change. The files below are "
+        "the crashed version (the change included): edit those.\n\n"
+    )
+
+
+def is_repairable(trial: dict) -> bool:
+    """A crash with a plain Python error (a traceback or an `...Error: message` line) is
+    worth one repair; timeouts, NaN losses and kills are not code errors to fix."""
+    if trial.get("status") != Status.CRASH.value or trial.get("kind") != Kind.PROPOSAL.value:
+        return False
+    tail = trial.get("error_tail") or ""
+    return "Traceback (most recent call last)" in tail or bool(
+        re.search(r"^\w+(?:\.\w+)*(?:Error|Exception)\b[^\n]*", tail, re.MULTILINE)
+    )

@@ -1,0 +1,179 @@
+"""The verifier: no trial is kept on a number the harness did not check.
+
+The controller holds one `Verifier` (the default; `Controller(verifier=None)` turns all
+of this off, for tests with fake scripts) and calls it at four points:
+
+* `check_run(controller)` before each work item: the harness and the prepared data are
+  still what they were when this invocation started (and, at the first call, the data
+  splits still match the hashes recorded when they were prepared). A difference pauses
+  the run with the changed files named.
+* `snapshot(controller)` right before a training process starts, and
+* `check_trial(controller, trial, outcome, before)` right after it ends: a trial that
+  changed the harness or the data is `invalid`; a finished one whose report breaks its
+  budget or names another dataset or harness is `invalid` (autoloop.integrity).
+* `verifier(controller, trial, outcome, fields) -> Verdict` for a trial the decision would
+  keep (only when `config.verify`): the trial's train.py is read from its commit into the
+  trial folder and a fresh process on the same device (`python -m autoloop.harness.verify`,
+  run by the runner: own process group, deadline, log file `verify.log`) rebuilds the
+  model from that copy and the checkpoint, checks causality, re-evaluates val_bpb and
+  evaluates the held-out split. On success the trial's metric becomes the re-evaluated
+  value with metric_source `verified`, and the held-out bpb and the verification time
+  are stored; the controller decides again on the verified value.
+
+Which trials can be verified:
+* metric_source `reported` (a third-party script: no result JSON, only the printed
+  block): nothing to rebuild, so the keep stays `reported` and is shown as unverified
+  everywhere; the controller never compares such a metric with a verified one.
+* a result JSON (the harness contract) but no checkpoint, no `build_model`, or a train
+  command that names no .py file: `invalid`. A script that claims the contract is held
+  to it; silently trusting its number would defeat the check.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from autoloop import integrity
+from autoloop.errors import AutoloopError
+from autoloop.runner import RunOutcome, run_training
+from autoloop.store import MetricSource
+
+VERDICT_FILE = "verify.json"
+VERIFY_LOG = "verify.log"
+# The verification deadline: rebuild + causality + two evaluations. The evaluations cost
+# about what the trial's own evaluation did; the floor covers interpreter and torch
+# start-up and a slow, shared machine.
+DEADLINE_FLOOR_SECONDS = 120.0
+DEADLINE_EVAL_FACTOR = 4.0
+
+
+@dataclass
+class Verdict:
+    ok: bool
+    reason: str = ""
+    fields: dict = field(default_factory=dict)  # merged into the trial row
+
+
+class Verifier:
+    """Integrity checks around every trial and out-of-process verification of keep candidates."""
+
+    def __init__(self, harness_dir: Path | str | None = None, python: str | None = None):
+        # The harness the training processes import; the default is the one this process
+        # imports (tests point it at a copy so that a trial may tamper with it safely).
+        self.harness_dir = Path(harness_dir) if harness_dir is not None else integrity.harness_dir()
+        self.python = python or sys.executable
+        self._reference: integrity.Snapshot | None = None
+        self._harness_fingerprint: str | None = None
+
+    # ------------------------------------------------------------------ integrity
+
+    def snapshot(self, controller) -> integrity.Snapshot:
+        return integrity.take_snapshot(self.harness_dir, controller.data_dir())
+
+    def check_run(self, controller) -> str | None:
+        """A pause reason if the harness or the data changed since this invocation began."""
+        now = self.snapshot(controller)
+        if self._reference is None or self._reference.data_dir != now.data_dir:
+            problems = integrity.dataset_problems(controller.data_dir())
+            if problems:
+                return integrity.describe_pause(problems, controller.tag)
+            self._reference = now
+            from autoloop.harness import compute_harness_fingerprint
+
+            self._harness_fingerprint = compute_harness_fingerprint(self.harness_dir)
+            return None
+        found = integrity.changes(self._reference, now)
+        return integrity.describe_pause(found, controller.tag) if found else None
+
+    def check_trial(self, controller, trial: dict, outcome: RunOutcome, before: integrity.Snapshot | None) -> str | None:
+        """Why the trial is invalid whatever its metric (tampering, a broken budget), or None."""
+        if before is not None:
+            found = integrity.changes(before, self.snapshot(controller))
+            if found:
+                return "changed the fixed harness or data while it ran: " + "; ".join(found)
+        if outcome.status != "ok":
+            return None
+        return integrity.budget_problem(
+            controller.config, outcome, data_fingerprint=(controller.run_row or {}).get("data_fingerprint"),
+            harness_fingerprint=self._harness_fingerprint,
+        )
+
+    # ------------------------------------------------------------------ verification
+
+    def __call__(self, controller, trial: dict, outcome: RunOutcome, fields: dict) -> Verdict:
+        number = trial["number"]
+        if outcome.metric_source == MetricSource.REPORTED.value:
+            controller._say(
+                f"trial {number}: only a printed val_bpb (no result JSON), so it cannot be verified; "
+                "it is kept as reported (unverified)", "yellow",
+            )
+            return Verdict(True, "", {"metric_source": MetricSource.REPORTED.value})
+        trial_dir = controller.trial_dir(number)
+        checkpoint = trial_dir / "checkpoint.pt"
+        if not checkpoint.exists():
+            return Verdict(False, (
+                "wrote a result JSON but no checkpoint, so its val_bpb cannot be verified: save the trained model "
+                "to $AUTOLOOP_CHECKPOINT with autoloop.harness.save_checkpoint"
+            ))
+        script = controller._train_script()
+        if script is None:
+            return Verdict(False, (
+                f"the train command {controller.config.train_command!r} names no .py file, so the verifier cannot "
+                "rebuild the model: use a command like 'python train.py', or run with --no-verify"
+            ))
+        try:
+            relative = script.resolve().relative_to(controller.repo_dir).as_posix()
+            source = controller.repo.show_file(trial["trial_commit"], relative)
+        except (ValueError, AutoloopError) as exc:
+            return Verdict(False, f"cannot read the trial's {script.name} from its commit: {exc}")
+        snapshot = trial_dir / "source" / relative
+        snapshot.parent.mkdir(parents=True, exist_ok=True)
+        snapshot.write_text(source)
+
+        result = outcome.result or {}
+        device = "cpu" if str(result.get("device", "cpu")).lower() == "cpu" else "cuda"
+        verdict_path = trial_dir / VERDICT_FILE
+        verdict_path.unlink(missing_ok=True)
+        eval_seconds = result.get("eval_seconds") if isinstance(result.get("eval_seconds"), (int, float)) else 0.0
+        deadline = max(DEADLINE_FLOOR_SECONDS, controller.config.grace_seconds) + DEADLINE_EVAL_FACTOR * min(
+            max(float(eval_seconds), 0.0), float(controller.config.time_budget))
+        command = [
+            self.python, "-m", "autoloop.harness.verify", "--train-py", str(snapshot), "--checkpoint", str(checkpoint),
+            "--reported", repr(float(outcome.metric)), "--out", str(verdict_path), "--data-dir", str(controller.data_dir()),
+            "--device", device, "--seed", str(number),
+        ]
+        controller._say(f"verifying trial {number} in a fresh process: causality, val_bpb, held-out")
+        ran = run_training(
+            command, cwd=controller.repo_dir, log_path=trial_dir / VERIFY_LOG, deadline_seconds=deadline,
+            # The contract variables are the trial's, not the verifier's: nothing here may
+            # overwrite its result or checkpoint.
+            env={"AUTOLOOP_RESULT": None, "AUTOLOOP_CHECKPOINT": None, "AUTOLOOP_PROGRESS": None,
+                 "AUTOLOOP_DATA_DIR": str(controller.data_dir())},
+            should_abort=lambda: controller.abort_requested,
+        )
+        timing = {"verify_seconds": ran.wall_seconds}
+        if ran.status == "aborted":
+            return Verdict(False, "verification was interrupted, so the trial is not kept", timing)
+        if ran.status == "timeout":
+            return Verdict(False, f"verification did not finish within {deadline:.0f} s (see {VERIFY_LOG})", timing)
+        try:
+            if ran.returncode != 0:
+                raise ValueError("the worker failed")
+            verdict = json.loads(verdict_path.read_text())
+        except (OSError, ValueError):
+            why = ran.reason or f"exit {ran.returncode}"
+            return Verdict(False, f"verification crashed ({why}; see {trial_dir / VERIFY_LOG})", timing)
+        if verdict.get("heldout_bpb") is not None:
+            timing["heldout_metric"] = float(verdict["heldout_bpb"])
+        if not verdict.get("ok"):
+            return Verdict(False, f"failed verification: {verdict.get('reason') or 'no reason given'}", timing)
+        val = float(verdict["val_bpb"])
+        controller._say(
+            f"trial {number} verified in {ran.wall_seconds:.1f} s: val_bpb {val:.6f} (reported "
+            f"{outcome.metric:.6f}), held-out {timing.get('heldout_metric', float('nan')):.6f}, causal", "green",
+        )
+        return Verdict(True, "", {**timing, "metric": val, "metric_source": MetricSource.VERIFIED.value})
+

@@ -1,0 +1,418 @@
+"""The loop core with the fake training script: statuses, git, db, stop conditions, bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+
+import pytest
+
+from autoloop.config import resolve
+from autoloop.controller import Controller
+from autoloop.errors import AutoloopError
+from autoloop.gitops import GitRepo
+from autoloop.ideas import seed_idea
+from autoloop.runner import process_group_alive
+from autoloop.store import Store
+
+
+def run_loop(repo, **flags):
+    flags.setdefault("tag", "t")
+    flags.setdefault("time_budget", 5)
+    flags.setdefault("grace_seconds", 20)
+    flags.setdefault("proposers", "ideas")
+    config = resolve(repo, flags)
+    return Controller(config, repo, verifier=None).run()
+
+
+def seed(repo, text, *sets, patch=None, priority=0):
+    return seed_idea(resolve(repo, {}), repo, text, sets=list(sets), patch=patch, priority=priority)
+
+
+def trials(repo, tag="t"):
+    store = Store(repo / "experiments.db")
+    try:
+        return store.trials(store.get_run(tag)["id"])
+    finally:
+        store.close()
+
+
+def git(repo, *args) -> str:
+    return subprocess.run(["git", *args], cwd=repo, check=True, capture_output=True, text=True).stdout.strip()
+
+
+def assert_consistent(repo, tag="t"):
+    """Branch on the db's best commit, clean worktree, every non-kept commit archived."""
+    store = Store(repo / "experiments.db")
+    try:
+        run = store.get_run(tag)
+        rows = store.trials(run["id"])
+        assert store.integrity_check() == [] or store.integrity_check() == ["ok"]
+    finally:
+        store.close()
+    gitrepo = GitRepo.open(repo)
+    assert gitrepo.branch_commit(f"autoloop/{tag}") == run["best_commit"]
+    assert gitrepo.current_branch() == f"autoloop/{tag}"
+    assert not gitrepo.is_dirty()
+    archived = gitrepo.archived(tag)
+    for row in rows:
+        assert row["status"] != "running"
+        if row["trial_commit"] and row["status"] != "keep" and row["kind"] == "proposal":
+            assert archived.get(row["number"]) == row["trial_commit"], row
+    kept = [r for r in rows if r["status"] == "keep"]
+    assert kept and kept[-1]["trial_commit"] == run["best_commit"]
+    numbers = [r["number"] for r in rows]
+    assert numbers == list(range(1, len(rows) + 1))
+    return rows
+
+
+def test_baseline_then_ideas_keep_discard_and_archive(fake_repo):
+    seed(fake_repo, "lower lr", "LR=0.01")
+    seed(fake_repo, "wider", "WIDTH=128")
+    seed(fake_repo, "narrower and 2**5", "WIDTH=2**5")
+    summary = run_loop(fake_repo)
+    rows = assert_consistent(fake_repo)
+    assert [(r["kind"], r["status"]) for r in rows] == [
+        ("baseline", "keep"), ("proposal", "keep"), ("proposal", "discard"), ("proposal", "discard"),
+    ]
+    assert rows[1]["metric"] == pytest.approx(1.0) and rows[1]["delta"] < 0
+    assert rows[1]["best_before"] == pytest.approx(rows[0]["metric"])
+    assert summary.trials_run == 4 and summary.best_metric == pytest.approx(1.0)
+    assert "no more proposals" in summary.stop_reason
+    # Each trial's diff is recoverable: in the row and from git.
+    for row in rows[1:]:
+        assert row["diff"] == GitRepo.open(fake_repo).diff(row["parent_commit"], row["trial_commit"])
+        changed = [l for l in row["diff"].splitlines() if l.startswith(("+", "-")) and not l.startswith(("+++", "---"))]
+        assert len(changed) == 2  # a one-line change
+    assert "WIDTH = 2**5" in git(fake_repo, "show", f"refs/autoloop/t/trials/4:train.py")
+    assert "LR = 0.01" in (fake_repo / "train.py").read_text()
+    store = Store(fake_repo / "experiments.db")
+    assert [i["status"] for i in store.ideas()] == ["done", "done", "done"]
+    assert store.curve(rows[0]["id"])  # the result's curve is stored
+    store.close()
+
+
+@pytest.mark.parametrize(
+    "mode, status, reason",
+    [
+        ("'crash'", "crash", "RuntimeError: CUDA out of memory"),
+        ("'fail'", "crash", "FAIL: loss is nan"),
+        ("'nan'", "crash", "nan"),
+        ("'nometric'", "crash", "without a val_bpb"),
+        ("'hang'", "timeout", ""),
+        ("'stubborn_child'", "timeout", ""),
+    ],
+)
+def test_misbehaving_scripts_get_the_right_status_and_leave_no_process(fake_repo, mode, status, reason):
+    seed(fake_repo, f"mode {mode}", f"MODE={mode}")
+    run_loop(fake_repo, time_budget=1, grace_seconds=2)
+    rows = assert_consistent(fake_repo)
+    row = rows[-1]
+    assert row["status"] == status, row
+    assert reason in (row["reason"] or "")
+    if row["pgid"]:
+        assert not process_group_alive(row["pgid"])
+    assert rows[0]["status"] == "keep"
+
+
+def test_reported_only_metric_is_not_compared_with_harness_best(fake_repo):
+    seed(fake_repo, "summary only, and better", "MODE='reported'", "LR=0.01")
+    run_loop(fake_repo)
+    row = assert_consistent(fake_repo)[-1]
+    assert row["metric_source"] == "reported" and row["status"] == "invalid"
+    assert "cannot be checked" in row["reason"]
+
+
+def test_third_party_script_runs_on_reported_metrics(tmp_path):
+    from conftest import FAKE_TRAIN, make_repo
+
+    source = FAKE_TRAIN.read_text().replace('MODE = "ok"', 'MODE = "reported"')
+    repo = make_repo(tmp_path / "third", source)
+    seed(repo, "lower lr", "LR=0.01")
+    run_loop(repo)
+    rows = assert_consistent(repo)
+    assert [r["status"] for r in rows] == ["keep", "keep"]
+    assert {r["metric_source"] for r in rows} == {"reported"}
+
+
+def test_invalid_proposals_commit_nothing(fake_repo):
+    seed(fake_repo, "syntax error", "LR=0.01")
+    store = Store(fake_repo / "experiments.db")
+    # Ideas stored directly, as a proposer could produce them: a patch to a protected
+    # file, a patch that does not apply, a syntax error.
+    protected = "--- a/pyproject.toml\n+++ b/pyproject.toml\n@@ -0,0 +1 @@\n+x\n"
+    (fake_repo / "pyproject.toml").write_text("")
+    git(fake_repo, "add", "pyproject.toml")
+    git(fake_repo, "-c", "user.name=t", "-c", "user.email=t@e", "commit", "-qm", "pyproject")
+    store.add_idea("touch protected", patch=protected.replace("@@ -0,0 +1 @@", "@@ -0,0 +1 @@"))
+    store.add_idea("stale patch", patch="--- a/train.py\n+++ b/train.py\n@@ -1,1 +1,1 @@\n-no such line\n+x\n")
+    store.add_idea("broken python", sets={"LR": "0.01 +"})
+    store.close()
+    before = git(fake_repo, "rev-list", "--all", "--count")
+    run_loop(fake_repo)
+    rows = assert_consistent(fake_repo)
+    by_desc = {r["description"]: r for r in rows}
+    assert by_desc["touch protected"]["status"] == "invalid"
+    assert "protected file pyproject.toml" in by_desc["touch protected"]["reason"]
+    assert by_desc["stale patch"]["status"] == "invalid"
+    assert "does not apply" in by_desc["stale patch"]["reason"]
+    assert by_desc["broken python"]["status"] == "invalid"
+    for row in (by_desc["touch protected"], by_desc["stale patch"], by_desc["broken python"]):
+        assert row["trial_commit"] is None
+    # Only the valid proposal added a commit (plus the pyproject commit made above).
+    assert int(git(fake_repo, "rev-list", "--all", "--count")) == int(before) + 1
+
+
+def unified_diff(old: str, new: str, path: str = "train.py") -> str:
+    import difflib
+
+    return "".join(difflib.unified_diff(old.splitlines(True), new.splitlines(True), f"a/{path}", f"b/{path}"))
+
+
+def test_syntax_error_proposal_is_invalid(fake_repo):
+    source = (fake_repo / "train.py").read_text()
+    patch = unified_diff(source, source.replace("LR = 0.02", "LR = = 0.02"))
+    store = Store(fake_repo / "experiments.db")
+    store.add_idea("typo", patch=patch)
+    store.close()
+    run_loop(fake_repo)
+    row = assert_consistent(fake_repo)[-1]
+    assert row["status"] == "invalid" and row["reason"].startswith("syntax error in train.py line 17")
+
+
+def test_max_trials_and_resume_continue_numbering(fake_repo):
+    for value in ("0.015", "0.012", "0.011"):
+        seed(fake_repo, f"lr {value}", f"LR={value}")
+    summary = run_loop(fake_repo, max_trials=2)
+    assert summary.trials_run == 2 and "max-trials" in summary.stop_reason
+    run_loop(fake_repo)
+    rows = assert_consistent(fake_repo)
+    assert [r["number"] for r in rows] == [1, 2, 3, 4]
+    assert [r["kind"] for r in rows].count("baseline") == 1
+
+
+def test_stop_request_from_another_process_stops_after_current_trial(fake_repo):
+    for value in ("0.015", "0.012", "0.011", "0.0105"):
+        seed(fake_repo, f"lr {value}", f"LR={value}", "SLEEP=1.0")
+    proc = subprocess.Popen(
+        ["autoloop", "run", "--no-verify", "--proposers", "ideas", "--tag", "t", "--time-budget", "5"], cwd=fake_repo,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        if (fake_repo / "experiments.db").exists():
+            store = Store(fake_repo / "experiments.db")
+            run = store.get_run("t")
+            n = len(store.trials(run["id"])) if run else 0
+            store.close()
+            if n >= 2:
+                break
+        time.sleep(0.2)
+    out = subprocess.run(["autoloop", "stop", "--tag", "t"], cwd=fake_repo, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    output, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, output
+    assert "stopped by `autoloop stop`" in output
+    rows = assert_consistent(fake_repo)
+    assert len(rows) < 5
+
+
+def test_ctrl_c_kills_the_trial_resets_and_exits_zero(fake_repo):
+    seed(fake_repo, "slow one", "SLEEP=30", "LR=0.01")
+    proc = subprocess.Popen(
+        ["autoloop", "run", "--no-verify", "--proposers", "ideas", "--tag", "t", "--time-budget", "60"], cwd=fake_repo,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    deadline = time.time() + 60
+    pgid = None
+    while time.time() < deadline and pgid is None:
+        time.sleep(0.2)
+        if (fake_repo / "experiments.db").exists():
+            store = Store(fake_repo / "experiments.db")
+            run = store.get_run("t")
+            rows = store.trials(run["id"]) if run else []
+            store.close()
+            if len(rows) == 2 and rows[1]["pgid"]:
+                pgid = rows[1]["pgid"]
+    assert pgid is not None
+    proc.send_signal(2)  # SIGINT, as Ctrl-C
+    output, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, output
+    assert "interrupted" in output
+    assert not process_group_alive(pgid)
+    rows = assert_consistent(fake_repo)
+    assert rows[1]["status"] == "interrupted"
+    store = Store(fake_repo / "experiments.db")
+    assert store.ideas()[0]["status"] == "pending"  # not evaluated: back in the queue
+    store.close()
+
+
+def test_circuit_breaker_reruns_incumbent_then_continues(fake_repo):
+    for i in range(2):
+        seed(fake_repo, f"crash {i}", "MODE='crash'", f"LR={0.03 + i / 100}")
+    seed(fake_repo, "good", "LR=0.01")
+    run_loop(fake_repo, max_consecutive_failures=2)
+    rows = assert_consistent(fake_repo)
+    assert [(r["kind"], r["status"]) for r in rows] == [
+        ("baseline", "keep"), ("proposal", "crash"), ("proposal", "crash"), ("rerun", "discard"), ("proposal", "keep"),
+    ]
+    assert rows[3]["trial_commit"] == rows[0]["trial_commit"]
+
+
+def test_circuit_breaker_pauses_when_incumbent_fails_too(fake_repo, monkeypatch):
+    seed(fake_repo, "crash", "MODE='crash'")
+    # The incumbent starts failing too: simulate a broken machine by a training command
+    # that fails for everything after the baseline.
+    marker = fake_repo / ".autoloop-broken"
+    wrapper = fake_repo / "wrap.sh"
+    wrapper.write_text(f'#!/bin/sh\nif [ -e {marker} ]; then echo "CUDA error: device busy" >&2; exit 1; fi\n'
+                       f'touch {marker}\nexec python train.py\n')
+    wrapper.chmod(0o755)
+    git(fake_repo, "add", "wrap.sh")
+    git(fake_repo, "-c", "user.name=t", "-c", "user.email=t@e", "commit", "-qm", "wrapper")
+    summary = run_loop(fake_repo, max_consecutive_failures=1, train_command="sh wrap.sh")
+    assert summary.paused and "incumbent itself failed" in summary.stop_reason
+    store = Store(fake_repo / "experiments.db")
+    run = store.get_run("t")
+    assert run["status"] == "paused" and "device busy" in run["pause_reason"]
+    store.close()
+
+
+def test_baseline_failure_pauses_with_reason(tmp_path):
+    from conftest import FAKE_TRAIN, make_repo
+
+    repo = make_repo(tmp_path / "r", FAKE_TRAIN.read_text().replace('MODE = "ok"', 'MODE = "crash"'))
+    summary = run_loop(repo)
+    assert summary.paused and "baseline fails" in summary.stop_reason and "RuntimeError" in summary.stop_reason
+
+
+def test_hours_limit_starts_no_trial_that_cannot_finish(fake_repo):
+    seed(fake_repo, "lr", "LR=0.01")
+    summary = run_loop(fake_repo, hours=0.0001, time_budget=30)
+    assert summary.trials_run == 0 and "--hours" in summary.stop_reason
+
+
+def test_dirty_tree_is_refused_and_nothing_is_recorded(fake_repo):
+    (fake_repo / "train.py").write_text((fake_repo / "train.py").read_text() + "\n# local edit\n")
+    with pytest.raises(AutoloopError, match="uncommitted changes to tracked files \\(train.py\\)"):
+        run_loop(fake_repo)
+    store = Store(fake_repo / "experiments.db")
+    assert store.runs() == []
+    store.close()
+
+
+def test_missing_training_script_is_one_clear_line(fake_repo):
+    with pytest.raises(AutoloopError, match="training script .*nope.py does not exist"):
+        run_loop(fake_repo, train_command="python nope.py")
+
+
+def test_second_controller_on_the_same_run_is_refused(fake_repo):
+    seed(fake_repo, "slow", "SLEEP=20", "LR=0.01")
+    proc = subprocess.Popen(["autoloop", "run", "--no-verify", "--proposers", "ideas", "--tag", "t"], cwd=fake_repo,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 60
+        while time.time() < deadline and len(trials_or_empty(fake_repo)) < 2:
+            time.sleep(0.2)
+        with pytest.raises(AutoloopError, match="another autoloop controller .* is already running tag 't'"):
+            run_loop(fake_repo)
+    finally:
+        proc.send_signal(2)
+        proc.wait(timeout=60)
+    assert_consistent(fake_repo)
+
+
+def test_db_from_a_newer_schema_is_refused(fake_repo):
+    run_loop(fake_repo, max_trials=1)
+    import sqlite3
+
+    conn = sqlite3.connect(fake_repo / "experiments.db")
+    conn.execute("INSERT INTO _migrations (name, applied_at) VALUES ('9999_from_the_future', 'x')")
+    conn.commit()
+    conn.close()
+    with pytest.raises(AutoloopError, match="newer autoloop"):
+        run_loop(fake_repo)
+    conn = sqlite3.connect(fake_repo / "experiments.db")
+    assert conn.execute("SELECT COUNT(*) FROM trials").fetchone()[0] == 1  # nothing lost
+    conn.close()
+
+
+def test_environment_change_is_refused_unless_allowed(fake_repo):
+    run_loop(fake_repo, max_trials=1)
+    import sqlite3
+
+    conn = sqlite3.connect(fake_repo / "experiments.db")
+    conn.execute("UPDATE runs SET torch_version = '2.5.0'")
+    conn.commit()
+    conn.close()
+    with pytest.raises(AutoloopError, match="different environment .*torch_version '2.5.0'.*--allow-env-change"):
+        run_loop(fake_repo)
+    seed(fake_repo, "lr", "LR=0.01")
+    run_loop(fake_repo, allow_env_change=True)
+    store = Store(fake_repo / "experiments.db")
+    run = store.get_run("t")
+    assert run["env_changes"] and run["env_changes"][0]["changes"]["torch_version"][0] == "2.5.0"
+    assert any(e["kind"] == "env_change" for e in store.events(run["id"]))
+    store.close()
+
+
+def test_seed_rejects_unknown_constant_and_bad_patch(fake_repo, tmp_path):
+    with pytest.raises(AutoloopError, match="no UPPER_CASE constant NOPE: use one of LR, MODE, SLEEP, WIDTH"):
+        seed(fake_repo, "x", "NOPE=1")
+    with pytest.raises(AutoloopError, match="is not NAME=VALUE"):
+        seed(fake_repo, "x", "LR")
+    bad = tmp_path / "bad.diff"
+    bad.write_text("this is not a diff\n")
+    with pytest.raises(AutoloopError, match="is not a usable diff"):
+        seed(fake_repo, "x", patch=bad)
+
+
+def test_ideas_seeded_during_a_run_are_picked_up(fake_repo):
+    seed(fake_repo, "slow first", "SLEEP=2", "LR=0.015")
+    proc = subprocess.Popen(["autoloop", "run", "--no-verify", "--proposers", "ideas", "--tag", "t"], cwd=fake_repo,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        time.sleep(0.2)
+        if (fake_repo / "experiments.db").exists() and len(trials_or_empty(fake_repo)) >= 2:
+            break
+    seed(fake_repo, "seeded mid-run", "LR=0.01")
+    output, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, output
+    rows = assert_consistent(fake_repo)
+    assert rows[-1]["description"] == "seeded mid-run" and rows[-1]["status"] == "keep"
+
+
+def trials_or_empty(repo):
+    if not (repo / "experiments.db").exists():
+        return []
+    store = Store(repo / "experiments.db")
+    try:
+        run = store.get_run("t")
+        return store.trials(run["id"]) if run else []
+    finally:
+        store.close()
+
+
+def test_readers_in_other_processes_never_see_database_locked(fake_repo):
+    for i in range(6):
+        seed(fake_repo, f"lr {i}", f"LR={0.011 + i / 1000}")
+    reader = subprocess.Popen(
+        ["python", "-c", (
+            "import subprocess, time, sys\n"
+            "end = time.time() + 8\n"
+            "bad = 0\n"
+            "while time.time() < end:\n"
+            "    for cmd in (['autoloop', 'log', '--json'], ['autoloop', 'status']):\n"
+            "        out = subprocess.run(cmd, capture_output=True, text=True)\n"
+            "        if 'locked' in out.stderr or 'locked' in out.stdout: bad += 1; print(out.stderr)\n"
+            "print('BAD', bad)\n"
+        )],
+        cwd=fake_repo, stdout=subprocess.PIPE, text=True,
+    )
+    time.sleep(0.5)
+    run_loop(fake_repo)
+    output, _ = reader.communicate(timeout=60)
+    assert "BAD 0" in output, output

@@ -1,0 +1,129 @@
+"""Crash safety: kill the controller (SIGKILL) at each critical window, restart, check.
+
+The controller is a real `autoloop run` subprocess; its training child runs in its own
+process group, so SIGKILL of the controller leaves it running as an orphan, exactly as
+an OOM kill or a closed laptop lid would.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import sqlite3
+import subprocess
+import time
+
+import pytest
+
+from autoloop.faults import POINTS
+from autoloop.runner import process_group_alive
+from autoloop.store import Store
+
+from test_controller import assert_consistent, seed
+
+
+def autoloop_run(repo, *args, fault: str | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = {**os.environ}
+    if fault:
+        env["AUTOLOOP_FAULT"] = fault
+    return subprocess.run(
+        ["autoloop", "run", "--tag", "t", "--time-budget", "60", "--grace-seconds", "30", "--no-verify", "--proposers", "ideas", *args],
+        cwd=repo, env=env, capture_output=True, text=True, timeout=timeout,
+    )
+
+
+def rows_of(repo):
+    store = Store(repo / "experiments.db")
+    try:
+        return store.trials(store.get_run("t")["id"])
+    finally:
+        store.close()
+
+
+def integrity_ok(repo):
+    conn = sqlite3.connect(repo / "experiments.db")
+    try:
+        return conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("point", POINTS)
+def test_controller_killed_at_each_fault_point_recovers(fake_repo, point):
+    seed(fake_repo, "slow better idea", "LR=0.01", "SLEEP=20")
+    # The baseline passes every point but after_commit once; die in the proposal's trial.
+    died = autoloop_run(fake_repo, fault=point if point == "after_commit" else f"{point}:2")
+    assert died.returncode == -signal.SIGKILL, died.stdout + died.stderr
+
+    before = rows_of(fake_repo)
+    assert [r["number"] for r in before] == [1, 2]
+    orphan = before[1]["pgid"]
+    if point == "during_training":
+        assert orphan and process_group_alive(orphan), "the training child should have outlived its controller"
+
+    started = time.monotonic()
+    restarted = autoloop_run(fake_repo, "--max-trials", "0")
+    assert restarted.returncode == 0, restarted.stdout + restarted.stderr
+    if orphan:
+        assert not process_group_alive(orphan)
+        assert time.monotonic() - started < 15
+
+    rows = assert_consistent(fake_repo)
+    assert integrity_ok(fake_repo)
+    assert [r["number"] for r in rows] == [1, 2], "no trial lost or counted twice"
+    second = rows[1]
+    if point == "during_reset":
+        # The decision was recorded before the controller died: it stands, and git was
+        # made to agree (the kept commit is the branch tip).
+        assert second["status"] == "keep"
+    else:
+        assert second["status"] == "interrupted"
+        store = Store(fake_repo / "experiments.db")
+        assert store.ideas()[0]["status"] == "pending"  # the idea goes back to the queue
+        store.close()
+    if point in ("after_commit", "during_training", "after_training"):
+        assert second["trial_commit"]  # its edits are not lost: archived
+    # The loop carries on normally afterwards.
+    seed(fake_repo, "quick next", "LR=0.012", priority=5)
+    finished = autoloop_run(fake_repo, "--max-trials", "1")
+    assert finished.returncode == 0, finished.stdout + finished.stderr
+    rows = assert_consistent(fake_repo)
+    assert [r["number"] for r in rows] == [1, 2, 3] and rows[2]["description"] == "quick next"
+
+
+@pytest.mark.slow
+def test_soak_random_kills(fake_repo):
+    """Kill the controller at random moments at least 20 times; nothing may break."""
+    rng = random.Random(1234)
+    for i in range(40):
+        seed(fake_repo, f"lr {i}", f"LR={0.005 + i * 0.0005:.4f}", "SLEEP=0.3")
+    kills = 0
+    env = {**os.environ}
+    while kills < 20:
+        proc = subprocess.Popen(
+            ["autoloop", "run", "--tag", "t", "--time-budget", "60", "--grace-seconds", "30", "--no-verify", "--proposers", "ideas"],
+            cwd=fake_repo, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        )
+        time.sleep(rng.uniform(1.5, 4.0))  # start-up (torch import) takes ~2 s
+        if proc.poll() is not None:
+            _, err = proc.communicate()
+            assert proc.returncode == 0, err
+            break
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        kills += 1
+    assert kills >= 20
+    final = autoloop_run(fake_repo, timeout=600)
+    assert final.returncode == 0, final.stdout + final.stderr
+    rows = assert_consistent(fake_repo)
+    assert integrity_ok(fake_repo)
+    for row in rows:
+        if row["pgid"]:
+            assert not process_group_alive(row["pgid"])
+    store = Store(fake_repo / "experiments.db")
+    ideas = store.ideas()
+    store.close()
+    assert all(i["status"] == "done" for i in ideas), "every idea evaluated exactly once to completion"
+    done_trials = [r for r in rows if r["status"] != "interrupted" and r["kind"] == "proposal"]
+    assert len(done_trials) == len(ideas) == len({r["idea_id"] for r in done_trials})

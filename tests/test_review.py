@@ -1,0 +1,602 @@
+"""The morning review on a real tiny CPU run: log, show, diff, best, finalize, report,
+export and load_trials, checked against what the db and git say.
+
+The run is made once per session by the real Controller over the fake training script
+(see review_support.py for its trials); tests that write (finalize, report) work on a
+private copy of it.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import re
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from autoloop.cli import app
+from review_support import EXPECTED, GIT_ENV, TAG, WRITER, build_run, copy_repo, db_rows, git
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="session")
+def night(tmp_path_factory, session_cache, embedded_dataset) -> Path:
+    """The fixture run's repository (read-only for tests: copy it to write)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("AUTOLOOP_CACHE_DIR", str(session_cache))
+        for name in ("AUTOLOOP_TIME_BUDGET", "AUTOLOOP_MAX_STEPS", "AUTOLOOP_TAG", "AUTOLOOP_FAULT"):
+            mp.delenv(name, raising=False)
+        return build_run(tmp_path_factory.mktemp("night"))
+
+
+@pytest.fixture
+def repo(night, tmp_path) -> Path:
+    return copy_repo(night, tmp_path / "copy")
+
+
+def cli(repo: Path, *args: str, ok: bool = True):
+    result = runner.invoke(app, [*args, "--repo", str(repo)])
+    if ok:
+        assert result.exit_code == 0, (result.output, result.exception)
+    return result
+
+
+def trials(repo: Path) -> list[dict]:
+    return db_rows(repo, "SELECT * FROM trials ORDER BY number")
+
+
+# ---------------------------------------------------------------------------- the fixture itself
+
+
+def test_fixture_run_has_every_outcome(night):
+    rows = trials(night)
+    assert {t["number"]: (t["kind"], t["status"]) for t in rows} == EXPECTED
+
+
+# ---------------------------------------------------------------------------- log
+
+
+def test_log_json_is_the_db(night):
+    out = json.loads(cli(night, "log", "--json").output)
+    db = trials(night)
+    assert [r["number"] for r in out] == [t["number"] for t in db]
+    for row, t in zip(out, db):
+        for key in ("kind", "status", "reason", "metric", "metric_source", "best_before", "description", "proposer",
+                    "trial_commit", "heldout_metric", "lineage", "idea_id", "parent_commit", "started_at", "finished_at"):
+            assert row[key] == t[key], key
+        assert row["minutes"] == (round(t["wall_seconds"] / 60, 2) if t["wall_seconds"] is not None else None)
+        if t["metric"] is not None and t["best_before"] is not None:
+            assert row["delta"] == pytest.approx(t["metric"] - t["best_before"])
+        else:
+            assert row["delta"] is None
+
+
+@pytest.mark.parametrize("args, numbers", [
+    (["--status", "keep"], [1, 2, 4]),
+    (["--status", "crash,timeout"], [3, 7, 9]),
+    (["--kind", "baseline"], [1]),
+    (["--last", "3"], [7, 8, 9]),
+    (["--status", "discard", "--last", "1"], [8]),
+    (["--tag", TAG, "--kind", "proposal", "--status", "invalid"], [6]),
+])
+def test_log_filters(night, args, numbers):
+    out = json.loads(cli(night, "log", "--json", *args).output)
+    assert [r["number"] for r in out] == numbers
+
+
+def test_log_text_lists_every_trial_with_its_reason(night):
+    out = cli(night, "log").output
+    for t in trials(night):
+        line = next(l for l in out.splitlines() if re.match(rf"\s*{t['number']} ", l))
+        assert t["kind"] in line and t["status"] in line
+        assert (t["description"] or "")[:20] in line
+        if t["metric"] is not None:
+            assert f"{t['metric']:.6f}" in line
+    assert "CUDA out of memory (pretend)" in out
+    assert "showing" not in out  # 9 trials: all of them
+
+
+def test_log_default_view_is_the_last_50(tmp_path):
+    from autoloop.store import Store
+
+    repo = tmp_path / "r"
+    repo.mkdir()
+    store = Store(repo / "experiments.db")
+    run = store.create_run("many", branch="autoloop/many", base_commit="0" * 40)
+    for i in range(60):
+        t = store.new_trial(run["id"], "proposal" if i else "baseline", description=f"idea {i}")
+        store.update_trial(t["id"], status="discard", metric=1.0 + i / 100)
+    store.close()
+    out = cli(repo, "log").output
+    numbers = [int(l.split()[0]) for l in out.splitlines() if re.match(r"\s*\d+ ", l)]
+    assert numbers == list(range(11, 61))
+    assert "showing 50 of 60 trials" in out
+    every = cli(repo, "log", "--all").output
+    assert len([l for l in every.splitlines() if re.match(r"\s*\d+ ", l)]) == 60
+    assert len(json.loads(cli(repo, "log", "--json").output)) == 60
+
+
+def test_log_rejects_an_unknown_status(night):
+    result = cli(night, "log", "--status", "kept", ok=False)
+    assert result.exit_code == 1
+    assert result.output.strip().splitlines() == [
+        "error: unknown status 'kept': use one of running, keep, discard, crash, timeout, invalid, interrupted "
+        "(comma-separated for several)"]
+
+
+# ---------------------------------------------------------------------------- show and diff
+
+
+def test_show_has_every_field_the_evidence_diff_and_log(night):
+    t = next(r for r in trials(night) if r["number"] == 5)
+    out = cli(night, "show", "5").output
+    assert out.startswith(f"trial 5 of run '{TAG}' [proposal]: discard")
+    for text in (t["description"], t["reason"], f"{t['metric']:.6f} (harness)", f"{t['best_before']:.6f}",
+                 f"{t['metric'] - t['best_before']:+.6f}", "keep margin    0.0", t["parent_commit"], t["trial_commit"],
+                 f"refs/autoloop/{TAG}/trials/5", "idea           4: wider [WIDTH=128]", "+WIDTH = 128", "-WIDTH = 64"):
+        assert text in out, text
+    log_lines = Path(t["log_path"]).read_text().splitlines()
+    assert f"log: last {len(log_lines)} lines of {t['log_path']}" in out
+    assert out.rstrip().endswith(log_lines[-1])
+
+
+def test_show_json_has_every_column(night):
+    out = json.loads(cli(night, "show", "3", "--json").output)
+    columns = [c["name"] for c in db_rows(night, "PRAGMA table_info(trials)")]
+    process = {"pgid", "pid", "pid_start_time", "heartbeat_at"}
+    assert set(columns) - process <= set(out)
+    assert out["status"] == "crash" and out["reason"] == "RuntimeError: CUDA out of memory (pretend)"
+    assert any("RuntimeError: CUDA out of memory (pretend)" in line for line in out["log_tail"])
+
+
+def test_show_of_a_crash_and_an_invalid_trial(night):
+    crash = cli(night, "show", "3", "--no-diff").output
+    assert "RuntimeError: CUDA out of memory (pretend)" in crash and "\ndiff\n" not in crash
+    invalid = cli(night, "show", "6").output
+    assert "invalid" in invalid and "syntax error in train.py" in invalid
+    assert "(none: the proposal was rejected before it was committed" in invalid
+
+
+def test_diff_is_the_commit_diff_and_applies(night, tmp_path):
+    t = next(r for r in trials(night) if r["number"] == 4)
+    out = cli(night, "diff", "4").stdout
+    assert out == git(night, "diff", "--no-color", "--binary", t["parent_commit"], t["trial_commit"], "--")
+    # It applies to the parent: check it in a scratch worktree at the parent commit.
+    work = tmp_path / "wt"
+    git(night, "worktree", "add", "--detach", str(work), t["parent_commit"])
+    try:
+        subprocess.run(["git", "apply", "--check", "-"], cwd=work, input=out, text=True, check=True)
+    finally:
+        git(night, "worktree", "remove", "--force", str(work))
+
+
+def test_diff_without_a_diff_says_why(night):
+    base = cli(night, "diff", "1")
+    assert base.stdout == "" and "the baseline trains the base commit unchanged" in base.stderr
+    invalid = cli(night, "diff", "6")
+    assert invalid.stdout == "" and "rejected before it was committed" in invalid.stderr
+
+
+# ---------------------------------------------------------------------------- best
+
+
+def test_best_against_the_baseline(night):
+    info = json.loads(cli(night, "best", "--json").output)
+    keeps = db_rows(night, "SELECT * FROM trials WHERE status = 'keep' ORDER BY metric LIMIT 1")[0]
+    run = db_rows(night, "SELECT * FROM runs")[0]
+    base = db_rows(night, "SELECT * FROM trials WHERE kind = 'baseline'")[0]
+    assert info["best_trial"] == keeps["number"] == 4
+    assert info["best_commit"] == run["best_commit"] == keeps["trial_commit"]
+    assert info["metric"] == keeps["metric"] and info["baseline_metric"] == base["metric"]
+    assert info["relative_gain"] == pytest.approx((base["metric"] - keeps["metric"]) / base["metric"])
+    assert info["kept"] == 2 and info["heldout_metric"] is None
+    text = cli(night, "best").output
+    assert f"trial 4 at {run['best_commit']}" in text and "held-out  - (not verified)" in text
+    assert f"{(base['metric'] - keeps['metric']) / base['metric'] * 100:.2f}% better" in text
+
+
+# ---------------------------------------------------------------------------- finalize
+
+
+def _state(repo: Path) -> tuple:
+    return (git(repo, "rev-parse", "HEAD"), git(repo, "symbolic-ref", "HEAD"), git(repo, "status", "--porcelain"),
+            git(repo, "rev-parse", f"autoloop/{TAG}"), (repo / "train.py").read_text())
+
+
+def test_finalize_squashes_the_kept_changes_onto_the_base(repo):
+    run = db_rows(repo, "SELECT * FROM runs")[0]
+    before = _state(repo)
+    out = cli(repo, "finalize", "--json").output
+    result = json.loads(out)
+    branch = f"final/{TAG}"
+    assert result["branch"] == branch and result["trials"] == [2, 4]
+    assert _state(repo) == before  # worktree, HEAD, current branch and the run's branch untouched
+    tip = git(repo, "rev-parse", branch).strip()
+    assert git(repo, "rev-parse", f"{tip}^{{tree}}") == git(repo, "rev-parse", f"{run['best_commit']}^{{tree}}")
+    assert git(repo, "rev-parse", f"{tip}^").strip() == run["base_commit"]
+    message = git(repo, "log", "-1", "--format=%B", tip)
+    kept = db_rows(repo, "SELECT * FROM trials WHERE status = 'keep' AND kind = 'proposal' ORDER BY number")
+    for t in kept:
+        assert f"- trial {t['number']}: {t['description']} (val_bpb {t['metric']:.6f}, {t['delta']:+.6f})" in message
+    assert "crash it" not in message and "wider" not in message
+    # The best trial's checkpoint, copied under .autoloop/<tag>/best/.
+    best_dir = repo / ".autoloop" / TAG / "best"
+    assert json.loads((best_dir / "checkpoint.pt").read_text()) == {"LR": 0.01, "WIDTH": 64}
+    info = json.loads((best_dir / "best.json").read_text())
+    assert info["trial"] == 4 and info["commit"] == run["best_commit"] and info["finalized_commit"] == tip
+
+
+def test_finalize_per_trial_and_the_branch_rules(repo):
+    run = db_rows(repo, "SELECT * FROM runs")[0]
+    kept = {t["number"]: t for t in db_rows(repo, "SELECT * FROM trials WHERE status = 'keep' AND kind = 'proposal'")}
+    cli(repo, "finalize", "--per-trial", "--branch", "story")
+    commits = git(repo, "rev-list", "--reverse", f"{run['base_commit']}..story").split()
+    assert len(commits) == 2
+    for sha, number in zip(commits, (2, 4)):
+        assert git(repo, "rev-parse", f"{sha}^{{tree}}") == git(repo, "rev-parse", f"{kept[number]['trial_commit']}^{{tree}}")
+        assert f"Autoloop-Trial: {number}" in git(repo, "log", "-1", "--format=%B", sha)
+
+    again = cli(repo, "finalize", "--branch", "story", ok=False)
+    assert again.exit_code == 1 and "branch 'story' already exists" in again.output
+    assert len(again.output.strip().splitlines()) == 1
+    cli(repo, "finalize", "--branch", "story", "--force")
+    assert git(repo, "rev-list", "--count", f"{run['base_commit']}..story").strip() == "1"
+    own = cli(repo, "finalize", "--branch", f"autoloop/{TAG}", ok=False)
+    assert own.exit_code == 1 and "the run's own branch" in own.output
+    assert git(repo, "rev-parse", f"autoloop/{TAG}").strip() == run["best_commit"]
+
+
+def test_finalize_checkout(repo):
+    (repo / "train.py").write_text((repo / "train.py").read_text() + "# local edit\n")
+    dirty = cli(repo, "finalize", "--checkout", ok=False)
+    assert dirty.exit_code == 1 and "uncommitted changes" in dirty.output
+    assert "final/" not in git(repo, "branch")  # refused before anything was written
+    git(repo, "checkout", "--", "train.py")
+    cli(repo, "finalize", "--checkout")
+    assert git(repo, "symbolic-ref", "--short", "HEAD").strip() == f"final/{TAG}"
+    best = db_rows(repo, "SELECT best_commit FROM runs")[0]["best_commit"]
+    assert (repo / "train.py").read_text() == git(repo, "show", f"{best}:train.py")
+
+
+# ---------------------------------------------------------------------------- report
+
+
+def _stats(page: str) -> dict[str, str]:
+    return dict(re.findall(r'data-key="(\w+)"><div class="label">[^<]*</div><div class="value">([^<]*)</div>', page))
+
+
+def test_report_headline_tables_and_charts(repo, tmp_path):
+    out_dir = tmp_path / "report"
+    result = cli(repo, "report", "--out", str(out_dir))
+    assert "report.html" in result.output
+    page = (out_dir / "report.html").read_text()
+    db = trials(repo)
+    count = lambda *statuses: sum(1 for t in db if t["status"] in statuses)
+    proposals = [t for t in db if t["kind"] == "proposal"]
+    kept = sum(1 for t in proposals if t["status"] == "keep")
+    decided = sum(1 for t in proposals if t["status"] != "interrupted")
+    base = next(t for t in db if t["kind"] == "baseline")["metric"]
+    best = min(t["metric"] for t in db if t["status"] == "keep")
+    stats = _stats(page)
+    assert stats["trials"] == str(len(db)) == "9"
+    assert stats["kept"] == str(kept) == "2"
+    assert stats["discarded"] == str(count("discard")) == "2"
+    assert stats["crashed"] == str(count("crash", "timeout")) == "3"
+    assert stats["invalid"] == str(count("invalid")) == "1"
+    assert stats["keep_rate"] == f"{kept / decided * 100:.1f}%"
+    assert stats["gpu_hours"] == f"{sum(t['wall_seconds'] or 0 for t in db) / 3600:.2f}"
+    assert stats["baseline_to_best"] == f"{base:.4f} → {best:.4f}"
+    assert stats["relative_gain"] == f"{(base - best) / base * 100:.1f}%"
+
+    # The kept table lists exactly the kept trials, in order, with their deltas.
+    kept_table = page.split('<table id="kept">')[1].split("</table>")[0]
+    assert [int(n) for n in re.findall(r'<tr data-trial="(\d+)"', kept_table)] == \
+        [t["number"] for t in db if t["status"] == "keep"] == [1, 2, 4]
+    for t in db:
+        if t["status"] == "keep" and t["delta"] is not None:
+            assert f"{t['delta']:+.6f}" in kept_table
+
+    crashes = page.split('<table id="crash-reasons">')[1].split("</table>")[0]
+    rows = re.findall(r"<tr><td class=\"num\">(\d+)</td><td>([^<]*)</td><td>([^<]*)</td></tr>", crashes)
+    assert rows[0] == ("2", "RuntimeError: CUDA out of memory (pretend)", "3, 9")
+    assert any(r[2] == "7" and "deadline" in r[1] for r in rows)
+    assert "syntax error in train.py" in page.split('<table id="invalid-reasons">')[1].split("</table>")[0]
+
+    ideas = page.split('<table id="ideas">')[1].split("</table>")[0]
+    assert len(re.findall(r"<tr data-idea=", ideas)) == 9
+    assert "try rotary embeddings" in ideas and "not tried yet" in ideas
+    assert "trial 4: <span class=\"status keep\">keep</span>" in ideas
+
+    # Charts: written as PNG files and embedded, byte for byte, in the page.
+    embedded = [base64.b64decode(b) for b in re.findall(r'src="data:image/png;base64,([^"]+)"', page)]
+    files = [(out_dir / "progress.png").read_bytes(), (out_dir / "loss_curves.png").read_bytes()]
+    assert embedded == files
+    assert all(f.startswith(b"\x89PNG\r\n\x1a\n") for f in files)
+    assert "http://" not in page and "https://" not in page  # self-contained
+
+
+def test_report_default_folder(repo):
+    cli(repo, "report")
+    assert (repo / ".autoloop" / TAG / "report" / "report.html").exists()
+    assert (repo / ".autoloop" / TAG / "report" / "progress.png").exists()
+
+
+def test_report_without_matplotlib_is_one_line(repo, tmp_path):
+    code = ("import sys; sys.modules['matplotlib'] = None\n"
+            "from autoloop.cli import main; sys.argv = ['autoloop', 'report', '--repo', sys.argv[1], '--out', sys.argv[2]]\n"
+            "main()")
+    done = subprocess.run([sys.executable, "-c", code, str(repo), str(tmp_path / "r")], capture_output=True, text=True)
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines() == [
+        "error: the report needs matplotlib, which is not installed: pip install 'autoloop[report]'"]
+    assert not (tmp_path / "r").exists()
+
+
+# ---------------------------------------------------------------------------- export and load_trials
+
+
+def test_export_tsv_reads_back_with_pandas(night, tmp_path):
+    import pandas as pd
+
+    out = tmp_path / "results.tsv"
+    cli(night, "export", "--format", "tsv", "--out", str(out))
+    df = pd.read_csv(out, sep="\t")
+    assert list(df.columns[:5]) == ["commit", "val_bpb", "memory_gb", "status", "description"]
+    db = trials(night)
+    assert list(df["trial"]) == [t["number"] for t in db]
+    for (_, row), t in zip(df.iterrows(), db):
+        assert row["status"] == t["status"] and row["description"] == t["description"]
+        assert (row["commit"] if isinstance(row["commit"], str) else None) == (t["trial_commit"][:7] if t["trial_commit"] else None)
+        if t["metric"] is None:
+            assert pd.isna(row["val_bpb"])
+        else:
+            assert row["val_bpb"] == t["metric"]  # exact: written with full precision
+        if t["peak_memory_mb"] is None:
+            assert pd.isna(row["memory_gb"])
+        else:
+            assert row["memory_gb"] == round(t["peak_memory_mb"] / 1024, 1)
+        assert (None if pd.isna(row["delta"]) else row["delta"]) == t["delta"]
+        assert row["kind"] == t["kind"] and row["run"] == TAG
+    # stdout gives the same text
+    assert cli(night, "export").stdout == out.read_text()
+
+
+def test_export_csv_and_json(night):
+    import pandas as pd
+
+    df = pd.read_csv(io.StringIO(cli(night, "export", "--format", "csv").stdout))
+    assert list(df["status"]) == [t["status"] for t in trials(night)]
+    records = json.loads(cli(night, "export", "--format", "json").stdout)
+    db = trials(night)
+    assert [r["number"] for r in records] == [t["number"] for t in db]
+    for r, t in zip(records, db):
+        assert r["metric"] == t["metric"] and r["diff"] == t["diff"] and r["run"] == TAG
+        assert r["result"] == (json.loads(t["result"]) if t["result"] else None)
+        assert "pgid" not in r
+    bad = cli(night, "export", "--format", "xlsx", ok=False)
+    assert bad.exit_code == 1 and "unknown export format 'xlsx'" in bad.output
+
+
+def test_load_trials_is_typed(night):
+    import pandas as pd
+
+    import autoloop
+
+    df = autoloop.load_trials(night / "experiments.db")
+    db = trials(night)
+    assert list(df["number"]) == [t["number"] for t in db]
+    assert str(df["number"].dtype) == "Int64" and str(df["idea_id"].dtype) == "Int64"
+    assert df["metric"].dtype == "float64"
+    assert isinstance(df["status"].dtype, pd.CategoricalDtype)
+    assert set(df["status"].cat.categories) == {"running", "keep", "discard", "crash", "timeout", "invalid", "interrupted"}
+    assert str(df["started_at"].dtype).startswith("datetime64") and str(df["started_at"].dt.tz) == "UTC"
+    assert str(df["description"].dtype) == "string"
+    assert (df["run"] == TAG).all()
+    for (_, row), t in zip(df.iterrows(), db):
+        assert (None if pd.isna(row["metric"]) else row["metric"]) == t["metric"]
+        assert row["status"] == t["status"]
+    assert isinstance(df.loc[0, "result"], dict)
+    assert len(autoloop.load_trials(night / "experiments.db", run=TAG)) == len(db)
+
+
+def test_load_trials_errors(night, tmp_path):
+    from autoloop import load_trials
+    from autoloop.errors import AutoloopError
+
+    with pytest.raises(AutoloopError, match="no run tagged 'nope'.*runs: night"):
+        load_trials(night / "experiments.db", run="nope")
+    with pytest.raises(AutoloopError, match="no trial database at"):
+        load_trials(tmp_path / "missing.db")
+    assert not (tmp_path / "missing.db").exists()
+    (tmp_path / "notes.txt").write_text("hello\n")
+    with pytest.raises(AutoloopError, match="not an autoloop database"):
+        load_trials(tmp_path / "notes.txt")
+
+
+def test_import_autoloop_stays_light():
+    code = "import sys, autoloop; assert callable(autoloop.__getattr__); print(sorted(m for m in ('pandas', 'sqlite_utils', 'git', 'matplotlib') if m in sys.modules))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"
+
+
+# ---------------------------------------------------------------------------- errors
+
+
+def _one_error_line(result, text: str) -> None:
+    assert result.exit_code == 1, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and text in lines[0], lines
+
+
+COMMANDS = [["log"], ["show", "1"], ["diff", "1"], ["best"], ["finalize"], ["report"], ["export"]]
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=lambda c: c[0])
+def test_unknown_run_and_foreign_file(night, tmp_path, command):
+    _one_error_line(cli(night, *command, "--tag", "nope", ok=False), "no run tagged 'nope'")
+    (tmp_path / "notes.db").write_text("not sqlite\n")
+    _one_error_line(cli(night, *command, "--db", str(tmp_path / "notes.db"), ok=False), "is not an autoloop database")
+    conn = sqlite3.connect(tmp_path / "other.db")
+    conn.execute("CREATE TABLE things (x)")
+    conn.close()
+    _one_error_line(cli(night, *command, "--db", str(tmp_path / "other.db"), ok=False), "is not an autoloop database")
+
+
+@pytest.mark.parametrize("command", COMMANDS[1:], ids=lambda c: c[0])
+def test_empty_run(tmp_path, command):
+    from autoloop.store import Store
+
+    repo = tmp_path / "r"
+    repo.mkdir()
+    store = Store(repo / "experiments.db")
+    store.create_run("empty", branch="autoloop/empty", base_commit="0" * 40)
+    store.close()
+    expected = "has no trial 1 (no trials yet)" if command[0] in ("show", "diff") else "run 'empty' has no trials yet"
+    _one_error_line(cli(repo, *command, ok=False), expected)
+    assert cli(repo, "log").output.strip() == "run 'empty' has no trials yet"
+
+
+@pytest.mark.parametrize("command", [["show", "99"], ["diff", "99"], ["show", "0"]], ids=lambda c: " ".join(c))
+def test_trial_that_does_not_exist(night, command):
+    _one_error_line(cli(night, *command, ok=False), f"run '{TAG}' has no trial {command[1]} (trials 1-9)")
+
+
+# ---------------------------------------------------------------------------- while a run is writing
+
+
+def test_every_command_works_while_a_run_is_writing(repo, tmp_path, session_cache):
+    """A real controller resumes the run in another process and keeps writing trials
+    (each one sleeps a little) while every review command reads the same db."""
+    from autoloop.store import Store
+
+    store = Store(repo / "experiments.db")
+    for i in range(40):
+        store.add_idea(f"slow {i}", sets={"SLEEP": "0.4", "LR": f"{0.013 + i / 10000:.4f}"}, source="human")
+    store.close()
+    before = len(trials(repo))
+    env = {**os.environ, **GIT_ENV, "AUTOLOOP_CACHE_DIR": str(session_cache)}
+    writer = subprocess.Popen(
+        [sys.executable, "-c", WRITER, str(repo), TAG, "40"],
+        cwd=repo, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
+    )
+    try:
+        deadline = time.time() + 60
+        while len(trials(repo)) < before + 2:
+            assert writer.poll() is None and time.time() < deadline, writer.stderr.read().decode()
+            time.sleep(0.2)
+        out = tmp_path / "out"
+        for round_ in range(2):
+            latest = str(len(trials(repo)))
+            for command in (["log"], ["log", "--json"], ["show", latest], ["show", "2"], ["diff", "4"], ["best"],
+                            ["report", "--out", str(out)], ["export", "--format", "tsv"], ["export", "--format", "json"],
+                            ["finalize", "--branch", f"snapshot{round_}"], ["status"], ["ideas"]):
+                cli(repo, *command)
+            assert writer.poll() is None, "the writer finished before the readers did: give it more work"
+        rows = json.loads(cli(repo, "log", "--json").output)
+        assert len(rows) > before + 2
+        assert [r["number"] for r in rows] == list(range(1, len(rows) + 1))
+        page = (out / "report.html").read_text()
+        assert _stats(page)["trials"] in {str(n) for n in range(before + 2, len(rows) + 1)}
+    finally:
+        if writer.poll() is None:
+            os.kill(writer.pid, signal.SIGINT)  # the controller stops after killing its trial
+        writer.wait(timeout=60)
+    after = trials(repo)
+    assert all(t["status"] != "running" for t in after)
+    assert db_rows(repo, "PRAGMA integrity_check")[0]["integrity_check"] == "ok"
+
+
+# ---------------------------------------------------------------------------- slow: a browser, the real train.py
+
+
+def _pixels_near(image, rgb, tolerance=12) -> int:
+    import numpy as np
+
+    target = np.array(rgb, dtype=float) / 255.0
+    return int((np.abs(image[:, :, :3] - target).max(axis=2) < tolerance / 255.0).sum())
+
+
+@pytest.mark.slow
+def test_report_screenshot_in_headless_chromium(repo, tmp_path):
+    """The page as a browser renders it shows the charts and the tables (look at the
+    PNG yourself with scripts/screenshot_report.py; this checks it is not blank)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    try:
+        import screenshot_report
+    finally:
+        sys.path.pop(0)
+    if screenshot_report.find_chromium() is None:
+        pytest.skip("no chromium installed (apt-get install -y chromium)")
+    from matplotlib.image import imread
+
+    cli(repo, "report", "--out", str(tmp_path / "report"))
+    png = screenshot_report.screenshot(tmp_path / "report" / "report.html", tmp_path / "shot.png", height=2600)
+    image = imread(png)
+    assert image.shape[1] == 1280 and image.shape[0] == 2600
+    white = (image[:, :, :3] > 0.98).all(axis=2).mean()
+    assert white < 0.93, "the page is (almost) blank"
+    assert _pixels_near(image, (0x1a, 0x98, 0x50)) > 200  # kept points and the running-best line
+    assert _pixels_near(image, (0xd7, 0x30, 0x27)) > 20  # the crash markers
+    assert _pixels_near(image, (0xf6, 0xf8, 0xfa)) > 20000  # stat cards and table headers
+
+
+REAL_IDEAS = [("lower embedding lr", {"EMBEDDING_LR": "0.3"})]  # 5.000 -> 4.932 at 3 steps
+
+
+@pytest.mark.slow
+def test_review_of_a_run_of_the_real_train_py(tmp_path, session_cache, embedded_dataset, monkeypatch):
+    """The real train.py in step mode, verified, then every review command on its db:
+    real loss curves, a real checkpoint, held-out metrics."""
+    from autoloop.config import resolve
+    from autoloop.controller import Controller
+    from autoloop.store import Store
+    from conftest import REPO_ROOT, make_repo
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    repo = make_repo(tmp_path / "real", (REPO_ROOT / "train.py").read_text())
+    config = resolve(repo, {"tag": "real", "max_steps": 3, "max_trials": 2, "proposers": "ideas"})
+    store = Store(repo / "experiments.db")
+    for text, sets in REAL_IDEAS:
+        store.add_idea(text, sets=sets, source="human")
+    store.close()
+    Controller(config, repo).run()
+    db = trials(repo)
+    assert [t["status"] for t in db] == ["keep", "keep"], [t["reason"] for t in db]
+
+    info = json.loads(cli(repo, "best", "--json").output)
+    assert info["best_trial"] == 2 and info["metric_source"] == "verified"
+    assert info["heldout_metric"] == db[1]["heldout_metric"] is not None
+    assert info["baseline_heldout_metric"] == db[0]["heldout_metric"] is not None
+
+    out = tmp_path / "report"
+    cli(repo, "report", "--out", str(out))
+    page = (out / "report.html").read_text()
+    assert _stats(page)["baseline_to_best"] == f"{db[0]['metric']:.4f} → {db[1]['metric']:.4f}"
+    assert (out / "loss_curves.png").stat().st_size > 10_000
+    curve = db_rows(repo, "SELECT COUNT(*) AS n FROM curves WHERE trial_id = ?", (db[1]["id"],))[0]["n"]
+    assert curve >= 3
+
+    result = json.loads(cli(repo, "finalize", "--json").output)
+    assert git(repo, "rev-parse", f"{result['commit']}^{{tree}}") == git(repo, "rev-parse", f"{db[1]['trial_commit']}^{{tree}}")
+    copied = Path(result["checkpoint"])
+    assert copied.read_bytes() == Path(db[1]["checkpoint_path"]).read_bytes()
+    from autoloop.harness import load_trained_model
+
+    model = load_trained_model(repo / "train.py", copied)  # the kept weights load with the kept code
+    assert sum(p.numel() for p in model.parameters()) == db[1]["num_params"]
+
+    import autoloop
+
+    df = autoloop.load_trials(repo / "experiments.db")
+    assert list(df["metric"]) == [t["metric"] for t in db]
+    assert list(df["heldout_metric"]) == [t["heldout_metric"] for t in db]

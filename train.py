@@ -25,15 +25,14 @@ muon_momentum_at, flops_per_token. Training runs only under __main__.
 
 import gc
 import math
-import os
 import resource
 import sys
 import time
 
 import numpy as np
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 
 from autoloop import harness as H
 
@@ -325,7 +324,7 @@ class Muon(torch.optim.Optimizer):
         groups = []
         for shape in sorted({tuple(p.shape) for p in params}):
             groups.append({"params": [p for p in params if tuple(p.shape) == shape]})
-        super().__init__(groups, dict(lr=lr, momentum=momentum, weight_decay=weight_decay))
+        super().__init__(groups, {"lr": lr, "momentum": momentum, "weight_decay": weight_decay})
         self.orthogonalize = orthogonalize
 
     @torch.no_grad()
@@ -426,8 +425,7 @@ def main():
     np.random.seed(spec.seed % 2**32)
     if device.type == "cuda":
         torch.cuda.manual_seed(spec.seed)
-        torch.backends.cuda.matmul.allow_tf32 = True  # fp32 leftovers (Muon on fp32 paths) use TF32
-        torch.backends.cudnn.allow_tf32 = True
+        torch.set_float32_matmul_precision("high")  # fp32 matmuls outside autocast may use TF32
     if COMPILE:
         H.configure_compile_cache(spec)
 
@@ -513,6 +511,7 @@ def main():
 
         last = clock.done
         if step % curve_stride == 0 or last:
+            # lr: the schedule's multiplier of every group's peak LR (1 = peak).
             curve.append({"step": step + 1, "seconds": round(clock.training_seconds, 4), "loss": round(train_loss, 5),
                           "lr": lr_mult, "grad_norm": round(grad_norm.item(), 5)})
             if len(curve) > CURVE_POINTS:  # thin to every other point and record half as often

@@ -101,6 +101,10 @@ def run(
     train_command: Annotated[Optional[str], typer.Option(help="The training command, run in the repository; 'python train.py' by default.")] = None,
     allow_env_change: Annotated[Optional[bool], typer.Option("--allow-env-change", help="Resume even if the GPU, torch version, data or harness changed (recorded in the run).")] = None,
     no_verify: Annotated[bool, typer.Option("--no-verify", help="Do not verify keep candidates in a fresh process (not recommended).")] = False,
+    llm_model: Annotated[Optional[str], typer.Option(help="Model name for the llm proposer (an OpenAI-compatible API); setting it adds the llm to the default chain.")] = None,
+    llm_base_url: Annotated[Optional[str], typer.Option(help="Base URL of the OpenAI-compatible API (vLLM, Ollama, OpenRouter, ...); OPENAI_BASE_URL by default.")] = None,
+    agent_command: Annotated[Optional[str], typer.Option(help="A coding-agent command (e.g. 'claude -p'); setting it adds the agent proposer to the default chain.")] = None,
+    max_cost: Annotated[Optional[float], typer.Option(help="Stop proposing with paid models once this many US dollars are spent (needs llm-prices).")] = None,
 ):
     """Run the research loop: baseline first, then proposals, until a stop condition."""
     from autoloop.controller import Controller
@@ -110,6 +114,7 @@ def run(
         repo, tag=tag, db=db, max_trials=max_trials, hours=hours, time_budget=time_budget, max_steps=max_steps,
         grace_seconds=grace_seconds, proposers=proposers, keep_margin=keep_margin, seed=seed, dataset=dataset,
         train_command=train_command, allow_env_change=allow_env_change, verify=False if no_verify else None,
+        llm_model=llm_model, llm_base_url=llm_base_url, agent_command=agent_command, max_cost=max_cost,
     )
     display = Display()
     display.say(f"autoloop run '{config.tag}' on branch autoloop/{config.tag} ({config.db})", "bold")
@@ -187,31 +192,11 @@ def ideas(repo: RepoOpt = Path("."), db: DbOpt = None,
     typer.echo(json.dumps(rows, indent=1, default=str) if as_json else format_ideas(store, rows))
 
 
-# ---------------------------------------------------------------------------- review
+def _register_commands() -> None:
+    """Commands that live in their own modules (the morning review, dataset preparation)."""
+    from autoloop import cli_review
+    from autoloop.cli_prepare import prepare
 
-
-@app.command()
-@handles_errors
-def log(
-    repo: RepoOpt = Path("."),
-    tag: TagOpt = None,
-    db: DbOpt = None,
-    last: Annotated[Optional[int], typer.Option(help="Show only the last N trials.")] = None,
-    status_: Annotated[Optional[str], typer.Option("--status", help="Show only trials with this status (keep, discard, crash, timeout, invalid, interrupted, running).")] = None,
-    kind: Annotated[Optional[str], typer.Option(help="Show only trials of this kind (baseline, proposal, rerun, ...).")] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print the trials as JSON, for scripts and agents.")] = False,
-):
-    """List the trials of a run: what was tried, what was kept, and why."""
-    from autoloop.review import format_log, log_rows
-
-    store = _open_store(repo, db)
-    run_row = pick_run(store, tag)
-    rows = log_rows(store, run_row, last=last, status=status_, kind=kind)
-    typer.echo(json.dumps(rows, indent=1, default=str) if as_json else format_log(run_row, rows))
-
-
-def _register_optional_commands() -> None:
-    from autoloop import cli_review  # the morning review; its `log` replaces the one above
     app.command("log")(handles_errors(cli_review.log))
     app.command("show")(handles_errors(cli_review.show))
     app.command("diff")(handles_errors(cli_review.diff))
@@ -219,14 +204,10 @@ def _register_optional_commands() -> None:
     app.command("finalize")(handles_errors(cli_review.finalize))
     app.command("report")(handles_errors(cli_review.report))
     app.command("export")(handles_errors(cli_review.export))
-    try:
-        from autoloop.cli_prepare import prepare
-    except ImportError:  # pragma: no cover
-        return
     app.command("prepare")(handles_errors(prepare))
 
 
-_register_optional_commands()
+_register_commands()
 
 
 def main() -> None:

@@ -42,7 +42,7 @@ from autoloop.decide import Decision, decide_by_margin
 from autoloop.errors import AutoloopError
 from autoloop.gitops import GitRepo
 from autoloop.lock import RunLock
-from autoloop.proposals import InvalidProposal, Proposal, materialize, validate
+from autoloop.proposals import InvalidProposal, Proposal, materialize, matches, validate
 from autoloop.proposers import ProposalContext, build_chain
 from autoloop.runner import RunOutcome, gpu_busy_report, kill_process_group, run_training
 from autoloop.scheduler import Scheduler, WorkItem
@@ -258,6 +258,11 @@ class Controller:
             self._event("recovered", f"trial {trial['number']} interrupted by a dead controller", trial_id=trial["id"])
             recovered.append(trial["number"])
             ours_dirty = True
+        for idea in self.store.ideas(run_id, status=IdeaStatus.TAKEN):
+            if not idea.get("trial_id"):
+                # Taken for a proposal (possibly prepared in the background) that never
+                # became a trial before the controller died.
+                self.store.set_idea_status(idea["id"], IdeaStatus.PENDING)
         archived = self.repo.archived(self.tag)
         best = self.best_commit()
         for trial in self.store.trials(run_id):
@@ -275,7 +280,7 @@ class Controller:
                 self._event("recovered", f"branch tip {tip[:12]} had no trial row; archived as {ref}")
             ours_dirty = True
         if ours_dirty or (tip is not None and tip != best):
-            self.repo.checkout_commit(self.branch, best)
+            self._checkout(best)
         return recovered
 
     # ------------------------------------------------------------------ the loop
@@ -364,10 +369,30 @@ class Controller:
         self.abort_requested = True
         self._say("stopping: killing the current trial and resetting to the best commit (Ctrl-C again to force)", "yellow")
 
+    def _checkout(self, sha: str) -> None:
+        """Move the run's branch to `sha` and make the worktree match, keeping the human's
+        uncommitted edits to files proposals cannot change (e.g. program.md, to steer a
+        running loop). Such files are identical in every trial commit, so keeping the
+        local version is exact; a copy goes to .autoloop/ first so a crash cannot lose it."""
+        saved = {}
+        for path in self.repo.dirty_files():
+            if matches(path, self.config.editable) or not (self.repo_dir / path).is_file():
+                continue
+            saved[path] = (self.repo_dir / path).read_bytes()
+        if saved:
+            backup = self.state_dir / self.tag / "local-edits"
+            for path, data in saved.items():
+                (backup / path).parent.mkdir(parents=True, exist_ok=True)
+                (backup / path).write_bytes(data)
+        self.repo.checkout_commit(self.branch, sha)
+        for path, data in saved.items():
+            (self.repo_dir / path).write_bytes(data)
+
     def _converge_git(self) -> None:
         best = self.best_commit()
-        if self.repo.branch_commit(self.branch) != best or self.repo.is_dirty():
-            self.repo.checkout_commit(self.branch, best)
+        dirty = any(matches(path, self.config.editable) for path in self.repo.dirty_files())
+        if self.repo.branch_commit(self.branch) != best or dirty:
+            self._checkout(best)
 
     def _fill_summary(self, summary: RunSummary) -> None:
         run_id = self.run_row["id"] if self.run_row else None
@@ -393,7 +418,7 @@ class Controller:
         def read_parent_file(path: str) -> str | None:
             try:
                 return repo.show_file(parent, path)
-            except AutoloopError:
+            except (AutoloopError, ValueError):  # ValueError: a path outside the repository
                 return None
 
         return ProposalContext(
@@ -463,7 +488,7 @@ class Controller:
         sha = self.repo.commit_files(parent, changed, message)
         self.store.update_trial(trial["id"], trial_commit=sha, diff=self.repo.diff(parent, sha))
         faults.fault_point("after_commit")
-        self.repo.checkout_commit(self.branch, sha)
+        self._checkout(sha)
         return self._train_and_decide(self.store.trial_by_id(trial["id"]))
 
     def _execute_rerun(self, item: WorkItem) -> dict:
@@ -473,8 +498,7 @@ class Controller:
             trial_commit=best, derived_from=item.derived_from, best_before=self._best_metric(), **self._common_fields(),
         )
         faults.fault_point("after_row")
-        if self.repo.branch_commit(self.branch) != best or self.repo.is_dirty():
-            self.repo.checkout_commit(self.branch, best)
+        self._converge_git()
         return self._train_and_decide(self.store.trial_by_id(trial["id"]))
 
     def _child_env(self, trial_dir: Path) -> dict:
@@ -625,6 +649,8 @@ class Controller:
             verdict = self.verifier(self, trial, outcome, fields)
             fields.update(verdict.fields)
             if not verdict.ok:
+                if self.abort_requested:  # Ctrl-C during verification: the trial is not at fault
+                    return fields, Status.INTERRUPTED, "interrupted by the user during verification"
                 return fields, Status.INVALID, verdict.reason
             if fields.get("metric") is not None and fields["metric"] != metric:
                 # The verified value is what is stored and compared, so it decides.

@@ -21,7 +21,6 @@ import csv
 import io
 import json
 from pathlib import Path
-from typing import Any
 
 from autoloop.errors import AutoloopError
 from autoloop.review import require_trials, select

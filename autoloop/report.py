@@ -56,15 +56,17 @@ def default_out_dir(repo: Path, tag: str) -> Path:
     return Path(repo) / ".autoloop" / tag / "report"
 
 
-def _pyplot():
+def _new_figure(**kwargs):
+    """A matplotlib Figure on the Agg canvas. Not pyplot: no global figure registry to
+    leak into, nothing that looks for a display, and safe to use from any thread."""
     try:
-        import matplotlib
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
     except ImportError:
         raise AutoloopError("the report needs matplotlib, which is not installed: pip install 'autoloop[report]'") from None
-    matplotlib.use("Agg", force=True)  # no display on a GPU box; must precede pyplot
-    import matplotlib.pyplot as plt
-
-    return plt
+    fig = Figure(**kwargs)
+    FigureCanvasAgg(fig)
+    return fig
 
 
 # ---------------------------------------------------------------------------- data
@@ -105,7 +107,7 @@ def progress_chart(data: dict, path: Path) -> Path:
     """Every trial as a point over its number: kept ones marked, the running best as a
     step line, the baseline as a line; trials without a verdict on the metric (crashed,
     timed out, invalid, interrupted, running) in a strip of their own below."""
-    plt = _pyplot()
+    fig = _new_figure(figsize=(12, 6.8))
     from matplotlib.ticker import MaxNLocator
 
     points = data["points"]
@@ -113,81 +115,82 @@ def progress_chart(data: dict, path: Path) -> Path:
     apart = [p for p in points if p["status"] in _APART]
     rows = [s for s in _APART if any(p["status"] == s for p in apart)]
     heights = [6, 0.35 * max(len(rows), 1) + 0.4]
-    fig, (ax, strip) = plt.subplots(2, 1, figsize=(12, 6.8), sharex=True, gridspec_kw={"height_ratios": heights, "hspace": 0.08})
-    try:
-        scored = [p for p in points if p["metric"] is not None and p["status"] not in _APART]
-        metrics = sorted(p["metric"] for p in scored)
-        baseline = head["baseline_metric"]
-        if metrics:
-            low = metrics[0]
-            # Outliers (a diverged trial at 8.0 next to 1.0s) would flatten the chart:
-            # the upper limit is the baseline or the 90th percentile, whichever is higher,
-            # and points above it are drawn as triangles on the top edge.
-            high = max(baseline if baseline is not None else metrics[-1], metrics[int(0.9 * (len(metrics) - 1))])
-            span = (high - low) or abs(high) * 0.01 or 0.01
-            top, bottom = high + 0.12 * span, low - 0.12 * span
-            ax.set_ylim(bottom, top)
-            discards = [p for p in scored if p["status"] != Status.KEEP.value]
-            kept_all = [p for p in scored if p["status"] == Status.KEEP.value]
-            kept = [p for p in kept_all if p["kind"] != Kind.BASELINE.value]
-            baselines = [p for p in kept_all if p["kind"] == Kind.BASELINE.value]
-            inside = [p for p in discards if p["metric"] <= top]
-            above = [p for p in discards if p["metric"] > top]
-            size = 14 if len(points) > 500 else 28
-            ax.scatter(*_xy(inside), s=size, c=COLOURS["discard"],
-                       alpha=0.6, linewidths=0, zorder=2, label=f"discarded ({len(discards)})")
-            if above:
-                ax.scatter(_xy(above)[0], _arr([top - 0.02 * (top - bottom)] * len(above)), marker="^",
-                           s=size + 10, c=COLOURS["discard"], alpha=0.8, zorder=2,
-                           label=f"discarded, above the chart ({len(above)})")
-            ax.scatter(*_xy(baselines), s=80, marker="D",
-                       c=COLOURS["baseline"], edgecolors="black", linewidths=0.6, zorder=4, label="baseline trial")
-            ax.scatter(*_xy(kept), s=70 if len(kept) <= 50 else 36, c=COLOURS["keep"],
-                       edgecolors="black", linewidths=0.6, zorder=4, label=f"kept ({len(kept)})")
-            if kept_all:
-                xs, ys, best = [], [], None
-                for p in kept_all:
-                    if best is None or p["metric"] < best:
-                        best = p["metric"]
-                        xs.append(p["number"])
-                        ys.append(best)
-                xs.append(points[-1]["number"])
-                ys.append(ys[-1])
-                ax.step(xs, ys, where="post", color=COLOURS["best"], linewidth=2, alpha=0.8, zorder=3, label="running best")
-            _annotate_kept(ax, kept_all, points[-1]["number"])
-        else:
-            ax.text(0.5, 0.5, "no trial has a metric yet", transform=ax.transAxes, ha="center", va="center", color="#666")
-        if baseline is not None:
-            ax.axhline(baseline, color=COLOURS["baseline"], linestyle="--", linewidth=1.2, zorder=1,
-                       label=f"baseline {baseline:.4f}")
-        ax.set_ylabel("val_bpb (lower is better)")
-        ax.set_title(f"run '{head['run']}': {_plural(head['trials'], 'trial')}, {_plural(head['kept'], 'kept change')}",
-                     loc="left", pad=24)
-        ax.grid(True, alpha=0.25)
-        # Above the axes, in one row: inside, it would hide points of a long run.
+    ax, strip = fig.subplots(2, 1, sharex=True, gridspec_kw={"height_ratios": heights, "hspace": 0.08})
+    scored = [p for p in points if p["metric"] is not None and p["status"] not in _APART]
+    metrics = sorted(p["metric"] for p in scored)
+    baseline = head["baseline_metric"]
+    if metrics:
+        low = metrics[0]
+        # Outliers (a diverged trial at 8.0 next to 1.0s) would flatten the chart:
+        # the upper limit is the baseline or the 90th percentile, whichever is higher,
+        # and points above it are drawn as triangles on the top edge.
+        high = max(baseline if baseline is not None else metrics[-1], metrics[int(0.9 * (len(metrics) - 1))])
+        span = (high - low) or abs(high) * 0.01 or 0.01
+        top, bottom = high + 0.12 * span, low - 0.12 * span
+        ax.set_ylim(bottom, top)
+        discards = [p for p in scored if p["status"] != Status.KEEP.value]
+        kept_all = [p for p in scored if p["status"] == Status.KEEP.value]
+        kept = [p for p in kept_all if p["kind"] != Kind.BASELINE.value]
+        baselines = [p for p in kept_all if p["kind"] == Kind.BASELINE.value]
+        inside = [p for p in discards if p["metric"] <= top]
+        above = [p for p in discards if p["metric"] > top]
+        size = 14 if len(points) > 500 else 28
+        if inside:
+            ax.scatter(*_xy(inside), s=size, c=COLOURS["discard"], alpha=0.6, linewidths=0, zorder=2,
+                       label=f"discarded ({len(inside)})")
+        if above:
+            ax.scatter(_xy(above)[0], _arr([top - 0.02 * (top - bottom)] * len(above)), marker="^",
+                       s=size + 10, c=COLOURS["discard"], alpha=0.8, zorder=2,
+                       label=f"discarded, above the chart ({len(above)})")
+        if baselines:
+            ax.scatter(*_xy(baselines), s=80, marker="D", c=COLOURS["baseline"], edgecolors="black", linewidths=0.6,
+                       zorder=4, label="baseline trial")
+        if kept:
+            ax.scatter(*_xy(kept), s=70 if len(kept) <= 50 else 36, c=COLOURS["keep"], edgecolors="black",
+                       linewidths=0.6, zorder=4, label=f"kept ({len(kept)})")
+        if kept_all:
+            xs, ys, best = [], [], None
+            for p in kept_all:
+                if best is None or p["metric"] < best:
+                    best = p["metric"]
+                    xs.append(p["number"])
+                    ys.append(best)
+            xs.append(points[-1]["number"])
+            ys.append(ys[-1])
+            ax.step(xs, ys, where="post", color=COLOURS["best"], linewidth=2, alpha=0.8, zorder=3, label="running best")
+        _annotate_kept(ax, kept_all, points[-1]["number"])
+    else:
+        ax.text(0.5, 0.5, "no trial has a metric yet", transform=ax.transAxes, ha="center", va="center", color="#666")
+    if baseline is not None:
+        ax.axhline(baseline, color=COLOURS["baseline"], linestyle="--", linewidth=1.2, zorder=1,
+                   label=f"baseline {baseline:.4f}")
+    ax.set_ylabel("val_bpb (lower is better)")
+    ax.set_title(f"run '{head['run']}': {_plural(head['trials'], 'trial')}, {_plural(head['kept'], 'kept change')}",
+                 loc="left", pad=24)
+    ax.grid(True, alpha=0.25)
+    # Above the axes, in one row: inside, it would hide points of a long run.
+    if ax.get_legend_handles_labels()[0]:
         ax.legend(loc="lower right", bbox_to_anchor=(1.0, 1.0), ncol=6, fontsize=9, frameon=False,
                   handletextpad=0.3, columnspacing=1.2)
 
-        for row, status in enumerate(rows):
-            xs = [p["number"] for p in apart if p["status"] == status]
-            strip.scatter(_arr(xs), _arr([row] * len(xs)), marker="x" if status in CRASHED else "o", s=30,
-                          c=COLOURS[status], linewidths=1.5 if status in CRASHED else 0, zorder=3)
-        strip.set_yticks(range(len(rows)))
-        strip.set_yticklabels([f"{s} ({sum(1 for p in apart if p['status'] == s)})" for s in rows], fontsize=8)
-        strip.set_ylim(-0.7, max(len(rows), 1) - 0.3)
-        if not rows:
-            strip.set_yticks([])
-            strip.text(0.5, 0.5, "no crashed, invalid or interrupted trials", transform=strip.transAxes,
-                       ha="center", va="center", color="#666", fontsize=9)
-        strip.grid(True, axis="x", alpha=0.25)
-        strip.set_xlabel("trial number")
-        strip.xaxis.set_major_locator(MaxNLocator(integer=True))
-        if points:
-            strip.set_xlim(points[0]["number"] - 0.02 * max(len(points), 10), points[-1]["number"] + 0.02 * max(len(points), 10))
-        fig.subplots_adjust(left=0.11, right=0.98, top=0.9, bottom=0.1)  # room for "interrupted (206)"
-        _save(fig, path)
-    finally:
-        plt.close(fig)
+    for row, status in enumerate(rows):
+        xs = [p["number"] for p in apart if p["status"] == status]
+        strip.scatter(_arr(xs), _arr([row] * len(xs)), marker="x" if status in CRASHED else "o", s=30,
+                      c=COLOURS[status], linewidths=1.5 if status in CRASHED else 0, zorder=3)
+    strip.set_yticks(range(len(rows)))
+    strip.set_yticklabels([f"{s} ({sum(1 for p in apart if p['status'] == s)})" for s in rows], fontsize=8)
+    strip.set_ylim(-0.7, max(len(rows), 1) - 0.3)
+    if not rows:
+        strip.set_yticks([])
+        strip.text(0.5, 0.5, "no crashed, invalid or interrupted trials", transform=strip.transAxes,
+                   ha="center", va="center", color="#666", fontsize=9)
+    strip.grid(True, axis="x", alpha=0.25)
+    strip.set_xlabel("trial number")
+    strip.xaxis.set_major_locator(MaxNLocator(integer=True))
+    if points:
+        strip.set_xlim(points[0]["number"] - 0.02 * max(len(points), 10), points[-1]["number"] + 0.02 * max(len(points), 10))
+    fig.subplots_adjust(left=0.11, right=0.98, top=0.9, bottom=0.1)  # room for "interrupted (206)"
+    _save(fig, path)
     return path
 
 
@@ -225,27 +228,27 @@ def curves_chart(data: dict, path: Path) -> Path | None:
     curves = {k: v for k, v in data["curves"].items() if v["points"]}
     if not curves:
         return None
-    plt = _pyplot()
+    fig = _new_figure(figsize=(12, 4.8))
     from matplotlib.ticker import MaxNLocator
 
-    fig, ax = plt.subplots(figsize=(12, 4.8))
-    try:
-        for label, curve in curves.items():
-            xs = [p["step"] for p in curve["points"]]
-            ys = [p["loss"] for p in curve["points"]]
-            metric = f", val_bpb {curve['metric']:.4f}" if curve.get("metric") is not None else ""
-            ax.plot(xs, ys, color=COLOURS[label], linewidth=1.6, marker="o" if len(xs) < 20 else None, markersize=4,
-                    label=f"{label}: trial {curve['trial']}{metric}")
-        ax.set_xlabel("step")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.set_ylabel("training loss")
-        ax.set_title("loss curves", loc="left")
-        ax.grid(True, alpha=0.25)
-        ax.legend(loc="upper right", fontsize=9)
-        fig.subplots_adjust(left=0.11, right=0.98, top=0.9, bottom=0.13)  # aligned with the progress chart
-        _save(fig, path)
-    finally:
-        plt.close(fig)
+    ax = fig.subplots()
+    for label, curve in curves.items():
+        xs = [p["step"] for p in curve["points"]]
+        ys = [p["loss"] for p in curve["points"]]
+        metric = f", val_bpb {curve['metric']:.4f}" if curve.get("metric") is not None else ""
+        ax.plot(xs, ys, color=COLOURS[label], linewidth=1.6, marker="o" if len(xs) < 20 else None, markersize=4,
+                label=f"{label}: trial {curve['trial']}{metric}")
+    ax.set_xlabel("step")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    steps = {p["step"] for curve in curves.values() for p in curve["points"]}
+    if len(steps) == 1:  # one logged step: give the axis integer room instead of ±0.05
+        ax.set_xlim(min(steps) - 1, min(steps) + 1)
+    ax.set_ylabel("training loss")
+    ax.set_title("loss curves", loc="left")
+    ax.grid(True, alpha=0.25)
+    ax.legend(loc="upper right", fontsize=9)
+    fig.subplots_adjust(left=0.11, right=0.98, top=0.9, bottom=0.13)  # aligned with the progress chart
+    _save(fig, path)
     return path
 
 
@@ -462,8 +465,7 @@ footer { margin-top:36px; font-size:13px; }
 
 def build_report(store, run: dict, out_dir: Path) -> Report:
     """Write report.html and the chart PNGs into `out_dir`; return their paths."""
-    plt = _pyplot()  # fail with the one-line error before anything is written
-    del plt
+    _new_figure()  # fail with the one-line error before anything is written
     data = report_data(store, run)
     _label_kept(data)
     out_dir = Path(out_dir)

@@ -138,6 +138,8 @@ def format_log(run: dict, rows: list[dict], *, total: int | None = None) -> str:
         metric = format_metric(r.get("metric"))
         if r.get("metric") is not None and r.get("metric_source") == "reported":
             metric += "*"
+        elif r.get("status") == "keep" and r.get("metric_source") == "harness":
+            metric += "?"
         minutes = f"{r['minutes']:.1f}" if r.get("minutes") is not None else "-"
         lines.append(
             f"{r['number']:>4} {r['kind']:<9} {r['status']:<11} {metric:>9} {delta:>9} {minutes:>6}  "
@@ -147,6 +149,8 @@ def format_log(run: dict, rows: list[dict], *, total: int | None = None) -> str:
             lines.append(f"{'':>50}  ↳ {_cut(r['reason'], 100)}")
     if any(r.get("metric_source") == "reported" for r in rows):
         lines.append("* unverified: only printed by the script, not measured by the harness")
+    if any(r.get("status") == "keep" and r.get("metric_source") == "harness" for r in rows):
+        lines.append("? kept without verification (--no-verify): measured by the script's harness, not re-checked")
     if total is not None and total > len(rows):
         lines.append(f"showing {len(rows)} of {total} trials of run '{run['tag']}' (--last N or --status to choose)")
     return "\n".join(lines)

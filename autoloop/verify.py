@@ -12,11 +12,13 @@ of this off, for tests with fake scripts) and calls it at four points:
   changed the harness or the data is `invalid`; a finished one whose report breaks its
   budget or names another dataset or harness is `invalid` (autoloop.integrity).
 * `verifier(controller, trial, outcome, fields) -> Verdict` for a trial the decision would
-  keep (only when `config.verify`): the trial's train.py is read from its commit into the
-  trial folder and a fresh process on the same device (`python -m autoloop.harness.verify`,
-  run by the runner: own process group, deadline, log file `verify.log`) rebuilds the
-  model from that copy and the checkpoint, checks causality, re-evaluates val_bpb and
-  evaluates the held-out split. On success the trial's metric becomes the re-evaluated
+  keep (only when `config.verify`): the trial's train.py (and the other editable files
+  named by a literal path) are read from its commit into the trial folder's `source/`,
+  and a fresh process on the same device (`python -m autoloop.harness.verify`, run by the
+  runner from that folder: own process group recorded in the row, deadline, log file
+  `verify.log`, verdict `verify.json`) rebuilds the model from that copy and the
+  checkpoint, checks causality, re-evaluates val_bpb and evaluates the held-out split.
+  Nothing the trial left in the working tree is used. On success the trial's metric becomes the re-evaluated
   value with metric_source `verified`, and the held-out bpb and the verification time
   are stored; the controller decides again on the verified value.
 
@@ -32,6 +34,7 @@ Which trials can be verified:
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -103,6 +106,25 @@ class Verifier:
 
     # ------------------------------------------------------------------ verification
 
+    @staticmethod
+    def _snapshot_sources(controller, commit: str, script: str, source_dir: Path) -> Path:
+        """Copy the train script and the other editable files (literal paths; glob patterns
+        are skipped) from the trial's commit into `source_dir`; returns the script's copy."""
+        if source_dir.exists():
+            shutil.rmtree(source_dir)
+        paths = [script] + [p for p in controller.config.editable if p != script and not any(c in p for c in "*?[")]
+        for path in paths:
+            try:
+                text = controller.repo.show_file(commit, path)
+            except AutoloopError:
+                if path == script:
+                    raise
+                continue  # an editable file this commit does not have
+            target = source_dir / path
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_text(text)
+        return source_dir / script
+
     def __call__(self, controller, trial: dict, outcome: RunOutcome, fields: dict) -> Verdict:
         number = trial["number"]
         if outcome.metric_source == MetricSource.REPORTED.value:
@@ -124,14 +146,12 @@ class Verifier:
                 f"the train command {controller.config.train_command!r} names no .py file, so the verifier cannot "
                 "rebuild the model: use a command like 'python train.py', or run with --no-verify"
             ))
+        source_dir = trial_dir / "source"
         try:
             relative = script.resolve().relative_to(controller.repo_dir).as_posix()
-            source = controller.repo.show_file(trial["trial_commit"], relative)
+            snapshot = self._snapshot_sources(controller, trial["trial_commit"], relative, source_dir)
         except (ValueError, AutoloopError) as exc:
             return Verdict(False, f"cannot read the trial's {script.name} from its commit: {exc}")
-        snapshot = trial_dir / "source" / relative
-        snapshot.parent.mkdir(parents=True, exist_ok=True)
-        snapshot.write_text(source)
 
         result = outcome.result or {}
         device = "cpu" if str(result.get("device", "cpu")).lower() == "cpu" else "cuda"
@@ -146,8 +166,15 @@ class Verifier:
             "--device", device, "--seed", str(number),
         ]
         controller._say(f"verifying trial {number} in a fresh process: causality, val_bpb, held-out")
+        def on_start(pid: int, pgid: int, start_time: int | None) -> None:
+            # The row names the process group working for the trial, so that recovery after a
+            # dead controller stops the verifier too.
+            controller.store.update_trial(trial["id"], pid=pid, pgid=pgid, pid_start_time=start_time)
+
         ran = run_training(
-            command, cwd=controller.repo_dir, log_path=trial_dir / VERIFY_LOG, deadline_seconds=deadline,
+            # From the snapshot folder: the trial's own imports of editable siblings resolve to
+            # the snapshot, not to whatever the working tree holds now.
+            command, cwd=source_dir, log_path=trial_dir / VERIFY_LOG, deadline_seconds=deadline, on_start=on_start,
             # The contract variables are the trial's, not the verifier's: nothing here may
             # overwrite its result or checkpoint.
             env={"AUTOLOOP_RESULT": None, "AUTOLOOP_CHECKPOINT": None, "AUTOLOOP_PROGRESS": None,

@@ -109,6 +109,9 @@ def test_parse_answer_accepts_a_unified_diff_and_rejects_answers_without_edits()
         parse_answer("I would lower the learning rate in train.py.", "train.py")
     with pytest.raises(InvalidProposal, match="SEARCH section is empty"):
         parse_answer("<<<<<<< SEARCH\n=======\nx = 1\n>>>>>>> REPLACE\n", "train.py")
+    for path in ("/etc/passwd", "../outside.py"):
+        with pytest.raises(InvalidProposal, match=f"outside the repository: {path}"):
+            parse_answer(f"FILE: {path}\n<<<<<<< SEARCH\na\n=======\nb\n>>>>>>> REPLACE\n", "train.py")
 
 
 def test_loose_search_matches_trailing_whitespace_only_when_unique():

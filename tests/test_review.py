@@ -471,6 +471,36 @@ def test_trial_that_does_not_exist(night, command):
     _one_error_line(cli(night, *command, ok=False), f"run '{TAG}' has no trial {command[1]} (trials 1-9)")
 
 
+def test_a_run_whose_baseline_crashed(fake_repo, tmp_path):
+    """No metric anywhere: the report still renders; best and finalize say why not."""
+    from autoloop.store import Store
+
+    head = git(fake_repo, "rev-parse", "HEAD").strip()
+    store = Store(fake_repo / "experiments.db")
+    run = store.create_run("broken", branch="autoloop/broken", base_commit=head, best_commit=head)
+    t = store.new_trial(run["id"], "baseline", parent_commit=head, trial_commit=head, description="baseline")
+    store.update_trial(t["id"], status="crash", reason="RuntimeError: boom", wall_seconds=3.0)
+    store.close()
+    cli(fake_repo, "report", "--out", str(tmp_path / "r"))
+    stats = _stats((tmp_path / "r" / "report.html").read_text())
+    assert stats["crashed"] == "1" and stats["baseline_to_best"] == "– → –" and stats["keep_rate"] == "–"
+    _one_error_line(cli(fake_repo, "best", ok=False), "has no successful trial yet")
+    _one_error_line(cli(fake_repo, "finalize", ok=False), "has no successful trial yet")
+
+
+def test_finalize_with_nothing_kept(fake_repo):
+    from autoloop.store import Store
+
+    head = git(fake_repo, "rev-parse", "HEAD").strip()
+    store = Store(fake_repo / "experiments.db")
+    run = store.create_run("flat", branch="autoloop/flat", base_commit=head, best_commit=head)
+    t = store.new_trial(run["id"], "baseline", parent_commit=head, trial_commit=head)
+    store.update_trial(t["id"], status="keep", metric=1.2)
+    store.close()
+    _one_error_line(cli(fake_repo, "finalize", ok=False), "run 'flat' kept no change over its baseline")
+    assert "final/" not in git(fake_repo, "branch")
+
+
 # ---------------------------------------------------------------------------- while a run is writing
 
 
@@ -550,7 +580,7 @@ def test_report_screenshot_in_headless_chromium(repo, tmp_path):
     assert _pixels_near(image, (0xf6, 0xf8, 0xfa)) > 20000  # stat cards and table headers
 
 
-REAL_IDEAS = [("lower embedding lr", {"EMBEDDING_LR": "0.3"})]  # 5.000 -> 4.932 at 3 steps
+REAL_IDEAS = [("lower embedding lr", {"EMBEDDING_LR": "0.3"})]
 
 
 @pytest.mark.slow
@@ -564,7 +594,9 @@ def test_review_of_a_run_of_the_real_train_py(tmp_path, session_cache, embedded_
 
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
     repo = make_repo(tmp_path / "real", (REPO_ROOT / "train.py").read_text())
-    config = resolve(repo, {"tag": "real", "max_steps": 3, "max_trials": 2, "proposers": "ideas"})
+    # keep_margin -100: the proposal is kept (and verified) whether or not it helps at 3
+    # steps, so the test follows the keep path without depending on train.py's tuning.
+    config = resolve(repo, {"tag": "real", "max_steps": 3, "max_trials": 2, "proposers": "ideas", "keep_margin": -100})
     store = Store(repo / "experiments.db")
     for text, sets in REAL_IDEAS:
         store.add_idea(text, sets=sets, source="human")

@@ -6,7 +6,6 @@ from __future__ import annotations
 import hashlib
 import math
 import os
-import shutil
 import signal
 import subprocess
 from pathlib import Path
@@ -221,6 +220,28 @@ def test_per_device_batch_and_accumulation_move_together():
     assert space["GRAD_ACCUM_STEPS"].group == "batch"  # alone, it changes the total batch
     # Without an accumulation or total constant, the per-device batch IS the batch size.
     assert space_of("DEVICE_BATCH_SIZE = 16\n")["DEVICE_BATCH_SIZE"].group == "batch"
+
+
+def test_search_plan_command_shows_the_order_and_what_is_left_out(tmp_path):
+    import typer
+    from typer.testing import CliRunner
+
+    from autoloop.cli_search import search_plan
+
+    app = typer.Typer()
+    app.command()(search_plan)
+    repo = make_repo(tmp_path / "repo", OBJECTIVE.replace("DEPTH = 3  # blocks; range 1..6 int",
+                                                          "DEPTH = 3  # blocks; range 6..1 int"))
+    result = CliRunner().invoke(app, ["--repo", str(repo)])
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert lines[0].startswith("search plan for train.py (time budget)")
+    assert lines[1].split()[:3] == ["1.", "LR", "0.0005"] and "range 0.0001..0.5" in lines[1]
+    assert "WIDTH" in result.output and "powers of two" in result.output
+    assert "SALT: fixed by its hint" in result.output
+    assert "DEPTH: train.py line" in result.output and "is empty" in result.output  # a broken hint, named
+    missing = CliRunner().invoke(app, ["--repo", str(tmp_path)])
+    assert missing.exit_code != 0 and "does not exist" in str(missing.exception)
 
 
 # ---------------------------------------------------------------------------------- whole runs

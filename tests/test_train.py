@@ -10,6 +10,7 @@ edit a proposal would make.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -50,7 +51,7 @@ def train_env(cache: Path, **extra) -> dict:
 
 def run_train(script: Path, cache: Path, timeout: float = 300, **env) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, str(script)], cwd=REPO_ROOT, env=train_env(cache, **env),
+        [sys.executable, str(script)], check=False, cwd=REPO_ROOT, env=train_env(cache, **env),
         capture_output=True, text=True, timeout=timeout,
     )
 
@@ -90,7 +91,7 @@ def trained_run(tmp_path_factory, session_cache, embedded_dataset):
     """One tiny step-mode training run whose outputs several tests inspect."""
     out = tmp_path_factory.mktemp("trained_run")
     proc = run_train(
-        TRAIN_PY, session_cache, AUTOLOOP_MAX_STEPS=30, AUTOLOOP_SEED=7,
+        TRAIN_PY, session_cache, AUTOLOOP_MAX_STEPS=20, AUTOLOOP_SEED=7,
         AUTOLOOP_RESULT=out / "result.json", AUTOLOOP_CHECKPOINT=out / "model.pt", AUTOLOOP_PROGRESS=out / "progress.jsonl",
     )
     assert proc.returncode == 0, explain(proc)
@@ -108,17 +109,17 @@ def test_result_json_and_summary_block_agree(trained_run):
     assert summary["val_bpb"] == pytest.approx(result["val_bpb"], abs=1e-6)
     for key in ("num_steps", "total_tokens", "num_params", "seed", "device", "data_fingerprint", "harness_fingerprint"):
         assert summary[key] == result[key], key
-    assert result["num_steps"] == 30 and result["seed"] == 7
+    assert result["num_steps"] == 20 and result["seed"] == 7
     assert result["device"] == "cpu" and result["mfu_percent"] is None
     assert result["harness_fingerprint"] == H.harness_fingerprint()
-    assert result["total_tokens"] == 30 * result["batch_tokens"]
+    assert result["total_tokens"] == 20 * result["batch_tokens"]
     assert result["peak_memory_mb"] > 0 and result["eval_seconds"] > 0
     assert result["total_seconds"] >= result["training_seconds"] + result["compile_seconds"] + result["eval_seconds"]
 
 
 def test_curve_and_progress_are_recorded(trained_run):
     curve = trained_run["result"]["curve"]
-    assert [p["step"] for p in curve] == list(range(1, 31))  # short runs keep every step
+    assert [p["step"] for p in curve] == list(range(1, 21))  # short runs keep every step
     for point in curve:
         assert set(point) == {"step", "seconds", "loss", "lr", "grad_norm"}
         assert math.isfinite(point["loss"]) and point["grad_norm"] > 0
@@ -127,7 +128,7 @@ def test_curve_and_progress_are_recorded(trained_run):
     assert curve[0]["loss"] > 5.0 and np.mean([p["loss"] for p in curve[-5:]]) < 3.5
     lines = (trained_run["dir"] / "progress.jsonl").read_text().splitlines()
     records = [json.loads(line) for line in lines]
-    assert records[0]["step"] == 1 and records[-1]["step"] == 30
+    assert records[0]["step"] == 1 and records[-1]["step"] == 20
     assert all("loss" in r and "tokens_per_second" in r for r in records)
 
 
@@ -162,7 +163,7 @@ def test_time_budget_is_respected(tmp_path, session_cache, embedded_dataset):
     curve = result["curve"]
     last_step = curve[-1]["seconds"] - curve[-2]["seconds"]
     assert curve[-1]["step"] == curve[-2]["step"] + 1 == result["num_steps"]
-    assert 3.0 <= seconds <= 3.0 + last_step + 1e-6
+    assert 3.0 <= seconds <= 3.0 + last_step + 1e-3  # curve seconds are rounded to 0.1 ms
     assert result["num_steps"] > H.UNTIMED_WARMUP_STEPS
     assert result["compile_seconds"] > 0
 
@@ -248,7 +249,7 @@ def test_schedules(train_module):
     assert m.lr_multiplier(0.0) == pytest.approx(1.0 if m.WARMUP_RATIO == 0 else 0.0, abs=1e-6)
     assert m.lr_multiplier(1.0) == pytest.approx(m.FINAL_LR_FRAC)
     values = [m.lr_multiplier(p) for p in np.linspace(max(m.WARMUP_RATIO, 1e-3), 1, 50)]
-    assert all(a >= b - 1e-12 for a, b in zip(values, values[1:]))  # no increase after warm-up
+    assert all(a >= b - 1e-12 for a, b in itertools.pairwise(values))  # no increase after warm-up
     assert m.weight_decay_at(0.0) == m.WEIGHT_DECAY and m.weight_decay_at(1.0) == 0.0
     assert m.muon_momentum_at(0) == m.MUON_MOMENTUM_START and m.muon_momentum_at(10**6) == m.MUON_MOMENTUM
 

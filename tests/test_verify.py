@@ -25,8 +25,9 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from conftest import FAKE_TRAIN, REPO_ROOT, make_repo
+from torch import nn
 
 from autoloop import integrity
 from autoloop.config import Config
@@ -39,8 +40,6 @@ from autoloop.review import format_log, format_status, log_rows, run_status
 from autoloop.runner import RunOutcome
 from autoloop.store import Kind, Status, Store
 from autoloop.verify import Verifier
-
-from conftest import FAKE_TRAIN, REPO_ROOT, make_repo
 
 STEPS = 40
 TAG = "v"
@@ -139,9 +138,9 @@ def test_step_budget_allows_one_step_of_slack():
 
 def test_time_budget_allows_one_step_and_two_percent():
     config = Config(time_budget=100)
-    honest = dict(training_seconds=101.5, num_steps=103, compile_seconds=5, eval_seconds=3)  # 1 s steps
+    honest = {"training_seconds": 101.5, "num_steps": 103, "compile_seconds": 5, "eval_seconds": 3}  # 1 s steps
     assert integrity.budget_problem(config, _outcome(wall=125, **honest)) is None
-    over = dict(honest, training_seconds=200.0)
+    over = {**honest, "training_seconds": 200.0}
     assert "over its 100 s budget" in integrity.budget_problem(config, _outcome(wall=230, **over))
 
 
@@ -154,7 +153,7 @@ def test_step_slack_cannot_be_bought_with_few_long_steps():
 def test_wall_clock_catches_a_script_that_underreports_its_training():
     config = Config(time_budget=100)
     # Claims 100 s of training, 5 s compile, 3 s eval, but ran 260 s: ~150 s unexplained.
-    lie = dict(training_seconds=100.0, num_steps=1000, compile_seconds=5, eval_seconds=3)
+    lie = {"training_seconds": 100.0, "num_steps": 1000, "compile_seconds": 5, "eval_seconds": 3}
     problem = integrity.budget_problem(config, _outcome(wall=260, **lie))
     assert "by the controller's clock" in problem and "trained longer than it says" in problem
     # Start-up within the allowance (30 s + 10% of the budget) is fine.
@@ -394,6 +393,21 @@ def test_non_causal_attention_is_rejected_though_far_better(repo):
     assert trial["metric_source"] == "harness" and trial["verify_seconds"] > 0
     assert out["run"]["best_commit"] == base["trial_commit"] == _branch_tip(repo)
     assert not (repo / ".autoloop" / TAG / "trials" / str(trial["number"]) / "checkpoint.pt").exists()
+
+
+@pytest.mark.slow
+def test_verifier_reads_train_py_from_the_commit_not_the_worktree(repo):
+    source = (repo / "train.py").read_text()
+    leaky = edited(source, "is_causal=True", "is_causal=False")
+    covered = edited(leaky, "    H.finish(spec, result)\n",
+                     "    H.finish(spec, result)\n"
+                     "    # cover the tracks: leave a causal train.py in the working tree\n"
+                     "    text = open(__file__).read()\n"
+                     "    open(__file__, 'w').write(text.replace('is_causal=' + 'False', 'is_causal=' + 'True'))\n")
+    trial = run_proposal(repo, "full attention, tracks covered", covered)["trial"]
+    assert trial["status"] == "invalid" and "leaks future tokens" in trial["reason"]
+    snapshot = repo / ".autoloop" / TAG / "trials" / str(trial["number"]) / "source" / "train.py"
+    assert "is_causal=False" in snapshot.read_text()
 
 
 @pytest.mark.slow

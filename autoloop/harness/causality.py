@@ -93,7 +93,7 @@ def check_causality(
         raise ValueError(f"check_causality needs a (B >= 2, T >= 2) batch of token ids, got shape {tuple(tokens.shape)}")
     tol = tolerance_for(autocast_dtype) if tolerance is None else tolerance
     device = tokens.device
-    batch, length = tokens.shape
+    length = tokens.size(1)
     generator = torch.Generator().manual_seed(seed)
     autocast = (
         torch.autocast(device_type=device.type, dtype=autocast_dtype)

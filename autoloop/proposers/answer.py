@@ -42,6 +42,7 @@ _BLOCK = re.compile(
 )
 _DESCRIPTION = re.compile(r"^[ \t>*#_`-]*DESCRIPTION[*_`]*[ \t]*:[ \t]*[*_`]*[ \t]*(.+?)[ \t]*$", re.MULTILINE | re.IGNORECASE)
 _PATH = re.compile(r"[\w][\w./-]*\.[A-Za-z0-9]+")
+_FILE = re.compile(r"^[ \t#>*_`]*FILE[*_`]*[ \t]*:[ \t]*(\S+)[ \t]*$", re.IGNORECASE)
 _DIFF_FENCE = re.compile(r"```(?:diff|patch)[^\n]*\n(.*?)```", re.DOTALL)
 _DIFF_TEXT = re.compile(r"^(?:diff --git .*\n)?--- (?:a/|/dev/null).*\n\+\+\+ .*\n@@.*", re.MULTILINE | re.DOTALL)
 MAX_DESCRIPTION = 200
@@ -49,6 +50,10 @@ MAX_DESCRIPTION = 200
 
 def _path_on_line(line: str) -> str | None:
     """A file path if the line names one and nothing else (after markup)."""
+    explicit = _FILE.match(line)
+    if explicit:  # whatever follows FILE: is the path, even one that validation will refuse
+        path = explicit.group(1).strip("`*_'\"")
+        return path[2:] if path.startswith("./") else path
     text = line.strip()
     if text.startswith("```"):
         text = text[3:].replace(":", " ").split()[-1] if text[3:].strip() else ""
@@ -89,7 +94,10 @@ def parse_answer(text: str, default_path: str) -> Proposal:
             raise InvalidProposal(
                 "a SEARCH section is empty: to insert code, search for the neighbouring lines and repeat them in REPLACE"
             )
-        edits.append(Edit(path=path or default_path, search=search, replace=replace))
+        path = path or default_path
+        if path.startswith("/") or ".." in path.split("/"):
+            raise InvalidProposal(f"edits a path outside the repository: {path}")
+        edits.append(Edit(path=path, search=search, replace=replace))
         previous_end = block.end()
     if edits:
         description = _description(text, blocks[0].start())

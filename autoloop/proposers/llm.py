@@ -154,9 +154,11 @@ class LLMProposer:
         with self._lock:
             if run_id not in self._spent:
                 # Earlier invocations of this run count too; later calls are added as made.
-                row = ctx.store.db.execute(
-                    "SELECT COALESCE(SUM(cost_usd), 0) FROM proposals WHERE run_id = ?", [run_id]
-                ).fetchone()
+                # (A transaction holds the Store's lock: the prefetch thread shares it.)
+                with ctx.store.transaction():
+                    row = ctx.store.db.execute(
+                        "SELECT COALESCE(SUM(cost_usd), 0) FROM proposals WHERE run_id = ?", [run_id]
+                    ).fetchone()
                 self._spent[run_id] = float(row[0] or 0.0)
             return self._spent[run_id]
 

@@ -63,7 +63,7 @@ from autoloop.config import Config
 from autoloop.errors import AutoloopError
 from autoloop.proposals import Edit, Proposal, matches
 from autoloop.proposers.search_space import GROUP_LABELS, MAX_LEVEL, Param, build_space
-from autoloop.pyconst import format_value, set_constants
+from autoloop.pyconst import Expression, format_value, set_constants
 from autoloop.store import Status
 
 SUCCESS, FAILURE, INERT = "success", "failure", "inert"
@@ -73,6 +73,11 @@ _MAX_SKIPS = 100_000  # skips are bounded anyway (each one shrinks or retires a 
 
 def _digest(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _value(value):
+    """The number an edit writes (`2**20` is written as an expression)."""
+    return eval(str(value), {"__builtins__": {}}) if isinstance(value, Expression) else value
 
 
 def _normal(sets: dict) -> dict:
@@ -108,19 +113,20 @@ class Move:
 
     def describe(self) -> str:
         p = self.param
-        changes = ", ".join(f"{name} {format_value(self._old(name))} -> {format_value(value)}"
-                            for name, value in self.sets.items())
+        changes = ", ".join(f"{name} {self._old(name)} -> {format_value(value)}" for name, value in self.sets.items())
+        # The step actually taken (after rounding and bounds), not the nominal one.
+        new = float(_value(self.sets[p.name]))
         if p.scale == "flip":
             how = "flip"
-        elif p.scale == "log":
-            factor = p.step ** (2.0 ** self.level)
-            how = f"{'x' if self.direction > 0 else '/'}{factor:.3g}"
+        elif p.scale == "log" and new and p.value:
+            ratio = new / p.value
+            how = f"x{ratio:.3g}" if ratio >= 1 else f"/{1 / ratio:.3g}"
         else:
-            how = f"{'+' if self.direction > 0 else '-'}{p.step * 2.0 ** self.level:.3g}"
+            how = f"{new - p.value:+.3g}"
         return f"search: {changes} ({GROUP_LABELS[p.group]}; {how})"
 
-    def _old(self, name: str):
-        return self.param.value if name == self.param.name else self.param.partner_value
+    def _old(self, name: str) -> str:
+        return self.param.source if name == self.param.name else format_value(self.param.partner_value)
 
 
 @dataclass
@@ -287,7 +293,7 @@ class SearchProposer:
 
     def __init__(self, config: Config):
         self.config = config
-        self.path = _target_path(config)
+        self.path = target_path(config)
         self._texts: dict[str, str | None] = {}  # commit -> train.py text (commits are immutable)
         self._spaces: dict[str, list[Param]] = {}  # commit -> search space
         self._cache: tuple[list, SearchState, set] | None = None  # (replayed keys, state, seen)
@@ -406,7 +412,7 @@ class SearchProposer:
         )
 
 
-def _target_path(config: Config) -> str:
+def target_path(config: Config) -> str:
     """The file the search edits: the training script, if proposals may edit it."""
     script = next((arg for arg in config.train_argv()[1:] if arg.endswith(".py")), None)
     if script and matches(script, config.editable):

@@ -23,8 +23,9 @@ or space separated):
     WIDTH = 64  # model width; power of two
     MUON_NS_STEPS = 5  # iterations (the table has 5); range 1..5 int
 
-A hint clause that contradicts itself (LO >= HI, a log range that reaches 0) is an error
-naming the line, not something silently ignored.
+With `linear`, the first step is an eighth of the range (a quarter of the value without
+one). A hint clause that contradicts itself (LO >= HI, a log range that reaches 0) is an
+error naming the line, not something silently ignored.
 
 Defaults without hints
 ----------------------
@@ -242,6 +243,30 @@ class Param:
         """The level a new round starts at: one above the smallest step."""
         return min(0, self.min_level + 1)
 
+    def summary(self) -> str:
+        """How this constant moves, in a few words (for `autoloop search-plan`)."""
+        if self.scale == "flip":
+            how = "flipped"
+        elif self.scale == "log":
+            how = "powers of two, x2 first" if self.pow2 else f"x{self.step:g} first, down to x{self.step ** (2.0 ** self.min_level):.3g}"
+        elif self.scale == "fraction":
+            how = f"+-{self.step:g} first, at most halfway to {self.lo:g} or {self.hi:g}"
+        else:
+            how = f"+-{self.step:g} first" + ("" if self.min_level >= 0 else f", down to +-{self.step * 2.0 ** self.min_level:g}")
+        if self.kind == "int" and not self.pow2 and self.scale != "flip":
+            how += ", integers"
+        if self.lo is not None and self.hi is not None:
+            how += f", range {self.lo:g}..{self.hi:g}"
+        elif self.lo is not None:
+            how += f", >= {self.lo:g}"
+        elif self.hi is not None:
+            how += f", <= {self.hi:g}"
+        if self.partner:
+            how += f", with {self.partner} moved inversely"
+        if self.shadowed:
+            how += "; reassigned further down (e.g. a CPU block)"
+        return how
+
     def _clamp(self, value):
         if self.lo is not None and value < self.lo:
             value = self.lo
@@ -390,31 +415,48 @@ def build_space(source: str, *, step_mode: bool, path: str = "train.py", strict:
 
     A contradictory hint raises AutoloopError; with strict=False its constant is left
     out instead (for commits that proposals wrote, which the user cannot fix in place)."""
+    return _build(source, step_mode=step_mode, path=path, strict=strict)[0]
+
+
+def explain_space(source: str, *, step_mode: bool, path: str = "train.py") -> tuple[list[Param], list[tuple[str, str]]]:
+    """The searchable constants, and (name, why not) for every other UPPER_CASE constant."""
+    return _build(source, step_mode=step_mode, path=path, strict=False)
+
+
+def _build(source: str, *, step_mode: bool, path: str, strict: bool) -> tuple[list[Param], list[tuple[str, str]]]:
     constants = read_constants(source)
     params: list[Param] = []
+    skipped: list[tuple[str, str]] = []
     for const in constants.values():
         value = const.value
-        if isinstance(value, bool) or isinstance(value, (int, float)):
-            try:
-                hints = parse_hints(const.comment, name=const.name, where=f"{path} line {const.lineno}")
-            except AutoloopError:
-                if strict:
-                    raise
-                continue
-            if hints.fixed:
-                continue
-            param = _hinted_param(const, _group(const.name), hints)
-            if param is None:
-                continue
-            if hints.given and param.kind != "bool":
-                param = _apply_hints(param, hints)
-            params.append(param)
+        if not isinstance(value, (bool, int, float)) or (isinstance(value, float) and not math.isfinite(value)):
+            skipped.append((const.name, "not a number or boolean literal"))
+            continue
+        try:
+            hints = parse_hints(const.comment, name=const.name, where=f"{path} line {const.lineno}")
+        except AutoloopError as exc:
+            if strict:
+                raise
+            skipped.append((const.name, str(exc)))
+            continue
+        if hints.fixed:
+            skipped.append((const.name, "fixed by its hint"))
+            continue
+        param = _hinted_param(const, _group(const.name), hints)
+        if param is None:
+            skipped.append((const.name, "a logging, evaluation, checkpoint or seed setting (a hint can ask for it)"))
+            continue
+        if hints.given and param.kind != "bool":
+            param = _apply_hints(param, hints)
+        params.append(param)
     params = _mark_speed(params, constants)
     reassigned = _reassigned_in_blocks(source)
     params = [replace(p, shadowed=True) if p.name in reassigned else p for p in params]
     if step_mode:
+        skipped += [(p.name, "a speed knob (same total batch): it cannot change val_bpb in step mode")
+                    for p in params if p.group == "speed"]
         params = [p for p in params if p.group != "speed"]
-    return sorted(params, key=lambda p: p.order)
+    return sorted(params, key=lambda p: p.order), skipped
 
 
 def _mark_speed(params: list[Param], constants: dict[str, Constant]) -> list[Param]:

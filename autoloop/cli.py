@@ -196,6 +196,7 @@ def _register_commands() -> None:
     """Commands that live in their own modules (the morning review, dataset preparation)."""
     from autoloop import cli_review
     from autoloop.cli_prepare import prepare
+    from autoloop.cli_search import search_plan
 
     app.command("log")(handles_errors(cli_review.log))
     app.command("show")(handles_errors(cli_review.show))
@@ -205,6 +206,7 @@ def _register_commands() -> None:
     app.command("report")(handles_errors(cli_review.report))
     app.command("export")(handles_errors(cli_review.export))
     app.command("prepare")(handles_errors(prepare))
+    app.command("search-plan")(handles_errors(search_plan))
 
 
 _register_commands()

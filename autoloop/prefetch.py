@@ -110,8 +110,9 @@ class Prefetcher:
             return True
         if cfg.max_trials is None:
             return False
-        this_invocation = [t for t in self.store.trials(run_id) if t["number"] >= self.first_number]
-        return len(this_invocation) >= cfg.max_trials
+        latest = self.store.trials(run_id, last=1)
+        started_here = latest[0]["number"] - self.first_number + 1 if latest else 0
+        return started_here >= cfg.max_trials
 
     def start(self) -> None:
         """Start preparing the next proposal in the background (called as training starts)."""

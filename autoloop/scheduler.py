@@ -42,20 +42,26 @@ class Scheduler:
         self.exhausted_reason = ""
         # Failures before this invocation do not count: after a pause the user fixes the
         # cause and resumes, and the run must not pause again on the old evidence.
-        self.first_number = max((t["number"] for t in self._trials()), default=0) + 1
+        self.first_number = max((t["number"] for t in self._trials(last=1)), default=0) + 1
         self.prefetcher = Prefetcher(controller, self.first_number)
 
     @property
     def store(self):
         return self.controller.store
 
-    def _trials(self) -> list[dict]:
-        return self.store.trials(self.controller.run_row["id"])
+    def _trials(self, **filters) -> list[dict]:
+        return self.store.trials(self.controller.run_row["id"], **filters)
+
+    def _recent(self) -> list[dict]:
+        """This invocation's latest trials, enough to see the failure tail: reading only
+        the tail keeps the per-trial cost flat however long the run gets."""
+        window = max(1, self.controller.config.max_consecutive_failures) + 50
+        return [t for t in self._trials(last=window)
+                if t["status"] != Status.INTERRUPTED.value and t["number"] >= self.first_number]
 
     def next_item(self) -> WorkItem | None:
-        all_trials = [t for t in self._trials() if t["status"] != Status.INTERRUPTED.value]
-        trials = [t for t in all_trials if t["number"] >= self.first_number]
-        baselines = [t for t in all_trials if t["kind"] == Kind.BASELINE.value]
+        trials = self._recent()
+        baselines = [t for t in self._trials(kind=Kind.BASELINE) if t["status"] != Status.INTERRUPTED.value]
         if not any(t["status"] == Status.KEEP.value for t in baselines):
             failed = [t for t in baselines if t["number"] >= self.first_number]
             if failed:
@@ -71,7 +77,7 @@ class Scheduler:
                 "rerun", reason=f"circuit breaker: {len(tail)} failures in a row; re-running the incumbent",
                 derived_from=best["id"] if best else None, trial_kind=Kind.RERUN,
             )
-        repair = self._repair_item()
+        repair = self._repair_item(trials)
         if repair is not None:
             return repair
         parent = self.controller.best_commit()
@@ -95,10 +101,9 @@ class Scheduler:
         """The run ends: hand back a proposal prepared for a trial that will not run."""
         self.prefetcher.close()
 
-    def _repair_item(self) -> WorkItem | None:
+    def _repair_item(self, trials: list[dict]) -> WorkItem | None:
         """One repair of the last trial if it was a proposal that crashed with a plain error
         and its proposer can repair (llm, agent): a `repair` trial linked to the crash."""
-        trials = self._trials()
         last = trials[-1] if trials else None
         if last is None or last["status"] != Status.CRASH.value or last["kind"] != Kind.PROPOSAL.value:
             return None

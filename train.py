@@ -45,9 +45,9 @@ from autoloop import harness as H
 # Model shape
 DEPTH = 8  # transformer blocks
 MODEL_DIM = 512  # residual stream width (d_model)
-N_HEAD = 4  # query heads (head_dim = MODEL_DIM // N_HEAD = 128)
-N_KV_HEAD = 4  # key/value heads; < N_HEAD gives grouped-query attention
-MLP_RATIO = 4  # MLP hidden width = MLP_RATIO * MODEL_DIM
+N_HEAD = 4  # query heads (head_dim = MODEL_DIM // N_HEAD = 128); range 1..16 pow2
+N_KV_HEAD = 4  # key/value heads; < N_HEAD gives grouped-query attention; range 1..16 pow2
+MLP_RATIO = 4  # MLP hidden width = MLP_RATIO * MODEL_DIM; range 1..8 int
 ROPE_BASE = 10000.0  # rotary embedding base frequency
 LOGIT_SOFTCAP = 15.0  # logits = cap * tanh(logits / cap): keeps early training stable
 
@@ -57,9 +57,9 @@ DEVICE_BATCH_SIZE = 64  # sequences per forward/backward (micro-step); lower it 
 EVAL_BATCH_SIZE = 32  # sequences per forward in the final evaluation
 
 # Optimizer: Muon for the 2-D matrices of the blocks, AdamW for everything else
-MATRIX_LR = 0.04  # Muon learning rate
-EMBEDDING_LR = 0.6  # AdamW, token embedding (scaled by (MODEL_DIM/768)**-0.5)
-UNEMBEDDING_LR = 0.004  # AdamW, lm_head (scaled by (MODEL_DIM/768)**-0.5)
+MATRIX_LR = 0.04  # Muon learning rate; range 0.001..0.5 log
+EMBEDDING_LR = 0.6  # AdamW, token embedding (scaled by (MODEL_DIM/768)**-0.5); range 0.01..10 log
+UNEMBEDDING_LR = 0.004  # AdamW, lm_head (scaled by (MODEL_DIM/768)**-0.5); range 0.0001..0.1 log
 SCALAR_LR = 0.5  # AdamW, any other parameter (gains, scalars; none in the baseline)
 ADAM_BETAS = (0.8, 0.95)  # AdamW betas: short memory suits the short runs
 ADAM_EPS = 1e-10  # AdamW epsilon
@@ -67,12 +67,12 @@ WEIGHT_DECAY = 0.2  # Muon decoupled weight decay at the start; decays linearly 
 MUON_MOMENTUM = 0.95  # Muon Nesterov momentum after warm-up
 MUON_MOMENTUM_START = 0.85  # ... and at step 0
 MUON_MOMENTUM_WARMUP_STEPS = 300  # steps to ramp the Muon momentum up
-MUON_NS_STEPS = 5  # Polar Express iterations (the coefficient table has 5)
+MUON_NS_STEPS = 5  # Polar Express iterations (the coefficient table has 5); range 1..5 int
 
 # Schedule, as fractions of the budget (progress from the harness clock: time or steps)
-WARMUP_RATIO = 0.0  # linear LR warm-up
+WARMUP_RATIO = 0.0  # linear LR warm-up; range 0..0.5 linear
 WARMDOWN_RATIO = 0.5  # linear LR decay at the end
-FINAL_LR_FRAC = 0.0  # LR at the end, as a fraction of the peak
+FINAL_LR_FRAC = 0.0  # LR at the end, as a fraction of the peak; range 0..0.5 linear
 
 # Logging
 LOG_EVERY = 10  # print / write progress every this many steps
@@ -332,11 +332,11 @@ class Muon(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self):
         for group in self.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
-            if not params:
+            params = group["params"]
+            if all(p.grad is None for p in params):
                 continue
-            grads = torch.stack([p.grad for p in params])  # (K, rows, cols)
-            state = self.state[params[0]]
+            grads = torch.stack([torch.zeros_like(p) if p.grad is None else p.grad for p in params])  # (K, rows, cols)
+            state = self.state[params[0]]  # one stacked buffer per group, kept on its first parameter
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(grads)
             buf = state["momentum_buffer"]

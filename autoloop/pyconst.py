@@ -8,6 +8,7 @@ one-line diff.
 from __future__ import annotations
 
 import ast
+import os
 import re
 from dataclasses import dataclass
 
@@ -43,35 +44,79 @@ def _literal(node: ast.expr):
     return None
 
 
-def read_constants(source: str) -> dict[str, Constant]:
-    """Module-level `NAME = value` assignments whose value fits on one line."""
+def current_device() -> str:
+    """The device type train.py will pick on this machine ("cuda" or "cpu"), as it does."""
+    override = os.environ.get("AUTOLOOP_DEVICE_TYPE")
+    if override:
+        return override
+    try:
+        import torch
+    except ImportError:
+        return "cpu"
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def device_branch(node: ast.stmt, device: str) -> list[ast.stmt] | None:
+    """The statements that run on `device` if `node` is `if DEVICE_TYPE == "...":` (or
+    `!=`) at module level; None for any other statement."""
+    if not isinstance(node, ast.If):
+        return None
+    test = node.test
+    if not (isinstance(test, ast.Compare) and isinstance(test.left, ast.Name) and test.left.id == "DEVICE_TYPE"
+            and len(test.ops) == 1 and isinstance(test.ops[0], (ast.Eq, ast.NotEq))
+            and isinstance(test.comparators[0], ast.Constant) and isinstance(test.comparators[0].value, str)):
+        return None
+    applies = (test.comparators[0].value == device) == isinstance(test.ops[0], ast.Eq)
+    return node.body if applies else node.orelse
+
+
+def read_constants(source: str, device: str | None = None) -> dict[str, Constant]:
+    """The effective module-level `NAME = value` assignments whose value fits on one line.
+
+    A device block (`if DEVICE_TYPE == "cpu": DEPTH = 2`) overrides the top-level value
+    on that device, so on a CPU the constant *is* the assignment in the block: that is
+    the line an edit must change to have an effect. Its hint comment falls back to the
+    top-level one. `device` defaults to the device train.py picks on this machine.
+    """
     tree = ast.parse(source)
     lines = source.splitlines()
     found: dict[str, Constant] = {}
-    for node in tree.body:
-        if isinstance(node, ast.Assign) and len(node.targets) == 1:
-            target, value = node.targets[0], node.value
-        elif isinstance(node, ast.AnnAssign) and node.value is not None:
-            target, value = node.target, node.value
-        else:
-            continue
-        if not (isinstance(target, ast.Name) and _CONSTANT_NAME.match(target.id)):
-            continue
-        if value.lineno != value.end_lineno:
-            continue
-        # ast offsets count UTF-8 bytes, not characters.
-        line = lines[value.lineno - 1].encode()
-        after = line[value.end_col_offset :].decode()
-        comment = after.split("#", 1)[1].strip() if "#" in after else ""
-        found[target.id] = Constant(
-            name=target.id,
-            value=_literal(value),
-            source=line[value.col_offset : value.end_col_offset].decode(),
-            lineno=value.lineno,
-            col=len(line[: value.col_offset].decode()),
-            end_col=len(line[: value.end_col_offset].decode()),
-            comment=comment,
-        )
+    device = device or current_device()
+
+    def visit(statements: list[ast.stmt]) -> None:
+        for node in statements:
+            branch = device_branch(node, device)
+            if branch is not None:
+                visit(branch)
+                continue
+            if isinstance(node, ast.Assign) and len(node.targets) == 1:
+                target, value = node.targets[0], node.value
+            elif isinstance(node, ast.AnnAssign) and node.value is not None:
+                target, value = node.target, node.value
+            else:
+                continue
+            if not (isinstance(target, ast.Name) and _CONSTANT_NAME.match(target.id)):
+                continue
+            if value.lineno != value.end_lineno:
+                continue
+            # ast offsets count UTF-8 bytes, not characters.
+            line = lines[value.lineno - 1].encode()
+            after = line[value.end_col_offset :].decode()
+            comment = after.split("#", 1)[1].strip() if "#" in after else ""
+            earlier = found.get(target.id)
+            if earlier is not None and earlier.comment:
+                comment = "; ".join(part for part in (comment, earlier.comment) if part)
+            found[target.id] = Constant(
+                name=target.id,
+                value=_literal(value),
+                source=line[value.col_offset : value.end_col_offset].decode(),
+                lineno=value.lineno,
+                col=len(line[: value.col_offset].decode()),
+                end_col=len(line[: value.end_col_offset].decode()),
+                comment=comment,
+            )
+
+    visit(tree.body)
     return found
 
 
@@ -101,9 +146,9 @@ def parse_value(text: str):
         return Expression(text)
 
 
-def set_constants(source: str, values: dict[str, object], *, path: str = "train.py") -> str:
-    """Return `source` with the named constants' values replaced in place."""
-    constants = read_constants(source)
+def set_constants(source: str, values: dict[str, object], *, path: str = "train.py", device: str | None = None) -> str:
+    """Return `source` with the named constants' effective values replaced in place."""
+    constants = read_constants(source, device)
     unknown = [name for name in values if name not in constants]
     if unknown:
         known = ", ".join(sorted(constants)) or "none"

@@ -45,6 +45,7 @@ def train_env(cache: Path, **extra) -> dict:
     env["AUTOLOOP_COMPILE_CACHE"] = str(cache / "compile")
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env.setdefault("OMP_NUM_THREADS", os.environ.get("AUTOLOOP_TEST_THREADS", "2"))
+    env["CUDA_VISIBLE_DEVICES"] = ""  # CPU tests, also on a GPU machine: the CPU scale, deterministic
     env.update({k: str(v) for k, v in extra.items()})
     return env
 
@@ -190,7 +191,16 @@ def test_bad_environment_is_one_error_line(session_cache):
 # ---------------------------------------------------------------------------- units
 
 
-def test_import_is_cheap_and_exposes_the_interface(train_module):
+def test_import_is_cheap_and_exposes_the_interface(train_module, tmp_path, monkeypatch):
+    # Importing (as the verifier does) must not load data, train or compile.
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("AUTOLOOP_CACHE_DIR", str(cache))
+    copy = tmp_path / "train_copy.py"
+    copy.write_text(TRAIN_PY.read_text() + "\n# a fresh module\n")
+    start = time.perf_counter()
+    module = H.import_train_module(copy)
+    assert time.perf_counter() - start < 2.0 and not cache.exists()
+    assert module.build_model is not train_module.build_model
     for name in ("build_model", "model_config", "muon_orthogonalize", "build_optimizers", "lr_multiplier", "main"):
         assert callable(getattr(train_module, name)), name
     config = train_module.model_config()
@@ -315,4 +325,8 @@ def test_thirty_second_run_learns(tmp_path, session_cache, embedded_dataset):
     assert proc.returncode == 0, explain(proc)
     result = json.loads(path.read_text())
     assert wall < 90, f"a 30 s budget took {wall:.0f} s of wall time"
-    assert result["val_bpb"] < unigram_bits - 1.0, (result["val_bpb"], unigram_bits)
+    # ~2.5 on an idle 2-core machine; a heavily shared one gets fewer steps in its 30 s.
+    assert result["val_bpb"] < unigram_bits - 1.0, (
+        f"val_bpb {result['val_bpb']:.3f} vs unigram entropy {unigram_bits:.3f} bits after "
+        f"{result['num_steps']} steps at {result['tokens_per_second']:.0f} tokens/s"
+    )

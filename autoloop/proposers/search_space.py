@@ -73,7 +73,7 @@ import re
 from dataclasses import dataclass, replace
 
 from autoloop.errors import AutoloopError
-from autoloop.pyconst import Constant, Expression, read_constants
+from autoloop.pyconst import Constant, Expression, current_device, device_branch, read_constants
 
 GROUP_ORDER = ("lr", "batch", "weight_decay", "schedule", "other", "speed", "architecture")
 GROUP_LABELS = {
@@ -484,7 +484,10 @@ def _reassigned_in_blocks(source: str) -> set[str]:
     """Names assigned inside module-level compound statements (`if DEVICE == "cpu": ...`):
     where that block runs, an edit of the top-level constant has no effect."""
     names: set[str] = set()
+    device = current_device()
     for node in ast.parse(source).body:
+        if device_branch(node, device) is not None:
+            continue  # a device block: read_constants already edits the line that runs here
         if isinstance(node, (ast.If, ast.With, ast.Try, ast.For, ast.While)):
             for inner in ast.walk(node):
                 targets = inner.targets if isinstance(inner, ast.Assign) else (

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import signal
 import statistics
@@ -259,10 +258,13 @@ class Controller:
             recovered.append(trial["number"])
             ours_dirty = True
         for idea in self.store.ideas(run_id, status=IdeaStatus.TAKEN):
-            if not idea.get("trial_id"):
-                # Taken for a proposal (possibly prepared in the background) that never
-                # became a trial before the controller died.
+            # Taken for a proposal that never became a trial (possibly prepared in the
+            # background), or whose trial ended just before the controller died.
+            trial = self.store.trial_by_id(idea["trial_id"]) if idea.get("trial_id") else None
+            if trial is None or trial["status"] == Status.INTERRUPTED.value:
                 self.store.set_idea_status(idea["id"], IdeaStatus.PENDING)
+            elif trial["status"] != Status.RUNNING.value:
+                self.store.set_idea_status(idea["id"], IdeaStatus.DONE)
         archived = self.repo.archived(self.tag)
         best = self.best_commit()
         for trial in self.store.trials(run_id):
@@ -415,12 +417,7 @@ class Controller:
         best = self.store.best_trial(self.run_row["id"])
         repo = repo or self.repo
 
-        def read_parent_file(path: str) -> str | None:
-            try:
-                return repo.show_file(parent, path)
-            except (AutoloopError, ValueError):  # ValueError: a path outside the repository
-                return None
-
+        read_parent_file = repo.file_reader(parent)
         return ProposalContext(
             config=self.config, store=self.store, run=self.run_row, repo=repo, parent_commit=parent,
             read_parent_file=read_parent_file, best_metric=best["metric"] if best else None,

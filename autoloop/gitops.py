@@ -320,6 +320,18 @@ class GitRepo:
         out = self._git("diff", "--name-only", "--no-renames", "-z", parent, sha, "--", strip=False)
         return [path for path in out.split("\0") if path]
 
+    def file_reader(self, sha: str):
+        """`read(path) -> str | None`: files of commit `sha`, None where there is no such
+        file (or the path leaves the repository), as proposals' validation expects."""
+
+        def read(path: str) -> str | None:
+            try:
+                return self.show_file(sha, path)
+            except (AutoloopError, ValueError):
+                return None
+
+        return read
+
     def show_file(self, sha: str, path: str) -> str:
         """The content of `path` at commit `sha`."""
         try:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import os
 import subprocess
 import time
 
@@ -86,7 +84,7 @@ def test_baseline_then_ideas_keep_discard_and_archive(fake_repo):
         assert row["diff"] == GitRepo.open(fake_repo).diff(row["parent_commit"], row["trial_commit"])
         changed = [l for l in row["diff"].splitlines() if l.startswith(("+", "-")) and not l.startswith(("+++", "---"))]
         assert len(changed) == 2  # a one-line change
-    assert "WIDTH = 2**5" in git(fake_repo, "show", f"refs/autoloop/t/trials/4:train.py")
+    assert "WIDTH = 2**5" in git(fake_repo, "show", "refs/autoloop/t/trials/4:train.py")
     assert "LR = 0.01" in (fake_repo / "train.py").read_text()
     store = Store(fake_repo / "experiments.db")
     assert [i["status"] for i in store.ideas()] == ["done", "done", "done"]
@@ -179,7 +177,8 @@ def test_syntax_error_proposal_is_invalid(fake_repo):
     store.close()
     run_loop(fake_repo)
     row = assert_consistent(fake_repo)[-1]
-    assert row["status"] == "invalid" and row["reason"].startswith("syntax error in train.py line 17")
+    lineno = source.splitlines().index(next(l for l in source.splitlines() if l.startswith("LR = 0.02"))) + 1
+    assert row["status"] == "invalid" and row["reason"].startswith(f"syntax error in train.py line {lineno}")
 
 
 def test_max_trials_and_resume_continue_numbering(fake_repo):

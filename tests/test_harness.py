@@ -1,4 +1,3 @@
-import json
 import math
 import os
 
@@ -79,7 +78,7 @@ def test_evaluate_bpb_uses_fixed_windows(embedded_dataset):
 def test_loader_windows_are_shifted_and_seeded(embedded_dataset):
     a = H.TokenLoader(embedded_dataset, "train", 4, 32, seed=3)
     b = H.TokenLoader(embedded_dataset, "train", 4, 32, seed=3)
-    (xa, ya), (xb, yb) = next(a), next(b)
+    (xa, ya), (xb, _) = next(a), next(b)
     assert torch.equal(xa, xb) and xa.dtype == torch.int64 and xa.shape == (4, 32)
     assert torch.equal(xa[:, 1:], ya[:, :-1])
     seq = H.TokenLoader(embedded_dataset, "val", 2, 16, sequential=True)

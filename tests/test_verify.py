@@ -279,10 +279,10 @@ def test_result_json_without_checkpoint_is_invalid_not_trusted(tmp_path):
 # end to end with the real train.py
 # ---------------------------------------------------------------------------------------
 
-CPU_SCALE = """    DEPTH = 4
+CPU_SCALE = """    DEPTH = 2
     MODEL_DIM = 128
-    N_HEAD = 4  # head_dim 32
-    N_KV_HEAD = 4
+    N_HEAD = 2  # head_dim 64
+    N_KV_HEAD = 2
     TOTAL_BATCH_TOKENS = 16 * 256  # 16 sequences of the harness's CPU context (256)"""
 TINY_SCALE = """    DEPTH = 2
     MODEL_DIM = 64

@@ -119,11 +119,7 @@ class AgentProposer:
             return None
         crashed = trial["trial_commit"]
 
-        def read_crashed(path: str) -> str | None:
-            try:
-                return ctx.repo.show_file(crashed, path)
-            except AutoloopError:
-                return None
+        read_crashed = ctx.repo.file_reader(crashed)
 
         prompt, program_hash = self._prompt(ctx, brief.render_context(
             ctx, read_file=read_crashed, extra=brief.repair_section(trial),

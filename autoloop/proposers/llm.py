@@ -318,11 +318,7 @@ class LLMProposer:
             return None
         crashed = trial["trial_commit"]
 
-        def read_crashed(path: str) -> str | None:
-            try:
-                return ctx.repo.show_file(crashed, path)
-            except AutoloopError:
-                return None
+        read_crashed = ctx.repo.file_reader(crashed)
 
         crashed_paths = ctx.repo.changed_paths(ctx.parent_commit, crashed)
         user = brief.render_context(ctx, read_file=read_crashed, extra=brief.repair_section(trial),

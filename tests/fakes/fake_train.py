@@ -9,7 +9,6 @@ that ignores SIGTERM.
 import json
 import math
 import os
-import signal
 import subprocess
 import sys
 import time

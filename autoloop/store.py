@@ -58,9 +58,29 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-import sqlite_utils
-
 from autoloop.errors import AutoloopError
+
+
+def _import_sqlite_utils():
+    """Import sqlite-utils without letting it import pandas (~1 s of every CLI start).
+
+    sqlite-utils imports pandas only to map `pd.Timestamp` to TEXT, which this store
+    never inserts. Where pandas is already loaded (a notebook), nothing changes.
+    """
+    import sys
+
+    if "pandas" in sys.modules or "sqlite_utils" in sys.modules:
+        import sqlite_utils
+        return sqlite_utils
+    sys.modules["pandas"] = None  # type: ignore[assignment]  # makes `import pandas` fail fast
+    try:
+        import sqlite_utils
+    finally:
+        del sys.modules["pandas"]
+    return sqlite_utils
+
+
+sqlite_utils = _import_sqlite_utils()
 
 BUSY_TIMEOUT_SECONDS = 30
 SQLITE_HEADER = b"SQLite format 3\x00"

@@ -12,18 +12,23 @@ import subprocess
 from typing import Any
 
 
-def _nvidia_driver() -> str | None:
+def nvidia_smi_query(*query: str) -> list[str]:
+    """Non-empty output lines of `nvidia-smi <query> --format=csv,noheader`; empty when
+    nvidia-smi is missing or fails (no GPU, no driver)."""
     try:
         out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            timeout=15,
+            ["nvidia-smi", *query, "--format=csv,noheader"], capture_output=True, text=True, timeout=15,
         )
     except (OSError, subprocess.SubprocessError):
-        return None
-    lines = [line.strip() for line in out.stdout.splitlines() if line.strip()]
-    return lines[0] if out.returncode == 0 and lines else None
+        return []
+    if out.returncode != 0:
+        return []
+    return [line.strip() for line in out.stdout.splitlines() if line.strip()]
+
+
+def _nvidia_driver() -> str | None:
+    lines = nvidia_smi_query("--query-gpu=driver_version")
+    return lines[0] if lines else None
 
 
 def collect_environment() -> dict[str, Any]:

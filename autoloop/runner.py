@@ -200,18 +200,9 @@ def kill_process_group(
 def gpu_busy_report() -> list[str]:
     """`pid, process_name, used_memory` lines for processes on the GPU, per nvidia-smi;
     empty when nvidia-smi is missing or fails."""
-    try:
-        out = subprocess.run(
-            ["nvidia-smi", "--query-compute-apps=pid,process_name,used_memory", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            timeout=15,
-        )
-    except (OSError, subprocess.SubprocessError):
-        return []
-    if out.returncode != 0:
-        return []
-    return [line.strip() for line in out.stdout.splitlines() if line.strip()]
+    from autoloop.envinfo import nvidia_smi_query
+
+    return nvidia_smi_query("--query-compute-apps=pid,process_name,used_memory")
 
 
 def child_environment(extra: dict[str, Any]) -> dict[str, str]:

@@ -6,14 +6,13 @@ traceback, and the command exits with status 1.
 
 from __future__ import annotations
 
-import functools
 import json
-import os
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
+from autoloop.cli_common import _config, _explicit_tag, _open_store, handles_errors, pick_run
 from autoloop.errors import AutoloopError
 
 app = typer.Typer(
@@ -27,56 +26,6 @@ app = typer.Typer(
 RepoOpt = Annotated[Path, typer.Option("--repo", help="The git repository that holds train.py; the current folder by default.")]
 DbOpt = Annotated[Optional[str], typer.Option("--db", help="The trial database, relative to the repository; experiments.db by default.")]
 TagOpt = Annotated[Optional[str], typer.Option("--tag", help="The run's name; the most recent run by default.")]
-
-
-def handles_errors(command):
-    """Turn a user-fixable error into one line on stderr and exit status 1."""
-
-    @functools.wraps(command)
-    def wrapper(*args, **kwargs):
-        try:
-            return command(*args, **kwargs)
-        except AutoloopError as exc:
-            typer.echo(f"error: {exc}", err=True)
-            raise typer.Exit(1) from None
-
-    return wrapper
-
-
-def _config(repo: Path, **flags):
-    from autoloop.config import resolve
-
-    return resolve(repo, flags)
-
-
-def _open_store(repo: Path, db: str | None):
-    from autoloop.store import Store
-
-    config = _config(repo, db=db)
-    path = Path(config.db)
-    path = path if path.is_absolute() else repo / path
-    if not path.exists():
-        raise AutoloopError(f"no trial database at {path}: start a run with `autoloop run`, or point --db at one")
-    return Store(path)
-
-
-def _explicit_tag(tag: str | None) -> str | None:
-    return tag or os.environ.get("AUTOLOOP_TAG") or None
-
-
-def pick_run(store, tag: str | None) -> dict:
-    """The run named by --tag (or AUTOLOOP_TAG), else the most recent one."""
-    runs = store.runs()
-    tag = _explicit_tag(tag)
-    if tag is not None:
-        run = store.get_run(tag)
-        if run is None:
-            known = ", ".join(r["tag"] for r in runs) or "none"
-            raise AutoloopError(f"no run tagged '{tag}' in {store.path} (runs: {known}): check --tag")
-        return run
-    if not runs:
-        raise AutoloopError(f"{store.path} has no runs yet: start one with `autoloop run`")
-    return runs[-1]
 
 
 # ---------------------------------------------------------------------------- run
@@ -172,7 +121,7 @@ def seed(
     db: DbOpt = None,
 ):
     """Queue an idea for the loop; a running loop picks it up at its next proposal."""
-    from autoloop.ideas import seed_idea
+    from autoloop.seeding import seed_idea
 
     config = _config(repo, db=db)
     idea = seed_idea(config, repo, description, sets=set_ or [], patch=patch, priority=priority, tag=_explicit_tag(tag))

@@ -3,8 +3,8 @@
 Plain functions with typer annotations; `autoloop.cli` registers them. They only parse
 options and call `autoloop.review`, `autoloop.finalize`, `autoloop.report` and
 `autoloop.export`. Every one reads the db without taking a write lock, so each works
-while a run is writing to it. `autoloop.cli` is imported inside the functions, not at
-the top, because `autoloop.cli` imports this module while it is itself being imported.
+while a run is writing to it. What they share with `autoloop.cli` lives in
+`autoloop.cli_common`, so neither imports the other.
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+
+from autoloop.cli_common import _open_store, pick_run
 
 RepoOpt = Annotated[Path, typer.Option("--repo", help="The git repository that holds train.py; the current folder by default.")]
 DbOpt = Annotated[Optional[str], typer.Option("--db", help="The trial database, relative to the repository; experiments.db by default.")]
@@ -26,7 +28,6 @@ class _Session:
     """The store and the chosen run of one command, closed when the command ends."""
 
     def __init__(self, repo: Path, db: str | None, tag: str | None):
-        from autoloop.cli import _open_store, pick_run
 
         self.store = _open_store(repo, db)
         try:

@@ -10,7 +10,7 @@ One trial, in the order that keeps every crash recoverable:
 4. Training runs in its own process group; its pgid, pid and start time go into the row
    before the controller waits on it.
 5. The decision and the run's new best commit are written in one transaction: the db is
-   the truth, and git is made to agree with it. Before it, the verifier (autoloop.verify)
+   the truth, and git is made to agree with it. Before it, the verifier (autoloop.verifier)
    compares the harness and data with their state before training and checks the
    reported budget; a trial the decision would keep is first verified in a fresh process
    (causality, re-evaluated val_bpb, held-out), and the verified value decides.
@@ -41,14 +41,14 @@ from autoloop.decide import Decision, decide_by_margin
 from autoloop.errors import AutoloopError
 from autoloop.gitops import GitRepo
 from autoloop.lock import RunLock
-from autoloop.proposals import InvalidProposal, Proposal, materialize, matches, validate
+from autoloop.proposers.proposal import InvalidProposal, Proposal, materialize, matches, validate
 from autoloop.proposers import ProposalContext, build_chain
 from autoloop.runner import RunOutcome, gpu_busy_report, kill_process_group, run_training
 from autoloop.scheduler import Scheduler, WorkItem
 from autoloop.store import IdeaStatus, Kind, MetricSource, RunStatus, Status, Store
 
 STATE_DIR = ".autoloop"
-# `Controller(verifier=...)` default: the real verifier (autoloop.verify). Pass None to turn
+# `Controller(verifier=...)` default: the real verifier (autoloop.verifier). Pass None to turn
 # off integrity checks and verification, e.g. for a fake script that has no model.
 DEFAULT_VERIFIER = object()
 
@@ -82,7 +82,7 @@ class Controller:
         self.display = display
         self.decide = decide
         if verifier is DEFAULT_VERIFIER:
-            from autoloop.verify import Verifier
+            from autoloop.verifier import Verifier
 
             verifier = Verifier()
         self.verifier = verifier
@@ -580,7 +580,7 @@ class Controller:
         return final
 
     def _integrity_pause(self) -> WorkItem | None:
-        """A pause when the harness or the data changed under the run (autoloop.verify)."""
+        """A pause when the harness or the data changed under the run (autoloop.verifier)."""
         check = getattr(self.verifier, "check_run", None)
         reason = check(self) if check is not None else None
         return WorkItem("pause", reason=reason) if reason else None

@@ -1,6 +1,6 @@
 """Integrity checks around every trial: the harness, the data and the budget.
 
-The verifier (autoloop.verify) checks a keep candidate's model; these cheaper checks run
+The verifier (autoloop.verifier) checks a keep candidate's model; these cheaper checks run
 around every trial, because a trial that tampers with the harness or the data spoils
 every trial after it, and one that overruns its budget is not comparable whatever its
 score.

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import threading
 
-from autoloop.proposals import InvalidProposal, Proposal, materialize, validate
+from autoloop.proposers.proposal import InvalidProposal, Proposal, materialize, validate
 from autoloop.proposers.base import ProposerChain
 from autoloop.store import IdeaStatus
 

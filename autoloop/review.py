@@ -515,7 +515,7 @@ def run_status(store, run: dict, repo: Path) -> dict:
         "best_metric": best["metric"] if best else None, "best_trial": best["number"] if best else None,
         "trials": len(trials), "counts": counts, "running": None,
     }
-    # verification (autoloop.verify, autoloop.overfit): is the best checked, and is held-out still improving?
+    # verification (autoloop.verifier, autoloop.overfit): is the best checked, and is held-out still improving?
     from autoloop.overfit import current_signal
 
     info["best_metric_source"] = best.get("metric_source") if best else None

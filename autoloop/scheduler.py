@@ -18,7 +18,7 @@ import shutil
 from dataclasses import dataclass
 
 from autoloop.prefetch import Prefetcher
-from autoloop.proposals import Proposal
+from autoloop.proposers.proposal import Proposal
 from autoloop.proposers.base import ProposerUnavailable
 from autoloop.store import Kind, Status
 

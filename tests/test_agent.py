@@ -16,7 +16,7 @@ import pytest
 from autoloop.config import resolve
 from autoloop.controller import Controller
 from autoloop.errors import AutoloopError
-from autoloop.ideas import seed_idea
+from autoloop.seeding import seed_idea
 from autoloop.store import Store
 from conftest import FAKE_TRAIN, make_repo
 

@@ -11,7 +11,7 @@ from autoloop.config import resolve
 from autoloop.controller import Controller
 from autoloop.errors import AutoloopError
 from autoloop.gitops import GitRepo
-from autoloop.ideas import seed_idea
+from autoloop.seeding import seed_idea
 from autoloop.runner import process_group_alive
 from autoloop.store import Store
 

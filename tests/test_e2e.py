@@ -10,7 +10,7 @@ import pytest
 from autoloop.config import resolve
 from autoloop.controller import Controller
 from autoloop.gitops import GitRepo
-from autoloop.ideas import seed_idea
+from autoloop.seeding import seed_idea
 from autoloop.store import Store
 
 from conftest import make_repo

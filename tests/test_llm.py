@@ -16,8 +16,8 @@ import pytest
 from autoloop.config import Config, resolve
 from autoloop.controller import Controller
 from autoloop.errors import AutoloopError
-from autoloop.ideas import seed_idea
-from autoloop.proposals import InvalidProposal, Proposal, Edit
+from autoloop.seeding import seed_idea
+from autoloop.proposers.proposal import InvalidProposal, Proposal, Edit
 from autoloop.proposers.answer import parse_answer, resolve_searches
 from autoloop.proposers.base import resolve_names
 from autoloop.proposers.brief import diff_themes, files_diff, find_duplicate, normalised_diff, theme_summary

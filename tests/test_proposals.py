@@ -3,7 +3,7 @@
 import pytest
 
 from autoloop.errors import AutoloopError
-from autoloop.proposals import Edit, InvalidProposal, Proposal, materialize, validate
+from autoloop.proposers.proposal import Edit, InvalidProposal, Proposal, materialize, validate
 from autoloop.pyconst import Expression, parse_value, read_constants, set_constants
 
 SOURCE = '''"""doc"""

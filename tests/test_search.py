@@ -16,7 +16,7 @@ from autoloop.config import resolve
 from autoloop.controller import Controller
 from autoloop.errors import AutoloopError
 from autoloop.gitops import GitRepo
-from autoloop.ideas import seed_idea
+from autoloop.seeding import seed_idea
 from autoloop.proposers.base import build_chain
 from autoloop.proposers.search import SearchProposer
 from autoloop.proposers.search_space import build_space, parse_hints

@@ -34,12 +34,12 @@ from autoloop.config import Config
 from autoloop.controller import Controller
 from autoloop.harness.causality import check_causality
 from autoloop.overfit import overfitting_signal, watch
-from autoloop.proposals import Edit, Proposal
+from autoloop.proposers.proposal import Edit, Proposal
 from autoloop.proposers.base import ProposerChain
 from autoloop.review import format_log, format_status, log_rows, run_status
 from autoloop.runner import RunOutcome
 from autoloop.store import Kind, Status, Store
-from autoloop.verify import Verifier
+from autoloop.verifier import Verifier
 
 STEPS = 40
 TAG = "v"
@@ -458,7 +458,7 @@ def test_editing_a_harness_file_at_run_time_is_rejected_and_pauses(repo, tmp_pat
 
 @pytest.mark.slow
 def test_honest_better_learning_rate_is_verified_and_kept(repo):
-    from autoloop.ideas import seed_idea
+    from autoloop.seeding import seed_idea
 
     config = _config()
     seed_idea(config, repo, "double the Muon learning rate", sets=["MATRIX_LR=0.08"], patch=None)

@@ -39,7 +39,7 @@ from pathlib import Path
 
 from autoloop.config import Config
 from autoloop.errors import AutoloopError
-from autoloop.proposals import Proposal
+from autoloop.proposers.proposal import Proposal
 from autoloop.proposers import brief
 from autoloop.proposers.base import ProposerUnavailable
 

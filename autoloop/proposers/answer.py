@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import re
 
-from autoloop.proposals import Edit, InvalidProposal, Proposal
+from autoloop.proposers.proposal import Edit, InvalidProposal, Proposal
 
 _THINK = re.compile(r"<think>.*?</think>", re.DOTALL | re.IGNORECASE)
 _BLOCK = re.compile(

@@ -8,7 +8,7 @@ from typing import Callable, Protocol
 
 from autoloop.config import Config
 from autoloop.errors import AutoloopError
-from autoloop.proposals import Proposal
+from autoloop.proposers.proposal import Proposal
 
 
 class ProposerUnavailable(Exception):
@@ -61,7 +61,7 @@ class ProposerChain:
 
 # name -> "module:factory"; a factory takes the Config and returns a Proposer.
 REGISTRY: dict[str, str] = {
-    "ideas": "autoloop.proposers.ideas:IdeasProposer",
+    "ideas": "autoloop.proposers.seeded:IdeasProposer",
     "search": "autoloop.proposers.search:SearchProposer",
     "llm": "autoloop.proposers.llm:LLMProposer",
     "agent": "autoloop.proposers.agent:AgentProposer",

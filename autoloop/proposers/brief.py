@@ -30,7 +30,7 @@ import subprocess
 from collections import Counter
 from pathlib import Path
 
-from autoloop.proposals import matches
+from autoloop.proposers.proposal import matches
 from autoloop.store import IdeaStatus, Kind, Status
 
 RECENT_TRIALS = 20  # rows of the recent-trials table

@@ -44,7 +44,7 @@ from pathlib import Path
 
 from autoloop.config import Config
 from autoloop.errors import AutoloopError
-from autoloop.proposals import Edit, InvalidProposal, Proposal, materialize, validate
+from autoloop.proposers.proposal import Edit, InvalidProposal, Proposal, materialize, validate
 from autoloop.proposers import brief
 from autoloop.proposers.answer import parse_answer, resolve_searches
 from autoloop.proposers.base import ProposerUnavailable

@@ -61,7 +61,7 @@ from dataclasses import dataclass, field
 
 from autoloop.config import Config
 from autoloop.errors import AutoloopError
-from autoloop.proposals import Edit, Proposal, matches
+from autoloop.proposers.proposal import Edit, Proposal, matches
 from autoloop.proposers.search_space import GROUP_LABELS, MAX_LEVEL, Param, build_space
 from autoloop.pyconst import Expression, format_value, set_constants
 from autoloop.store import Status

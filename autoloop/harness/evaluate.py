@@ -1,6 +1,6 @@
 """The verifier's fresh process: rebuild a trial's model and check what it reported.
 
-    python -m autoloop.harness.verify --train-py SNAPSHOT.py --checkpoint checkpoint.pt \
+    python -m autoloop.harness.evaluate --train-py SNAPSHOT.py --checkpoint checkpoint.pt \
         --reported 1.2345 --out verdict.json [--data-dir DIR] [--device cpu|cuda] [--seed N]
 
 The controller runs this (through the runner: own process group, deadline, log file) for
@@ -135,7 +135,7 @@ def verify(train_py: Path, checkpoint: Path, reported: float, *, data_dir: Path 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m autoloop.harness.verify", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m autoloop.harness.evaluate", description=__doc__.splitlines()[0])
     parser.add_argument("--train-py", type=Path, required=True, help="the trial's train.py (a snapshot)")
     parser.add_argument("--checkpoint", type=Path, required=True, help="the trial's checkpoint.pt")
     parser.add_argument("--reported", type=float, required=True, help="the val_bpb the trial reported")

@@ -8,7 +8,7 @@ priority first, then oldest; text-only ideas wait for an LLM or agent proposer.
 from __future__ import annotations
 
 from autoloop.config import Config
-from autoloop.proposals import Edit, Proposal
+from autoloop.proposers.proposal import Edit, Proposal
 from autoloop.errors import AutoloopError
 from autoloop.pyconst import Expression, parse_value
 

@@ -14,7 +14,7 @@ of this off, for tests with fake scripts) and calls it at four points:
 * `verifier(controller, trial, outcome, fields) -> Verdict` for a trial the decision would
   keep (only when `config.verify`): the trial's train.py (and the other editable files
   named by a literal path) are read from its commit into the trial folder's `source/`,
-  and a fresh process on the same device (`python -m autoloop.harness.verify`, run by the
+  and a fresh process on the same device (`python -m autoloop.harness.evaluate`, run by the
   runner from that folder: own process group recorded in the row, deadline, log file
   `verify.log`, verdict `verify.json`) rebuilds the model from that copy and the
   checkpoint, checks causality, re-evaluates val_bpb and evaluates the held-out split.
@@ -161,7 +161,7 @@ class Verifier:
         deadline = max(DEADLINE_FLOOR_SECONDS, controller.config.grace_seconds) + DEADLINE_EVAL_FACTOR * min(
             max(float(eval_seconds), 0.0), float(controller.config.time_budget))
         command = [
-            self.python, "-m", "autoloop.harness.verify", "--train-py", str(snapshot), "--checkpoint", str(checkpoint),
+            self.python, "-m", "autoloop.harness.evaluate", "--train-py", str(snapshot), "--checkpoint", str(checkpoint),
             "--reported", repr(float(outcome.metric)), "--out", str(verdict_path), "--data-dir", str(controller.data_dir()),
             "--device", device, "--seed", str(number),
         ]

@@ -1,0 +1,66 @@
+"""What every command module shares: the error wrapper, the config, the store and the run.
+
+`autoloop.cli` and the command modules beside it (`cli_review`, `cli_prepare`,
+`cli_search`) import from here, never from each other's internals, so there is no import
+cycle between them.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+
+import typer
+
+from autoloop.errors import AutoloopError
+
+
+def handles_errors(command):
+    """Turn a user-fixable error into one line on stderr and exit status 1."""
+
+    @functools.wraps(command)
+    def wrapper(*args, **kwargs):
+        try:
+            return command(*args, **kwargs)
+        except AutoloopError as exc:
+            typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(1) from None
+
+    return wrapper
+
+
+def _config(repo: Path, **flags):
+    from autoloop.config import resolve
+
+    return resolve(repo, flags)
+
+
+def _open_store(repo: Path, db: str | None):
+    from autoloop.store import Store
+
+    config = _config(repo, db=db)
+    path = Path(config.db)
+    path = path if path.is_absolute() else repo / path
+    if not path.exists():
+        raise AutoloopError(f"no trial database at {path}: start a run with `autoloop run`, or point --db at one")
+    return Store(path)
+
+
+def _explicit_tag(tag: str | None) -> str | None:
+    return tag or os.environ.get("AUTOLOOP_TAG") or None
+
+
+def pick_run(store, tag: str | None) -> dict:
+    """The run named by --tag (or AUTOLOOP_TAG), else the most recent one."""
+    runs = store.runs()
+    tag = _explicit_tag(tag)
+    if tag is not None:
+        run = store.get_run(tag)
+        if run is None:
+            known = ", ".join(r["tag"] for r in runs) or "none"
+            raise AutoloopError(f"no run tagged '{tag}' in {store.path} (runs: {known}): check --tag")
+        return run
+    if not runs:
+        raise AutoloopError(f"{store.path} has no runs yet: start one with `autoloop run`")
+    return runs[-1]

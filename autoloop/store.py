@@ -141,8 +141,10 @@ FINAL_STATUSES = frozenset(s for s in Status if s is not Status.RUNNING)
 # Columns holding JSON text; the Store converts to and from Python objects.
 JSON_COLUMNS: dict[str, frozenset[str]] = {
     "runs": frozenset({"config", "env_changes"}),
-    "trials": frozenset({"edits", "result"}),
+    "trials": frozenset({"edits", "result", "flags", "decision", "budget"}),
     "ideas": frozenset({"sets"}),
+    "measurements": frozenset({"budget"}),
+    "processes": frozenset({"info"}),
 }
 
 # Columns constrained to a vocabulary; values are validated before they reach SQLite so
@@ -312,8 +314,69 @@ def _m0001_initial(conn: sqlite3.Connection) -> None:
         conn.execute(statement)
 
 
+def _m0002_trust_and_noise(conn: sqlite3.Connection) -> None:
+    """Sandboxed trials, out-of-process evaluation, noise-aware decisions, diagnosis.
+
+    runs: how trials were isolated (`sandbox`: "bwrap", "none: <why>", "off (--no-sandbox)"),
+    the pooled noise estimate (`noise_sd` of one run, `noise_pair_sd` of a paired difference,
+    `noise_df` its degrees of freedom), the decision rule in force, and `autoloop check`'s
+    result. trials: the trial's uncertainty (`metric_sd`: standard error of the mean of its
+    runs, `n_runs`), the decision's figures (`decision`), the measured budget (`budget`),
+    diagnosis `flags`. measurements: one row per training run of a trial's code, with the
+    role it played (`candidate`, `incumbent`, `drift`, `ablation`) and the trial whose
+    comparison requested it (`for_trial_id`). processes: helper processes (a coding
+    agent and its temporary clone) that crash recovery must clean up.
+    """
+    for table, column, declaration in [
+        ("runs", "sandbox", "TEXT"),
+        ("runs", "noise_sd", "REAL"),
+        ("runs", "noise_pair_sd", "REAL"),
+        ("runs", "noise_df", "INTEGER"),
+        ("runs", "decision_rule", "TEXT"),
+        ("runs", "check_result", "TEXT"),
+        ("trials", "metric_sd", "REAL"),
+        ("trials", "n_runs", "INTEGER"),
+        ("trials", "decision", "TEXT"),
+        ("trials", "budget", "TEXT"),
+        ("trials", "flags", "TEXT"),
+        ("trials", "heldout_sd", "REAL"),
+        ("measurements", "role", "TEXT"),
+        ("measurements", "for_trial_id", "INTEGER REFERENCES trials(id)"),
+        ("measurements", "status", "TEXT"),
+        ("measurements", "reason", "TEXT"),
+        ("measurements", "num_steps", "INTEGER"),
+        ("measurements", "total_tokens", "INTEGER"),
+        ("measurements", "training_seconds", "REAL"),
+        ("measurements", "wall_seconds", "REAL"),
+        ("measurements", "eval_seconds", "REAL"),
+        ("measurements", "verified", "INTEGER NOT NULL DEFAULT 0"),
+        ("measurements", "budget", "TEXT"),
+        ("measurements", "log_path", "TEXT"),
+    ]:
+        conn.execute(f"ALTER TABLE {table} ADD COLUMN {column} {declaration}")
+    conn.execute(
+        """
+        CREATE TABLE processes (
+            id INTEGER PRIMARY KEY,
+            run_id INTEGER REFERENCES runs(id),
+            trial_id INTEGER REFERENCES trials(id),
+            what TEXT NOT NULL,
+            pid INTEGER,
+            pgid INTEGER,
+            pid_start_time INTEGER,
+            path TEXT,
+            info TEXT,
+            created_at TEXT NOT NULL,
+            ended_at TEXT
+        )"""
+    )
+    conn.execute("CREATE INDEX processes_live ON processes(ended_at)")
+    conn.execute("CREATE INDEX measurements_for ON measurements(for_trial_id)")
+
+
 MIGRATIONS: list[tuple[str, Callable[[sqlite3.Connection], None]]] = [
     ("0001_initial", _m0001_initial),
+    ("0002_trust_and_noise", _m0002_trust_and_noise),
 ]
 
 
@@ -354,7 +417,7 @@ class Store:
             self._migrate()
             self._columns = {
                 table: [row[1] for row in self.conn.execute(f"PRAGMA table_info({table})")]
-                for table in ("runs", "trials", "ideas", "measurements", "curves", "proposals", "events")
+                for table in ("runs", "trials", "ideas", "measurements", "curves", "proposals", "events", "processes")
             }
         except BaseException:
             self.conn.close()
@@ -783,13 +846,34 @@ class Store:
         )
 
     def add_measurement(
-        self, trial_id: int, metric: float | None, *, seed: int | None = None, heldout_metric: float | None = None
+        self, trial_id: int, metric: float | None, *, seed: int | None = None, heldout_metric: float | None = None,
+        **fields: Any,
     ) -> int:
         """Record one run of a trial's code (re-runs add more rows for the same trial)."""
         return self._insert(
             "measurements",
-            {"trial_id": trial_id, "seed": seed, "metric": metric, "heldout_metric": heldout_metric, "created_at": utcnow()},
+            {"trial_id": trial_id, "seed": seed, "metric": metric, "heldout_metric": heldout_metric,
+             "created_at": utcnow(), **fields},
         )
+
+    def update_measurement(self, measurement_id: int, **fields: Any) -> None:
+        self._update("measurements", measurement_id, fields)
+
+    # -- helper processes (a coding agent): recorded so crash recovery can end them ---------
+
+    def add_process(self, run_id: int | None, what: str, **fields: Any) -> int:
+        return self._insert("processes", {"run_id": run_id, "what": what, "created_at": utcnow(), **fields})
+
+    def end_process(self, process_id: int) -> None:
+        self._update("processes", process_id, {"ended_at": utcnow()})
+
+    def live_processes(self, run_id: int | None = None) -> list[dict[str, Any]]:
+        sql = "SELECT * FROM processes WHERE ended_at IS NULL"
+        params: list[Any] = []
+        if run_id is not None:
+            sql += " AND run_id = ?"
+            params.append(run_id)
+        return self._rows("processes", sql + " ORDER BY id", params)
 
     def measurements(self, trial_id: int) -> list[dict[str, Any]]:
         return self._query("SELECT * FROM measurements WHERE trial_id = ? ORDER BY id", (trial_id,))

@@ -77,6 +77,9 @@ class Config:
     max_cost: float | None = None  # stop calling paid models once the run's proposals cost this many $
     agent_command: str | None = None  # coding agent run in a throwaway clone, e.g. "claude -p"
     agent_timeout: float = 1800.0  # seconds before the agent is killed
+    # Trials under bubblewrap (autoloop/sandbox.py): "auto" where it works here, "on" (an
+    # error where it cannot run), "off" (what --no-sandbox sets; recorded on the run).
+    sandbox: str = "auto"
 
     def train_argv(self) -> list[str]:
         argv = shlex.split(self.train_command)
@@ -95,10 +98,17 @@ class Config:
 
 _FIELDS = {f.name: f for f in fields(Config)}
 _HINTS = get_type_hints(Config)
+# Fields with a fixed vocabulary; TOML's true/false mean on/off.
+_CHOICES = {"sandbox": ("auto", "on", "off")}
 
 
 def _coerce(name: str, raw: Any, source: str) -> Any:
     """Turn a TOML, environment or flag value into the field's type, or say what is wrong."""
+    if name in _CHOICES:
+        value = {True: "on", False: "off"}.get(raw, raw) if isinstance(raw, bool) else str(raw).strip().lower()
+        if value not in _CHOICES[name]:
+            raise AutoloopError(f"{source}: {name} = {raw!r} is not one of {', '.join(_CHOICES[name])}: fix the value")
+        return value
     hint = _HINTS[name]
     args = [a for a in get_args(hint) if a is not type(None)]
     base = args[0] if get_origin(hint) is not None and args and get_origin(hint) is not list else hint

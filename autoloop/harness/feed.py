@@ -378,10 +378,7 @@ class FeedServer:
             conn.sendall(_frame(ERROR, b"no such stream: send a hello first"))
             return
         windows = stream.take()
-        data = memoryview(windows).cast("B")
-        conn.sendall(_HEADER.pack(len(data), BATCH))
-        conn.sendall(data)
-        with self._lock:
+        with self._lock:  # before the send: once the trial has the batch, the record has it
             self._batches += 1
             self._tokens_served += stream.tokens_per_batch
             stream.record["batches"] += 1
@@ -391,6 +388,9 @@ class FeedServer:
             if self._first_request is None:
                 self._first_request = now
             self._last_batch = now
+        data = memoryview(windows).cast("B")
+        conn.sendall(_HEADER.pack(len(data), BATCH))
+        conn.sendall(data)
         stream.pending = stream.draw()  # while the trial trains on this one
 
     def _tick(self, steps: int, now: float) -> None:

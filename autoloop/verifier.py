@@ -80,16 +80,34 @@ class Verifier:
 
     # ------------------------------------------------------------------ integrity
 
+    def pycache_prefixes(self) -> list[Path]:
+        """The bytecode prefixes autoloop's children use (autoloop.evaluation.pycache_env)."""
+        from autoloop.evaluation import PYCACHE_KINDS, pycache_dir
+
+        if self.cache_root is None:
+            from autoloop.harness.contract import cache_root
+
+            root = cache_root()
+        else:
+            root = self.cache_root
+        return [pycache_dir(kind, root) for kind in PYCACHE_KINDS]
+
     def snapshot(self, controller) -> integrity.Snapshot:
-        return integrity.take_snapshot(self.harness_dir, controller.data_dir())
+        return integrity.take_snapshot(self.harness_dir, controller.data_dir(), pycache_prefixes=self.pycache_prefixes())
 
     def check_run(self, controller) -> str | None:
         """A pause reason if the harness or the data changed since this invocation began."""
         now = self.snapshot(controller)
         if self._reference is None or self._reference.data_dir != now.data_dir:
-            problems = integrity.dataset_problems(controller.data_dir())
+            problems = integrity.dataset_problems(controller.data_dir()) + integrity.bytecode_problems(self.harness_dir)
             if problems:
                 return integrity.describe_pause(problems, controller.tag)
+            if not sys.dont_write_bytecode:
+                # Current bytecode now, so a training process that writes bytecode beside the
+                # sources (no PYTHONPYCACHEPREFIX) finds nothing to write: an honest trial never
+                # shows up as "harness bytecode added".
+                integrity.precompile_harness(self.harness_dir)
+                now = self.snapshot(controller)
             self._reference = now
             from autoloop.harness import compute_harness_fingerprint
 

@@ -224,6 +224,11 @@ def evaluate_checkpoint(
     device = "cpu" if device == "cpu" else "cuda"
     splits = tuple(splits)
 
+    if (source_dir / "autoloop").exists():
+        # The worker runs from source_dir and `python -m` puts it first on sys.path.
+        return EvalResult(ok=False, status="failed", reason=(
+            f"the trial's files include {source_dir / 'autoloop'}, which would be imported instead of the installed "
+            "harness: an editable file may not be named autoloop/..."))
     warm_eval_cache(python, cache_root)
     prefix = pycache_dir("eval", cache_root)
     command = evaluation_command(python=python, train_py=source_dir / script, checkpoint=checkpoint, out=verdict_path,

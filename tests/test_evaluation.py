@@ -193,7 +193,7 @@ def trained(tmp_path_factory, embedded_dataset):
 def _evaluate(trained, tmp_path, source: str | None = None, **kwargs):
     """evaluate_checkpoint on the trained checkpoint with `source` as the trial's train.py."""
     source_dir = tmp_path / "source"
-    source_dir.mkdir(exist_ok=True)
+    source_dir.mkdir(parents=True, exist_ok=True)
     (source_dir / "train.py").write_text(source if source is not None else tiny_train_source())
     options = {"splits": ("val",), "causality": False, **kwargs}
     return evaluate_checkpoint(
@@ -308,7 +308,8 @@ def test_poisoned_harness_pyc_is_named_and_never_read(trained, tmp_path, monkeyp
     out = tmp_path / "control.json"
     subprocess.run([sys.executable, "-m", "autoloop.harness.evaluate", "--train-py", str(tmp_path / "eval" / "source" /
                     "train.py"), "--checkpoint", str(trained["folder"] / "checkpoint.pt"), "--out", str(out),
-                    "--data-dir", str(trained["data_dir"])], env=env, check=True, capture_output=True, timeout=300)
+                    "--data-dir", str(trained["data_dir"])], env=env, cwd=tmp_path, check=True, capture_output=True,
+                   timeout=300)
     assert json.loads(out.read_text())["val_bpb"] == pytest.approx(trained["val_bpb"] - 1.0, abs=1e-6)
 
 

@@ -82,9 +82,11 @@ REPORTED_KEY_MAP = {
 class RunOutcome:
     """What happened to one training process.
 
-    status: "ok" (exit 0 with a finite val_bpb), "crash", "timeout" or "aborted".
+    status: "ok" (exit 0 with a finite val_bpb, or under AUTOLOOP_EVAL=external with a
+    result JSON and no val_bpb), "crash", "timeout" or "aborted".
     metric: val_bpb when finite, else None. metric_source: "harness" (result JSON) or
-    "reported" (printed block), None without a metric. reason: one line, None when ok.
+    "reported" (printed block), None without a metric (except an external-eval "ok":
+    "harness", metric None whatever the JSON says). reason: one line, None when ok.
     result: the parsed result JSON, or the parsed summary block, or None.
     """
 
@@ -475,6 +477,7 @@ def run_training(
         result_path=result_path,
         deadline_seconds=deadline_seconds,
         sandboxed=sandboxed,
+        external_eval=str(env.get("AUTOLOOP_EVAL") or "").strip().lower() == "external",
     )
     outcome.wall_seconds = wall_seconds
     outcome.pid, outcome.pgid, outcome.start_time = pid, pgid, start_time
@@ -499,8 +502,16 @@ def _judge(
     result_path: Path | None,
     deadline_seconds: float,
     sandboxed: bool = False,
+    external_eval: bool = False,
 ) -> RunOutcome:
-    """Apply the outcome rules to what the process left behind."""
+    """Apply the outcome rules to what the process left behind.
+
+    `external_eval` (the run's env asked for AUTOLOOP_EVAL=external): the harness evaluates
+    the checkpoint in another process, so exit 0 with a result JSON is "ok" with metric
+    None and metric_source "harness" (the contract was followed; the evaluation supplies
+    the number). A val_bpb the trial wrote anyway is left in `result` but is never the
+    metric. A script with only a printed block keeps today's rules ("reported").
+    """
     lines = text.splitlines()
     error_tail = "\n".join(lines[-ERROR_TAIL_LINES:])
 
@@ -544,6 +555,11 @@ def _judge(
         return outcome("aborted", "aborted before it finished")
     if returncode != 0:
         return outcome("crash", _crash_reason(lines, returncode, sandboxed))
+    if external_eval and source == "harness":
+        # Whatever val_bpb the trial wrote is its own claim: the evaluation process decides.
+        ok = outcome("ok", None)
+        ok.metric, ok.metric_source = None, "harness"
+        return ok
     if metric is None:
         reason = "finished without a val_bpb metric"
         if result_problem:

@@ -598,10 +598,6 @@ class Controller:
         Verifier._snapshot_sources(self, commit, relative, source_dir)
         return source_dir / relative
 
-    @staticmethod
-    def device_of(row: dict) -> str:
-        return "cpu"
-
     def best_metric(self) -> float | None:
         return self._best_metric()
 

@@ -718,7 +718,6 @@ class Controller:
             failed = self._measured(trial, last)
             if failed:
                 return failed
-            self._delete_checkpoints(trial, keep_last=True)
         self.update_noise()
         runs = self._runs(trial)
         outcome = TrialOutcome(Status.KEEP, "", self._trial_fields(trial, last))

@@ -134,6 +134,8 @@ class Measurer:
         feed = None
         seal = None
         if self.harness_mode:
+            from autoloop.evaluation import pycache_env
+            from autoloop.harness.contract import cache_root
             from autoloop.harness.data import make_meta_only_view
             from autoloop.harness.feed import FeedServer
             from autoloop.tamper import StoreSeal
@@ -142,6 +144,8 @@ class Measurer:
             view = make_meta_only_view(c.data_dir(), run_dir / "data")
             feed = FeedServer(c.data_dir(), run_dir / "feed.sock", seed=seed)
             env.update({"AUTOLOOP_DATA_DIR": str(view), "AUTOLOOP_FEED": None, "AUTOLOOP_EVAL": "external"})
+            # Training's bytecode goes to its own prefix, never read by the evaluator.
+            env.update(pycache_env("train", cache_root()))
         before = c.verifier.snapshot(c) if c.verifier is not None else None
         if c.display is not None:
             c.display.trial_started(running, c.best_metric(), c.config)
@@ -166,8 +170,15 @@ class Measurer:
 
         from autoloop.sandbox import SandboxPaths
 
+        writable = [run_dir, *c.compile_cache_dirs()]
+        if self.harness_mode:
+            from autoloop.evaluation import pycache_dir
+            from autoloop.harness.contract import cache_root
+
+            writable.append(pycache_dir("train", cache_root()))
+            writable[-1].mkdir(parents=True, exist_ok=True)
         sandbox_paths = SandboxPaths(
-            writable=(run_dir, *c.compile_cache_dirs()), readonly=(c.repo_dir,),
+            writable=tuple(writable), readonly=(c.repo_dir,),
             # The data splits stay out of reach: batches come from the feed only.
             hidden=tuple(self._hidden()) + ((c.data_dir(),) if self.harness_mode else ()),
         )

@@ -4,18 +4,19 @@ from __future__ import annotations
 
 import json
 import math
+from statistics import NormalDist
 
 import numpy as np
 import pytest
 
 from autoloop.decide import (
     DecisionConfig, Noise, NoiseSums, Verdict, decide, decide_by_margin, estimate, keep_bound, noise_sums,
-    paired_effect, pool_noise, t_cdf, t_quantile,
+    paired_effect, pool_noise, sequential_bound, t_cdf, t_quantile,
 )
 from autoloop.errors import AutoloopError
 
 SEEDS = [0, 1, 2, 3, 4, 5, 6]
-CFG = DecisionConfig()  # paired, baseline 3, max 4 runs, alpha 0.05, futility 0
+CFG = DecisionConfig()  # paired, baseline 3, max 4 runs, alpha 0.05, futility -0.5
 NOISE = Noise(run_sd=0.01, pair_sd=0.01, df=20)
 INC = {0: 2.50, 1: 2.52, 2: 2.48}
 
@@ -45,9 +46,38 @@ def test_t_cdf_known_values_and_limits():
             assert t_cdf(t_quantile(p, df), df) == pytest.approx(p, abs=1e-12)
 
 
-def test_keep_bound_is_bonferroni_over_the_looks():
-    assert keep_bound(CFG, 20) == pytest.approx(-t_quantile(1 - 0.05 / 4, 20))
-    assert keep_bound(DecisionConfig(max_runs=1), math.inf) == pytest.approx(-1.644854, abs=1e-6)
+@pytest.mark.parametrize("looks, pocock", [(2, 1.875), (3, 1.992), (4, 2.068), (5, 2.122)])
+def test_sequential_bound_matches_pocock_tables(looks, pocock):
+    # Without futility the bound is Pocock's constant (one-sided 0.05 = two-sided 0.10;
+    # the two differ by paths crossing both ways, < 0.005 here).
+    assert sequential_bound(0.05, looks, 100.0) == pytest.approx(pocock, abs=0.006)
+
+
+def test_sequential_bound_with_futility_and_one_look():
+    assert sequential_bound(0.05, 1, -0.5) == pytest.approx(1.644854, abs=1e-6)
+    # A binding futility bound removes paths that could later cross: the bound can drop.
+    assert sequential_bound(0.05, 4, -0.5) < sequential_bound(0.05, 4, 100.0)
+    # Futility below the keep bound: only the first look ever decides.
+    assert sequential_bound(0.05, 4, -3.0) == pytest.approx(1.644854, abs=1e-6)
+
+
+def test_sequential_bound_type_one_by_simulation():
+    rng = np.random.default_rng(2)
+    c, f, looks = sequential_bound(0.05, 4, -0.5), -0.5, 4
+    z = np.cumsum(rng.standard_normal((200_000, looks)), axis=1) / np.sqrt(np.arange(1, looks + 1))
+    alive = np.ones(len(z), bool)
+    kept = 0
+    for n in range(looks):
+        kept += int(np.sum(alive & (z[:, n] <= -c)))
+        alive &= (z[:, n] > -c) & (z[:, n] < f)
+    assert kept / len(z) == pytest.approx(0.05, abs=0.0025)
+
+
+def test_keep_bound_is_the_sequential_level_in_t():
+    c = sequential_bound(CFG.alpha, CFG.max_runs, CFG.futility)
+    assert keep_bound(CFG, math.inf) == pytest.approx(-c, abs=1e-9)
+    assert keep_bound(CFG, 5) == pytest.approx(t_quantile(NormalDist().cdf(-c), 5))
+    assert keep_bound(CFG, 5) < keep_bound(CFG, 50) < -c + 1e-12
 
 
 # ---------------------------------------------------------------------------------------

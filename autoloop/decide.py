@@ -498,8 +498,8 @@ def _paired(candidate, incumbent, noise, cfg, seeds) -> Verdict:
                        f"(t = {t_text}, bound {bound:.1f})", figures)
     if t >= cfg.futility:
         figures.update(stopped="futility", near_miss=mean < 0)
-        return Verdict("discard", None, None,
-                       f"discard: {summary}, not better than the incumbent (t = {t_text} >= {cfg.futility:g})", figures)
+        why = "not better than the incumbent" if mean >= 0 else "too little better to measure again"
+        return Verdict("discard", None, None, f"discard: {summary}, {why} (t = {t_text} >= {cfg.futility:g})", figures)
     return _measure_candidate(candidate, incumbent, seeds, figures,
                               f"{summary} (t = {t_text}, bound {bound:.1f})")
 

@@ -202,6 +202,12 @@ def test_discard_after_one_clearly_worse_run():
     assert _json(v)["near_miss"] is False
 
 
+def test_discard_when_better_by_less_than_the_futility_bound():
+    v = decide({0: 2.497}, INC, NOISE, CFG, SEEDS)  # t = -0.3: better, but by too little to chase
+    assert v.action == "discard" and _json(v)["stopped"] == "futility" and _json(v)["near_miss"] is True
+    assert v.reason.startswith("discard: -0.0030 ± 0.0100 bpb over 1 paired seed, too little better to measure again (t = -0.3 >= -0.5)")
+
+
 def test_measure_the_candidate_again_when_promising_but_unproven():
     v = decide({0: 2.49}, INC, NOISE, CFG, SEEDS)  # t = -1: better, not yet proven
     assert (v.action, v.side, v.seed) == ("measure", "candidate", 1)

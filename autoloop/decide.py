@@ -236,7 +236,7 @@ class DecisionConfig:
 
     rule: str = "paired"
     baseline_seeds: int = 3
-    max_runs: int = 4
+    max_runs: int = 5
     alpha: float = 0.05
     futility: float = -0.5
     margin: float = 0.0
@@ -248,7 +248,7 @@ class DecisionConfig:
         if self.baseline_seeds < 1:
             raise AutoloopError(f"baseline-seeds is {self.baseline_seeds}: set it to 1 or more (3 measures the noise)")
         if self.max_runs < 1:
-            raise AutoloopError(f"max-runs is {self.max_runs}: set it to 1 or more (default 4)")
+            raise AutoloopError(f"max-runs is {self.max_runs}: set it to 1 or more (default 5)")
         if not 0.0 < self.alpha < 0.5:
             raise AutoloopError(f"alpha is {self.alpha}: set it between 0 and 0.5 (default 0.05)")
         if not 0.0 < self.level < 1.0:

@@ -94,6 +94,12 @@ class Summary:
         return self.big_kept / self.big if self.big else float("nan")
 
     @property
+    def real_keep_share(self) -> float:
+        """Of the proposals kept, the share that truly helped."""
+        kept = self.null_kept + self.harmful_kept + self.helpful_kept
+        return self.helpful_kept / kept if kept else float("nan")
+
+    @property
     def runs_per_proposal(self) -> float:
         return self.runs / self.decided if self.decided else float("nan")
 

@@ -15,7 +15,7 @@ All rules see the same proposals and the same luck. docs/decisions.md reads the 
 
 Printed per rule: false keeps per null proposal (and for the re-drawn ones alone), share
 of real improvements of 2 sigma or more kept, share of harmful ones kept, runs per decided
-proposal, proposals decided per night, the final best's true gain over the baseline (sigma,
+proposal, the share of keeps that truly helped, proposals decided per night, the final best's true gain over the baseline (sigma,
 ± standard error over nights), and the winner's curse (its reported mean minus its true
 value, sigma; negative = it looks better than it is). Then how the false-keep rate holds up
 when the world changes, and where on the helpful share each rule wins.
@@ -35,12 +35,12 @@ from autoloop.decide import DecisionConfig  # noqa: E402
 from autoloop.simulate import ALL_NULL, Mix, Summary, World, draw_nights, simulate, targets  # noqa: E402
 
 HEADER = (f"{'rule':<28} {'false keeps':>11} {'re-draws':>9} {'>=2σ kept':>9} {'harm kept':>9} "
-          f"{'runs/prop':>9} {'props':>6} {'true gain σ':>13} {'curse σ':>8}")
+          f"{'real keeps':>10} {'runs/prop':>9} {'props':>6} {'true gain σ':>13} {'curse σ':>8}")
 
 
 def row(s: Summary) -> str:
     return (f"{s.rule:<28} {s.false_keep_rate:>11.1%} {s.redraw_keep_rate:>9.1%} {s.big_kept_share:>9.0%} "
-            f"{s.harmful_kept / max(s.harmful, 1):>9.1%} {s.runs_per_proposal:>9.2f} {s.decided / s.nights:>6.1f} "
+            f"{s.harmful_kept / max(s.harmful, 1):>9.1%} {s.real_keep_share:>10.0%} {s.runs_per_proposal:>9.2f} {s.decided / s.nights:>6.1f} "
             f"{s.quality:>+7.2f} ±{s.quality_se:4.2f} {s.winners_curse:>+8.2f}")
 
 

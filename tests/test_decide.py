@@ -16,7 +16,7 @@ from autoloop.decide import (
 from autoloop.errors import AutoloopError
 
 SEEDS = [0, 1, 2, 3, 4, 5, 6]
-CFG = DecisionConfig()  # paired, baseline 3, max 4 runs, alpha 0.05, futility -0.5
+CFG = DecisionConfig(max_runs=4)  # paired, baseline 3, alpha 0.05, futility -0.5
 NOISE = Noise(run_sd=0.01, pair_sd=0.01, df=20)
 INC = {0: 2.50, 1: 2.52, 2: 2.48}
 
@@ -290,6 +290,13 @@ def test_decide_by_margin():
     assert decide_by_margin(1.9, 2.0).keep and not decide_by_margin(2.0, 2.0).keep
     assert not decide_by_margin(1.95, 2.0, margin=0.1).keep
     assert "by more than 0.1" in decide_by_margin(1.95, 2.0, margin=0.1).reason
+
+
+def test_defaults_are_the_documented_ones():
+    d = DecisionConfig()
+    assert (d.rule, d.baseline_seeds, d.max_runs, d.alpha, d.futility, d.margin, d.level) == (
+        "paired", 3, 5, 0.05, -0.5, 0.0, 0.95)
+    assert sequential_bound(0.05, 5, -0.5) == pytest.approx(2.04, abs=0.01)
 
 
 @pytest.mark.parametrize("kwargs", [

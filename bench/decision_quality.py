@@ -39,7 +39,8 @@ HEADER = (f"{'rule':<28} {'false keeps':>11} {'re-draws':>9} {'>=2σ kept':>9} {
 
 
 def row(s: Summary) -> str:
-    return (f"{s.rule:<28} {s.false_keep_rate:>11.1%} {s.redraw_keep_rate:>9.1%} {s.big_kept_share:>9.0%} "
+    big = f"{s.big_kept_share:>9.0%}" if s.big else f"{'-':>9}"
+    return (f"{s.rule:<28} {s.false_keep_rate:>11.1%} {s.redraw_keep_rate:>9.1%} {big} "
             f"{s.harmful_kept / max(s.harmful, 1):>9.1%} {s.real_keep_share:>10.0%} {s.runs_per_proposal:>9.2f} {s.decided / s.nights:>6.1f} "
             f"{s.quality:>+7.2f} ±{s.quality_se:4.2f} {s.winners_curse:>+8.2f}")
 

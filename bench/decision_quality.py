@@ -1,6 +1,6 @@
 """How well each keep/discard rule keeps real changes, at equal compute (simulated).
 
-    python bench/decision_quality.py            # 2000 nights for the main table, ~2 min on 2 cores
+    python bench/decision_quality.py            # 2000 nights for the main table, ~100 s on 2 shared cores
     python bench/decision_quality.py --quick    # 300 nights, ~20 s
     python bench/decision_quality.py --nights 5000 --runs 200 --shared 0.3
 
@@ -14,11 +14,12 @@ the noise estimated from the night's own repeats (autoloop/simulate.py has the w
 All rules see the same proposals and the same luck. docs/decisions.md reads the numbers.
 
 Printed per rule: false keeps per null proposal (and for the re-drawn ones alone), share
-of real improvements of 2 sigma or more kept, share of harmful ones kept, runs per decided
-proposal, the share of keeps that truly helped, proposals decided per night, the final best's true gain over the baseline (sigma,
-± standard error over nights), and the winner's curse (its reported mean minus its true
-value, sigma; negative = it looks better than it is). Then how the false-keep rate holds up
-when the world changes, and where on the helpful share each rule wins.
+of real improvements of 2 sigma or more kept, share of harmful ones kept, share of the
+keeps that truly helped, runs per decided proposal, proposals decided per night, the
+final best's true gain over the baseline (sigma, ± standard error over nights), and the
+winner's curse (its reported mean minus its true value, sigma; negative = it looks better
+than it is). Then how the false-keep rate holds up when the world changes, and where on
+the helpful share each rule wins.
 """
 
 from __future__ import annotations

@@ -29,8 +29,6 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from statistics import NormalDist
 
-import numpy as np
-
 from autoloop.errors import AutoloopError
 
 RULES = ("paired", "strict")
@@ -277,6 +275,8 @@ def sequential_bound(alpha: float, looks: int, futility: float) -> float:
     partial sum over the continuation region on a grid (Armitage, McPherson and Rowe 1969);
     bisection on c. About 0.1 s once per (alpha, looks, futility).
     """
+    import numpy as np  # here, not at the top: the CLI imports this module and starts faster without numpy
+
     h = 0.02
     span = 8.0 + 7.0 * math.sqrt(looks)
     x = np.arange(-span, span + h / 2, h)

@@ -9,6 +9,8 @@ from autoloop.config import Config
 from autoloop.errors import AutoloopError
 from autoloop.pyconst import parse_value, read_constants
 
+MAX_PATCH_BYTES = 1_000_000
+
 
 def parse_sets(pairs: list[str], source: str, path: str) -> dict[str, str]:
     """`NAME=VALUE` pairs -> {NAME: value text}, each NAME checked against the file's constants."""

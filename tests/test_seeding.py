@@ -77,7 +77,7 @@ def assert_refused(repo, args: list[str], *fragments: str) -> str:
 
 
 @pytest.mark.parametrize("path, fragment", [
-    ("../outside.py", "outside the repository"),
+    ("../outside.py", "invalid path '../outside.py'"),
     (".git/hooks/pre-commit", ".git/hooks/pre-commit"),
     ("autoloop/harness/evaluate.py", "protected file autoloop/harness/evaluate.py"),
     ("notes.py", "not editable"),
@@ -208,13 +208,14 @@ def test_an_accepted_idea_runs_as_a_valid_trial(fake_repo, tmp_path):
     from autoloop.controller import Controller
 
     source = (fake_repo / "train.py").read_text()
-    seed(fake_repo, "lr by constant", "LR=0.015")
+    # The patch's context includes the LR line, so it goes first (ideas are taken oldest first).
     seed(fake_repo, "wider by patch", patch=write_patch(tmp_path, diff(source, source.replace("WIDTH = 64", "WIDTH = 128"))))
+    seed(fake_repo, "lr by constant", "LR=0.015")
     config = resolve(fake_repo, {"tag": "t", "time_budget": 5, "grace_seconds": 20, "proposers": "ideas", "max_trials": 3})
     Controller(config, fake_repo, verifier=None).run()
     with Store(fake_repo / "experiments.db") as store:
         rows = store.trials(store.get_run("t")["id"])
-    assert [r["status"] for r in rows] == ["keep", "keep", "discard"], [r["reason"] for r in rows]
+    assert [r["status"] for r in rows] == ["keep", "discard", "keep"], [r["reason"] for r in rows]
 
 
 def test_missing_patch_and_empty_description_are_one_line(fake_repo, tmp_path):

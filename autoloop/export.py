@@ -57,7 +57,6 @@ TABLE_COLUMNS = AUTORESEARCH_COLUMNS + tuple(name for name, _ in EXTRA_COLUMNS)
 # The TSV: autoresearch's five, then autoloop's precise status, kind and metric, then the rest.
 TSV_COLUMNS = AUTORESEARCH_COLUMNS + ("autoloop_status", "kind", "metric") + tuple(
     name for name, _ in EXTRA_COLUMNS if name != "kind")
-AUTORESEARCH_STATUSES = ("keep", "discard", "crash")
 # Re-measurements of the incumbent: never an improvement in autoresearch's terms.
 _REMEASUREMENTS = (Kind.RERUN.value, Kind.DRIFT.value)
 # Process bookkeeping is nobody's data.

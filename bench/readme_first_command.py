@@ -69,9 +69,10 @@ def fresh_environment(source: Path, work: Path) -> tuple[Path, Path, dict]:
         # This interpreter is a virtual environment: --system-site-packages reaches its
         # base Python, not the packages installed here (torch ...). A .pth file appends them.
         (site / "_autoloop_parent_env.pth").write_text("".join(f"{p}\n" for p in dict.fromkeys(ours)))
-        # The setuptools that venv bundles (65 on Python 3.11) predates pyproject's
-        # `license = "MIT"` (setuptools >= 77): without it the parent's is used.
-        _sh([python, "-m", "pip", "uninstall", "-q", "-y", "setuptools"], cwd=work)
+    # The setuptools that venv bundles (65 on Python 3.11; none from 3.12) predates
+    # pyproject's `license = "MIT"` (setuptools >= 77) and shadows ours: without it,
+    # the build without isolation uses this interpreter's.
+    _sh([python, "-m", "pip", "uninstall", "-q", "-y", "setuptools"], cwd=work)
     timings["venv_seconds"] = time.monotonic() - started
     timings["install_seconds"] = _sh(
         [python, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-build-isolation", "-e", "."],

@@ -244,11 +244,18 @@ def _set_child_subreaper(on: bool) -> bool:
 
 
 class _ChildSubreaper:
-    """This process is a child subreaper while at least one trial runs (trials may run in
-    threads side by side); afterwards orphans go to init again, as for any program."""
+    """This process is a child subreaper while at least one unsandboxed trial runs (trials
+    may run in threads side by side); afterwards orphans go to init again, as for any
+    program. A sandboxed trial needs none: its PID namespace dies with it, and bubblewrap's
+    inner process, orphaned at the end, would only become our zombie."""
+
+    def __init__(self, enabled: bool = True):
+        self.enabled = enabled
 
     def __enter__(self) -> "_ChildSubreaper":
         global _subreaper_users
+        if not self.enabled:
+            return self
         with _subreaper_lock:
             if _subreaper_users == 0:
                 _set_child_subreaper(True)
@@ -257,6 +264,8 @@ class _ChildSubreaper:
 
     def __exit__(self, *exc: object) -> None:
         global _subreaper_users
+        if not self.enabled:
+            return
         with _subreaper_lock:
             _subreaper_users -= 1
             if _subreaper_users == 0:
@@ -374,6 +383,7 @@ def run_training(
     poll_interval: float = 0.2,
     sandbox: SandboxPolicy | None = None,
     sandbox_paths: SandboxPaths | None = None,
+    marker: str | None = None,
 ) -> RunOutcome:
     """Run `command` until it exits, the deadline passes or `should_abort()` is true.
 
@@ -388,6 +398,10 @@ def run_training(
     without paths, the working folder is read-only and the folders of AUTOLOOP_RESULT,
     AUTOLOOP_CHECKPOINT and AUTOLOOP_PROGRESS are writable. pid and pgid are then
     bubblewrap's. Kinds "none" and "off" (and None) run the command as it is.
+
+    `marker` (default: a random one) is the value of AUTOLOOP_TRIAL_MARKER in the child's
+    environment; a caller that records it can sweep the trial's processes after a crash of
+    its own (`sweep_trial_processes`).
     """
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -395,7 +409,7 @@ def run_training(
     if result_path is not None:
         result_path.unlink(missing_ok=True)
 
-    marker = secrets.token_hex(12)
+    marker = marker or secrets.token_hex(12)
     argv = [str(part) for part in command]
     child_env = allowed_environment({**env, TRIAL_MARKER: marker})
     sandboxed = sandbox is not None and sandbox.kind == "bwrap"
@@ -411,7 +425,7 @@ def run_training(
         log.flush()
         offset = log.tell()
         started = time.monotonic()
-        reaper = _ChildSubreaper().__enter__()
+        reaper = _ChildSubreaper(enabled=not sandboxed).__enter__()
         try:
             proc = subprocess.Popen(
                 argv,

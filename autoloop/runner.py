@@ -21,12 +21,17 @@ PYTHONUNBUFFERED=1, plus the AUTOLOOP_* contract variables the caller passes, pl
 per-trial marker (AUTOLOOP_TRIAL_MARKER).
 
 With a `SandboxPolicy` of kind "bwrap" the command runs inside bubblewrap
-(autoloop/sandbox.py); the group signalled is bubblewrap's, and killing it ends the trial's
-PID namespace and every process in it. Without one, a process that left the group (a
-`setsid` daemon) could outlive the trial, so for the length of a trial this process is a
-child subreaper (orphans of the trial become its children, not init's) and after the trial
-every process whose /proc/<pid>/environ carries the trial's marker is SIGKILLed, and those
-that became our children are reaped.
+(autoloop/sandbox.py). The group recorded and signalled is bubblewrap's: killing it kills
+bubblewrap's inner process (PID 1 of the trial's namespace, through --die-with-parent),
+and with it the kernel kills every process in the namespace, `setsid` daemons included. A
+SIGTERM therefore ends a sandboxed trial at once, without a grace period inside.
+
+Unsandboxed, a process that left the group (a `setsid` daemon) could outlive the trial, so
+for the length of the trial this process is a child subreaper (orphans of the trial become
+its children, not init's). After every trial, sandboxed or not, each process whose
+/proc/<pid>/environ carries the trial's marker is SIGKILLed (until none is left), and the
+zombies of the trial that became our children are reaped; a process that exec'd itself
+with a scrubbed environment escapes this sweep, which is why the sandbox is the default.
 
 The result comes from the result JSON (`AUTOLOOP_RESULT`, metric source "harness") if the
 script wrote one, else from the final `---` block of `key: value` lines in the log (metric

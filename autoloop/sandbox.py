@@ -186,8 +186,9 @@ class SandboxPolicy:
             return argv, env
         env.setdefault(ENV_COMPILE_CACHE, str(_controller_cache_root(env) / "compile"))
         writable = [*writable, *(Path(env[name]) for name in COMPILE_CACHE_VARS if env.get(name))]
-        for path in writable:
-            Path(path).mkdir(parents=True, exist_ok=True)
+        for path in map(Path, writable):
+            if not path.exists():
+                path.mkdir(parents=True)
         readonly = [*readonly, *_default_readonly(cwd, env)]
         args = bwrap_arguments(
             cwd=cwd, writable=writable, readonly=readonly, hidden=hidden,
@@ -251,14 +252,15 @@ def bwrap_arguments(
     args += ["--proc", "/proc", "--tmpfs", "/tmp", "--dir", SANDBOX_HOME]
 
     # Every mount after the base, keyed by path: the most specific request wins, and a
-    # path asked for twice keeps the strongest meaning (writable > hidden > read-only).
+    # path asked for twice keeps the strongest meaning (writable > hidden > read-only >
+    # covered: a repository that is someone's whole home folder stays visible).
     wanted: dict[Path, str] = {}
     for path in [Path("/run"), *(_resolve(h) for h in homes)]:
         if path.is_dir():
             wanted[path] = "cover"
     for path in map(_resolve, readonly):
         if path.exists():
-            wanted.setdefault(path, "ro")
+            wanted[path] = "ro"
     for path in map(_resolve, hidden):
         if path.exists():
             wanted[path] = "hide-dir" if path.is_dir() else "hide-file"

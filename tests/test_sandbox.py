@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import socket
-import stat
 import subprocess
 import sys
 import textwrap
@@ -138,6 +136,16 @@ def test_mount_order_most_specific_last_and_folders_read_only_at_the_end(tmp_pat
     for flag in ("--unshare-net", "--unshare-pid", "--unshare-ipc", "--die-with-parent", "--new-session"):
         assert flag in args
     assert args[-2:] == ["--chdir", r]
+
+
+def test_a_repository_that_is_a_whole_home_folder_stays_visible(tmp_path):
+    home = tmp_path / "home"
+    home.mkdir()
+    h = str(home.resolve())
+    args = bwrap_arguments(cwd=home, readonly=[home], homes=[home])
+    assert ["--ro-bind", h, h] == args[args.index(h) - 1:args.index(h) + 2] and "--remount-ro" not in args
+    args = bwrap_arguments(cwd="/", homes=[home])
+    assert args[args.index(h) - 1] == "--tmpfs" and args[args.index("--remount-ro") + 1] in ("/run", h)
 
 
 def test_hidden_and_writable_at_once_is_refused(tmp_path):
@@ -448,9 +456,6 @@ def test_no_sandbox_flag_sets_the_config(fake_repo, monkeypatch):
     from autoloop.cli import app
 
     seen = []
-
-    class Stop(Exception):
-        pass
 
     class FakeController:
         def __init__(self, config, repo, display=None):

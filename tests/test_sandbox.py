@@ -143,7 +143,7 @@ def test_a_repository_that_is_a_whole_home_folder_stays_visible(tmp_path):
     home.mkdir()
     h = str(home.resolve())
     args = bwrap_arguments(cwd=home, readonly=[home], homes=[home])
-    assert args[args.index(h) - 1:args.index(h) + 2] == ["--ro-bind", h, h] and args.count(h) == 2
+    assert args[args.index(h) - 1:args.index(h) + 2] == ["--ro-bind", h, h] and args.count(h) == 3  # + --chdir
     args = bwrap_arguments(cwd="/", homes=[home])  # otherwise: covered
     assert args[args.index(h) - 1] == "--tmpfs" and args[args.index(h, args.index(h) + 1) - 1] == "--remount-ro"
 

@@ -48,10 +48,10 @@ import json
 import math
 import os
 import re
+import secrets
 import select
 import shlex
 import signal
-import secrets
 import subprocess
 import sys
 import threading

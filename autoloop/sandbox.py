@@ -269,12 +269,17 @@ def bwrap_arguments(
             raise AutoloopError(f"sandbox: {path} is asked to be both hidden and writable: pick one")
         wanted[path] = "rw"
 
-    # A read-only bind is only needed under something that is not the read-only root.
-    masking = [p for p, kind in wanted.items() if kind != "ro"] + [Path("/tmp")]
-    plan = [
-        (path, kind) for path, kind in wanted.items()
-        if kind != "ro" or any(_under(path, m) and path != m for m in masking)
-    ]
+    # A read-only bind is only needed where the nearest mount above the path is not
+    # read-only already (the root, or another read-only bind).
+    wanted_with_tmp = {Path("/tmp"): "cover", **wanted}
+
+    def needed(path: Path, kind: str) -> bool:
+        if kind != "ro":
+            return True
+        above = [p for p in wanted_with_tmp if p != path and _under(path, p)]
+        return bool(above) and wanted_with_tmp[max(above, key=lambda p: len(p.parts))] != "ro"
+
+    plan = [(path, kind) for path, kind in wanted.items() if needed(path, kind)]
     plan.sort(key=lambda item: (len(item[0].parts), str(item[0])))
     read_only_folders = []
     for path, kind in plan:

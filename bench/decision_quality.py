@@ -3,6 +3,7 @@
     python bench/decision_quality.py            # 2000 nights for the main table, ~1-2 min on 2 shared cores
     python bench/decision_quality.py --quick    # 300 nights, no side tables, ~15 s
     python bench/decision_quality.py --nights 5000 --runs 200 --shared 0.3
+    python bench/decision_quality.py --defaults-grid   # max-runs x futility, behind the defaults
 
 A night is a fixed number of training runs (default 100); every run costs one, whether it
 measures the baseline, a candidate or the incumbent again. The noise is Gaussian with sd
@@ -105,6 +106,22 @@ def sensitivity(args, world: World, land: Landscape, nights: int, quick: bool) -
               f"{ours.winners_curse / st.winners_curse:>6.2f}", flush=True)
 
 
+def defaults_grid(args, land: Landscape, nights: int = 600) -> None:
+    """The grid behind the defaults of max-runs and futility (docs/decisions.md, "Defaults and why")."""
+    runs, futilities = (3, 4, 5, 8), (-0.5, -0.75, -1.0, -1.25)
+    for shared in (0.5, 0.0):
+        world = replace(World(), shared=shared, runs=args.runs)
+        draws = draw_nights(nights, world, land, 3 + max(runs), 7)
+        strict = simulate(DecisionConfig(rule="strict"), nights=nights, world=world, mix=land, draws=draws)
+        print(f"\nshared seed variance {shared:.0%}, {nights} nights: strict {strict.quality:+.2f}, curse {strict.winners_curse:+.2f}")
+        print(f"{'max-runs':>8} {'futility':>8} {'false keeps':>11} {'>=2σ kept':>9} {'runs/prop':>9} {'true gain σ':>13} {'curse/strict':>12}")
+        for m in runs:
+            for f in futilities:
+                s = simulate(DecisionConfig(max_runs=m, futility=f), nights=nights, world=world, mix=land, draws=draws)
+                print(f"{m:>8} {f:>8} {s.false_keep_rate:>11.1%} {s.big_kept_share:>9.0%} {s.runs_per_proposal:>9.2f} "
+                      f"{s.quality:>+7.2f} ±{s.quality_se:4.2f} {s.winners_curse / strict.winners_curse:>12.2f}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--nights", type=int, default=2000, help="Simulated nights for the main table.")
@@ -113,7 +130,12 @@ def main() -> None:
     ap.add_argument("--margin", type=float, default=1.0, help="The fixed-margin rule's margin, in sigma.")
     ap.add_argument("--seed", type=int, default=0, help="Seed of the simulation.")
     ap.add_argument("--quick", action="store_true", help="300 nights, no side tables.")
+    ap.add_argument("--defaults-grid", action="store_true",
+                    help="Only the grid of max-runs by futility behind the rule's defaults (about 2 minutes).")
     args = ap.parse_args()
+    if args.defaults_grid:
+        defaults_grid(args, Landscape())
+        return
     nights = 300 if args.quick else args.nights
     side = max(200, nights // 5)
     world = World(shared=args.shared, runs=args.runs)

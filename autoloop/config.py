@@ -56,8 +56,9 @@ class Config:
     # kept when it beats the best by more than keep_margin (autoresearch's rule).
     decision_rule: str = "paired"
     baseline_seeds: int = 3  # the baseline's runs: the first measure of the noise
-    max_runs: int = 4  # most runs of one candidate before it is discarded as not distinguishable
+    max_runs: int = 5  # most runs of one candidate before it is discarded as not distinguishable
     alpha: float = 0.05  # false keeps allowed per proposal that changes nothing
+    futility: float = -0.5  # discard as soon as the paired t statistic is above this (a worse run costs one run)
     drift_every: int = 10  # re-measure the incumbent every N trials (0: never)
     drift_event_sigmas: float = 3.0  # a shift beyond this many paired-noise sds is an event
     drift_pause_sigmas: float = 8.0  # ... and beyond this many, the run pauses

@@ -83,6 +83,16 @@ def _batches_per_step(times: list[float], batches: list[int], warmup: int) -> fl
     return float(statistics.median(diffs)) if diffs else None
 
 
+def refusal_problem(summary: dict) -> str | None:
+    """The trial asked the feed for a split training may not read (also for a trial that then crashed)."""
+    count = int(summary.get("refused_count") or 0)
+    if not count:
+        return None
+    splits = sorted({str(r.get("split")) for r in summary.get("refused") or []}) or ["val"]
+    return (f"asked the harness's data feed for the {' and '.join(splits)} split ({count} refused request(s)): "
+            "training may not read val or heldout")
+
+
 def check_budget(summary: dict, result: dict | None, *, time_budget: float | None, max_steps: int | None,
                  warmup_steps: int = UNTIMED_WARMUP_STEPS, spawned_at: float | None = None,
                  exited_at: float | None = None, tolerance: float = TIME_TOLERANCE,
@@ -95,6 +105,8 @@ def check_budget(summary: dict, result: dict | None, *, time_budget: float | Non
     """
     result = result or {}
     step_mode = max_steps is not None
+    if not step_mode and time_budget is None:
+        raise ValueError("check_budget needs a time budget or a step budget")
     batches = int(summary.get("batches") or 0)
     tokens = int(summary.get("tokens") or 0)
     n_ticks = int(summary.get("ticks") or 0)
@@ -137,11 +149,9 @@ def check_budget(summary: dict, result: dict | None, *, time_budget: float | Non
     bps = _batches_per_step(times, tick_batches, warmup_steps)
     figures["batches_per_step"] = _r(bps)
 
-    refused = summary.get("refused") or []
-    if figures["refused"]:
-        splits = sorted({str(r.get("split")) for r in refused}) or ["val"]
-        return (f"asked the harness's data feed for the {' and '.join(splits)} split ({figures['refused']} refused "
-                "request(s)): training may not read val or heldout", figures)
+    refused = refusal_problem(summary)
+    if refused:
+        return refused, figures
     if batches and not n_ticks:
         return (f"drew {batches} training batches ({tokens:,} tokens) but never reported a step to the harness clock: "
                 "its training cannot be checked against the budget", figures)

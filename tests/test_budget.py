@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from autoloop.budget import check_budget
+from autoloop.budget import check_budget, refusal_problem
 from test_feed import run_with_feed
 from test_train import TRAIN_PY, explain
 
@@ -149,11 +149,12 @@ def test_only_warm_up_ticks_in_time_mode_fail():
     assert "reported only 2 steps to the harness clock, none of them timed" in problem
 
 
-def test_refused_val_request_is_a_problem():
+def test_refused_val_request_is_a_problem_also_for_a_crashed_trial():
     summary, result = simulate()
     summary["refused"], summary["refused_count"] = [{"time": 1.0, "split": "val", "pid": 1}], 1
     problem, _ = check((summary, result))
-    assert problem.startswith("asked the harness's data feed for the val split")
+    assert problem.startswith("asked the harness's data feed for the val split (1 refused request(s))")
+    assert refusal_problem(summary) == problem and refusal_problem(simulate()[0]) is None
 
 
 def test_nothing_drawn_is_no_budget_problem():

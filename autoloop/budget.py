@@ -176,7 +176,7 @@ def _step_rules(figures, summary, max_steps, batches, tokens, n_ticks, reported_
     allowed = reported_tokens + max(step_tokens, batch_tokens)
     figures["tokens_allowed"] = int(allowed)
     if tokens > allowed:
-        worth = f" (enough for ~{tokens / step_tokens:.0f} steps)" if step_tokens > 0 else ""
+        worth = f", enough for ~{tokens / step_tokens:.0f} steps" if step_tokens > 0 else ""
         return (f"drew {batches} batches ({tokens:,} tokens{worth}) from the data feed but reports "
                 f"{reported_steps:.0f} steps and {reported_tokens:,.0f} tokens (allowed {allowed:,.0f} with one step of "
                 "prefetch): it trained on more data than it reports")

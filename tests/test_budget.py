@@ -183,7 +183,7 @@ def test_honest_step_mode_passes():
 
 def test_training_50_steps_and_reporting_5_fails_with_both_figures():
     problem, _ = check(simulate(max_steps=5, tick_every=10), budget=None, max_steps=5)
-    assert "(enough for ~50 steps)" in problem and "reports 5 steps and 20,480 tokens" in problem
+    assert "enough for ~50 steps" in problem and "reports 5 steps and 20,480 tokens" in problem
     assert "it trained on more data than it reports" in problem
 
 
@@ -244,7 +244,7 @@ def test_attack_ten_times_more_steps_than_the_clock_is_told(session_cache, embed
     assert proc.returncode == 0, explain(proc)
     assert result["num_steps"] == 5
     problem, _ = check_budget(summary, result, time_budget=None, max_steps=5)
-    assert problem is not None and "(enough for ~50 steps)" in problem and "reports 5 steps" in problem
+    assert problem is not None and "enough for ~50 steps" in problem and "reports 5 steps" in problem
 
 
 @pytest.mark.slow

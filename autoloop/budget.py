@@ -13,7 +13,8 @@ Rules, in order:
     * batches drawn but no clock tick at all: the trial never reported a step, so nothing
       it did can be placed against the budget.
     * time mode. Warm-up ends when the feed gets the UNTIMED_WARMUP_STEPS-th tick.
-        - The window from then to the last batch request must fit in budget + the last
+        - The window from then to the last batch request or tick (whichever is later)
+          must fit in budget + the last
           step as the feed measured it (between its last two ticks) + a tolerance:
           max(TIME_TOLERANCE x budget, MIN_TOLERANCE_SECONDS) for timestamp jitter, plus
           STEP_BOOKKEEPING_SECONDS per timed step for the loop's work between steps that
@@ -27,8 +28,11 @@ Rules, in order:
         - The untimed warm-up steps may draw what that many steps need: warm-up steps x
           the batches per step measured in the timed phase (median over ticks) + 1 for
           the loader's prefetch. More means training in the untimed warm-up.
-        - The last step is granted whatever time it took, but not extra data: it may draw
-          at most 2 x the batches of a timed step + 1.
+        - The last step is granted whatever time it took, but no step, the last included
+          (with what was drawn after the last tick), may draw more than STEP_BATCH_FACTOR
+          x the median step's batches + 1: that would be data hoarded to train on later.
+        - From the end of that window to the process's exit (when the caller gives it):
+          at most max(TAIL_FRACTION x budget, TAIL_MIN_SECONDS) for saving the results.
     * step mode. The clock may be told at most max_steps steps; the tokens served may
       exceed the tokens the trial reports by at most one step's worth (the prefetched
       batch); the steps reported must be the steps the clock was told. So a trial that
@@ -37,8 +41,8 @@ Start-up (spawn -> the trial's first request) is measured, reported, and not a r
 window starts at the feed's own warm-up tick, so no start-up allowance can hide training.
 
 Out of reach of these rules: training on data already drawn (extra optimizer steps on the
-same batch) in step mode, or inside a last step that is slow on purpose; the runner's
-kill deadline bounds those. See docs/verification.md.
+same batch) in step mode, inside a last step that is slow on purpose, or in the tail
+allowance after the last tick; the runner's kill deadline bounds those.
 """
 
 from __future__ import annotations
@@ -54,7 +58,12 @@ MIN_TOLERANCE_SECONDS = 0.5  # the same, for short budgets (tests, quick runs)
 # tick itself), which the trial's clock rightly does not count; train.py spends ~0.5 ms
 # (CPU, measured) and well under 1 ms on CUDA, so a proposal with tiny steps is not failed.
 STEP_BOOKKEEPING_SECONDS = 0.002
-LAST_STEP_BATCH_FACTOR = 2  # the last step may draw this many times a timed step's batches (+1)
+STEP_BATCH_FACTOR = 2  # a step may draw this many times the median step's batches (+1)
+# After the last batch or tick, until the process exits: saving the checkpoint and the
+# result (and evaluating, when train.py evaluates in-process). Generous: it only bounds a
+# trial that hoards batches, stops ticking and trains on after.
+TAIL_FRACTION = 0.5
+TAIL_MIN_SECONDS = 60.0
 
 
 def _number(result: dict, key: str) -> float | None:
@@ -159,7 +168,8 @@ def check_budget(summary: dict, result: dict | None, *, time_budget: float | Non
     if step_mode:
         return _step_rules(figures, summary, max_steps, batches, tokens, n_ticks, reported_steps, reported_tokens), figures
     return _time_rules(figures, float(time_budget), warmup_steps, batches, n_ticks, times, tick_batches, last_ticks,
-                       summary.get("first_batch"), last_batch, last_step, bps, tolerance, min_tolerance_seconds), figures
+                       summary.get("first_batch"), last_batch, exited, last_step, bps, tolerance,
+                       min_tolerance_seconds), figures
 
 
 def _step_rules(figures, summary, max_steps, batches, tokens, n_ticks, reported_steps, reported_tokens) -> str | None:
@@ -187,7 +197,7 @@ def _step_rules(figures, summary, max_steps, batches, tokens, n_ticks, reported_
 
 
 def _time_rules(figures, budget, warmup, batches, n_ticks, times, tick_batches, last_ticks, first_batch, last_batch,
-                last_step, bps, tolerance, min_tolerance_seconds) -> str | None:
+                exited, last_step, bps, tolerance, min_tolerance_seconds) -> str | None:
     if not batches:
         return None
     if n_ticks <= warmup or len(times) < max(warmup, 1):
@@ -197,7 +207,10 @@ def _time_rules(figures, budget, warmup, batches, n_ticks, times, tick_batches, 
         warm_end, warm_batches = times[warmup - 1], tick_batches[warmup - 1]
     else:
         warm_end, warm_batches = float(first_batch), 0
-    window = max(0.0, float(last_batch) - warm_end) if last_batch is not None and batches > warm_batches else 0.0
+    # Training ends with the last batch drawn or the last step reported, whichever is later.
+    window_end = max(float(last_batch) if last_batch is not None else warm_end,
+                     last_ticks[-1][0] if last_ticks else warm_end)
+    window = max(0.0, window_end - warm_end)
     timed_steps = n_ticks - warmup
     slack = max(tolerance * budget, min_tolerance_seconds) + STEP_BOOKKEEPING_SECONDS * timed_steps
     allowed = budget + last_step + slack
@@ -223,11 +236,23 @@ def _time_rules(figures, budget, warmup, batches, n_ticks, times, tick_batches, 
     if window > allowed:
         return (f"drew training batches for {window:.1f} s after warm-up, over its {budget:g} s budget (last step "
                 f"{last_step:.1f} s, allowed {allowed:.1f} s): the trial trained past its budget")
-    if bps is not None and len(last_ticks) >= 2:
-        last_batches = batches - last_ticks[-2][1]
-        last_allowed = LAST_STEP_BATCH_FACTOR * math.ceil(bps) + 1
-        figures["last_step_batches"] = last_batches
-        if last_batches > last_allowed:
-            return (f"drew {last_batches} training batches in its last step, more than a step takes ({bps:g}; allowed "
-                    f"{last_allowed}): it trained past its budget in the last step")
+    if bps is not None:
+        step_allowed = STEP_BATCH_FACTOR * math.ceil(bps) + 1
+        # Batches per timed step; the last one also holds whatever was drawn after the last tick.
+        per_step = [tick_batches[k] - tick_batches[k - 1] for k in range(max(warmup, 1), len(tick_batches))]
+        if len(last_ticks) >= 2:
+            per_step.append(batches - last_ticks[-2][1])
+        figures["max_step_batches"] = max(per_step, default=None)
+        figures["last_step_batches"] = per_step[-1] if per_step else None
+        if per_step and max(per_step) > step_allowed:
+            where = "its last step" if per_step[-1] > step_allowed else "one step"
+            return (f"drew {max(per_step)} training batches in {where}, more than a step takes ({bps:g} a step; allowed "
+                    f"{step_allowed}): it took data to train on outside the steps the budget counts")
+    if exited is not None:
+        tail = exited - window_end
+        tail_allowed = max(TAIL_FRACTION * budget, TAIL_MIN_SECONDS)
+        figures["tail_seconds"], figures["tail_allowed_seconds"] = _r(tail), _r(tail_allowed)
+        if tail > tail_allowed:
+            return (f"ran {tail:.0f} s after its last training batch and step, more than the {tail_allowed:.0f} s "
+                    "allowed for saving its results: it trained on without the harness clock")
     return None

@@ -136,6 +136,25 @@ def test_extra_batches_in_the_last_step_fail():
     assert "drew 22 training batches in its last step" in problem
 
 
+def test_hoarding_batches_in_one_step_fails():
+    summary, result = simulate()
+    k = 50  # the 51st tick: a step that drew 300 batches more than it needs
+    summary["tick_batches"] = summary["tick_batches"][:k] + [b + 300 for b in summary["tick_batches"][k:]]
+    summary["last_ticks"] = [[t, b + 300] for t, b in summary["last_ticks"]]
+    summary["batches"] += 300
+    problem, fig = check((summary, result))
+    assert problem.startswith("drew 302 training batches in one step, more than a step takes (2 a step; allowed 5)")
+    assert fig["max_step_batches"] == 302 and fig["last_step_batches"] == 2
+
+
+def test_running_long_after_the_last_batch_and_tick_fails():
+    summary, result = simulate()
+    assert check((summary, result))[1]["tail_allowed_seconds"] == 60
+    summary["exited"] = summary["last_batch"] + 75
+    problem, _ = check((summary, result))
+    assert problem.startswith("ran 75 s after its last training batch and step, more than the 60 s allowed")
+
+
 def test_batches_without_any_tick_fail():
     problem, _ = check(simulate(tick_every=10**6))
     assert problem.startswith("drew ") and "never reported a step to the harness clock" in problem

@@ -50,7 +50,6 @@ import json
 import math
 import os
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field

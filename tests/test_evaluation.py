@@ -219,11 +219,32 @@ def _evaluate(trained, tmp_path, source: str | None = None, **kwargs):
     )
 
 
+class RecordingSandbox:
+    """A real sandbox policy of kind "none" (argv unchanged) that records what it was asked."""
+
+    kind = "none"
+
+    def __init__(self):
+        self.calls = []
+
+    def wrap(self, argv, *, env, cwd, writable, readonly, hidden):
+        self.calls.append({"argv": list(argv), "env": dict(env), "cwd": cwd, "writable": list(writable),
+                           "readonly": list(readonly), "hidden": list(hidden)})
+        return argv, env
+
+
 def test_worker_matches_in_process_evaluation(fresh, tmp_path):
-    result = _evaluate(fresh, tmp_path, reported=fresh["val_bpb"])
+    sandbox = RecordingSandbox()
+    result = _evaluate(fresh, tmp_path, reported=fresh["val_bpb"], sandbox=sandbox)
     assert result.ok and result.status == "ok", result.reason
     assert result.val_bpb == pytest.approx(fresh["val_bpb"], abs=1e-6)
     assert result.fields["pycache_prefix"] == str(pycache_dir("eval", fresh["cache"]))  # never __pycache__ beside sources
+    (call,) = sandbox.calls
+    assert call["writable"] == [tmp_path / "out"]
+    assert tmp_path / ".git" in call["hidden"] and tmp_path / ".autoloop" in call["hidden"]
+    assert tmp_path / "experiments.db" in call["hidden"] and tmp_path / "experiments.db-wal" in call["hidden"]
+    assert pycache_dir("eval", fresh["cache"]) in call["readonly"]
+    assert call["env"]["PYTHONDONTWRITEBYTECODE"] == "1" and call["env"]["AUTOLOOP_EVAL"] is None
 
 
 @pytest.mark.slow

@@ -444,4 +444,9 @@ if __name__ == "__main__":
     # autoloop.harness.evaluate, and the trial's code can reach sys.modules["__main__"].
     from autoloop.harness.evaluate import main as _sealed_main
 
-    sys.exit(_sealed_main())
+    _code = _sealed_main()
+    # The verdict is written (atomically) and stdout flushed: skip the interpreter's and
+    # torch's teardown (~0.5 s of every trial's evaluation).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(_code)

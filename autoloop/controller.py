@@ -38,7 +38,7 @@ from typing import Callable
 from autoloop import faults
 from autoloop.config import Config
 from autoloop.decide import Decision, decide_by_margin
-from autoloop.errors import AutoloopError
+from autoloop.errors import AutoloopError, is_disk_full
 from autoloop.gitops import GitRepo
 from autoloop.lock import RunLock
 from autoloop.proposers.proposal import InvalidProposal, Proposal, materialize, matches, validate
@@ -470,8 +470,10 @@ class Controller:
         try:
             files = materialize(proposal, str(self.repo_dir), parent, ctx.read_parent_file)
             changed = validate(files, ctx.read_parent_file, editable=self.config.editable, protected=self.config.protected)
-        except InvalidProposal as exc:
-            return self._record_invalid(proposal, parent, str(exc), kind, derived_from)
+        except Exception as exc:  # whatever the cause, an unusable proposal is one invalid trial
+            if is_disk_full(exc):
+                raise
+            return self._record_invalid(proposal, parent, _invalid_reason(exc), kind, derived_from)
         trial = self.store.new_trial(
             self.run_row["id"], kind, description=proposal.description, proposer=proposal.source,
             idea_id=proposal.idea_id, parent_commit=parent, edits=json.loads(proposal.to_json()), model=proposal.model,
@@ -659,6 +661,14 @@ class Controller:
                 if not decision.keep:
                     return fields, Status.DISCARD, f"verified val_bpb {metric:.6f}: {decision.reason}"
         return fields, Status.KEEP, decision.reason
+
+
+def _invalid_reason(exc: Exception) -> str:
+    """One line for a proposal that could not be materialized or validated."""
+    if isinstance(exc, InvalidProposal):
+        return str(exc)
+    text = " ".join(str(exc).split())[:300]
+    return f"the proposal cannot be applied: {type(exc).__name__}" + (f": {text}" if text else "")
 
 
 def _now() -> str:

@@ -415,3 +415,62 @@ def test_readers_in_other_processes_never_see_database_locked(fake_repo):
     run_loop(fake_repo)
     output, _ = reader.communicate(timeout=60)
     assert "BAD 0" in output, output
+
+
+# ---------------------------------------------------------------------- issue 11: edges
+
+
+def _binary_patch_to_latin1(repo) -> str:
+    """An agent-style `git diff --binary` that leaves train.py as latin-1 bytes (not UTF-8)."""
+    source = (repo / "train.py").read_bytes()
+    (repo / "train.py").write_bytes(source.replace(b"# learning rate", b"# taux d'apprentissage \xe9"))
+    git(repo, "add", "train.py")
+    (repo / ".gitattributes").write_text("train.py binary\n")
+    patch = subprocess.run(["git", "diff", "--cached", "--binary"], cwd=repo, check=True, capture_output=True).stdout
+    git(repo, "reset", "-q", "--hard")
+    (repo / ".gitattributes").unlink()
+    return patch.decode("ascii")
+
+
+def test_a_proposal_that_cannot_be_applied_for_any_reason_is_invalid_not_a_crash(fake_repo):
+    source = (fake_repo / "train.py").read_text()
+    latin1 = unified_diff(source, source.replace("# learning rate", "# taux d'apprentissage é")).encode("latin-1")
+    store = Store(fake_repo / "experiments.db")
+    store.add_idea("latin-1 patch", patch=latin1)  # stored as a BLOB, read back as bytes
+    store.add_idea("binary diff", patch=_binary_patch_to_latin1(fake_repo))
+    store.close()
+    seed(fake_repo, "a good one", "LR=0.01", priority=-1)
+
+    class Weird:  # a value the constants editor cannot write
+        def __repr__(self):
+            raise RuntimeError("no repr")
+
+    class OddProposer:  # a proposer whose edit raises something unforeseen in materialize
+        name = "odd"
+        done = False
+
+        def propose(self, ctx):
+            if OddProposer.done:
+                return None
+            OddProposer.done = True
+            return Proposal("odd value", [Edit("train.py", sets={"LR": Weird()})])
+
+    from autoloop.config import resolve as resolve_config
+    from autoloop.proposers.base import ProposerChain
+    from autoloop.proposers.proposal import Edit, Proposal
+    from autoloop.proposers.seeded import IdeasProposer
+
+    config = resolve_config(fake_repo, {"tag": "t", "time_budget": 5, "grace_seconds": 20})
+    chain = ProposerChain([IdeasProposer(config), OddProposer()])
+    summary = Controller(config, fake_repo, verifier=None, chain=chain).run()
+    rows = assert_consistent(fake_repo)
+    by_desc = {r["description"]: r for r in rows}
+    for name in ("latin-1 patch", "binary diff", "odd value"):
+        row = by_desc[name]
+        assert row["status"] == "invalid" and row["trial_commit"] is None, row
+        assert "\n" not in row["reason"]
+    assert "not be UTF-8" in by_desc["latin-1 patch"]["reason"] and "train.py" in by_desc["latin-1 patch"]["reason"]
+    assert "not be UTF-8" in by_desc["binary diff"]["reason"]
+    assert "RuntimeError: no repr" in by_desc["odd value"]["reason"]
+    assert by_desc["a good one"]["status"] == "keep"
+    assert "no more proposals" in summary.stop_reason

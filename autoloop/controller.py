@@ -194,7 +194,7 @@ class Controller:
         self.repo = GitRepo.open(self.repo_dir)
         self.state_dir.mkdir(exist_ok=True)
         self.store = Store(self.db_path())
-        self._lock = RunLock(self.state_dir / f"{self.tag}.lock").acquire(self.tag)
+        self._lock = RunLock.for_folder(self.repo_dir).acquire(self.tag, self.repo_dir)  # one loop per working tree
         try:
             self._exclude_runtime_files()
             env = self._environment()

@@ -307,7 +307,7 @@ def test_missing_training_script_is_one_clear_line(fake_repo):
         run_loop(fake_repo, train_command="python nope.py")
 
 
-def test_second_controller_on_the_same_run_is_refused(fake_repo):
+def test_one_running_loop_per_working_tree_whatever_the_tag(fake_repo):
     seed(fake_repo, "slow", "SLEEP=20", "LR=0.01")
     proc = subprocess.Popen(["autoloop", "run", "--no-verify", "--proposers", "ideas", "--tag", "t"], cwd=fake_repo,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -315,12 +315,38 @@ def test_second_controller_on_the_same_run_is_refused(fake_repo):
         deadline = time.time() + 60
         while time.time() < deadline and len(trials_or_empty(fake_repo)) < 2:
             time.sleep(0.2)
-        with pytest.raises(AutoloopError, match="another autoloop controller .* is already running tag 't'"):
-            run_loop(fake_repo)
+        for tag in ("t", "other"):  # the same run, and a second run in the same folder
+            with pytest.raises(AutoloopError) as caught:
+                run_loop(fake_repo, tag=tag)
+            message = str(caught.value)
+            assert "\n" not in message
+            assert f"run 't' (pid {proc.pid}," in message and "`autoloop status`" in message, message
+        out = subprocess.run(["autoloop", "run", "--tag", "other", "--proposers", "ideas"], cwd=fake_repo,
+                             capture_output=True, text=True)
+        assert out.returncode == 1 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+        assert f"run 't' (pid {proc.pid}," in out.stderr
+        status = subprocess.run(["autoloop", "status"], cwd=fake_repo, capture_output=True, text=True)
+        assert f"controller: pid {proc.pid} runs 't' in this working tree" in status.stdout, status.stdout
     finally:
         proc.send_signal(2)
         proc.wait(timeout=60)
     assert_consistent(fake_repo)
+    # Nothing of the refused runs was recorded, and the lock is free again.
+    with Store(fake_repo / "experiments.db") as store:
+        assert [r["tag"] for r in store.runs()] == ["t"]
+    status = subprocess.run(["autoloop", "status"], cwd=fake_repo, capture_output=True, text=True)
+    assert "controller:" not in status.stdout and "nothing running" in status.stdout
+
+
+def test_a_new_tag_after_a_run_ended_continues_from_its_best(fake_repo):
+    seed(fake_repo, "better lr", "LR=0.01")
+    run_loop(fake_repo, tag="night1")
+    best = trials(fake_repo, "night1")[-1]
+    assert best["status"] == "keep"
+    run_loop(fake_repo, tag="night2", max_trials=1)
+    with Store(fake_repo / "experiments.db") as store:
+        assert store.get_run("night2")["base_commit"] == best["trial_commit"]
+    assert trials(fake_repo, "night2")[0]["metric"] == pytest.approx(best["metric"])
 
 
 def test_db_from_a_newer_schema_is_refused(fake_repo):

@@ -38,7 +38,7 @@ from typing import Callable
 from autoloop import faults
 from autoloop.config import Config
 from autoloop.decide import Decision, decide_by_margin
-from autoloop.errors import AutoloopError, is_disk_full
+from autoloop.errors import AutoloopError, DiskFull, disk_full_what, is_disk_full
 from autoloop.gitops import GitRepo
 from autoloop.lock import RunLock
 from autoloop.proposers.proposal import InvalidProposal, Proposal, materialize, matches, validate
@@ -294,6 +294,8 @@ class Controller:
 
     def _stop_reason(self, started: float, trials_run: int) -> str | None:
         cfg = self.config
+        if getattr(self, "_pending_pause", None):
+            return None  # the pause (a full disk) is recorded first, whatever else would stop the run
         if self.abort_requested:
             return "interrupted (Ctrl-C)"
         if cfg.max_trials is not None and trials_run >= cfg.max_trials:
@@ -359,7 +361,7 @@ class Controller:
                 if self.scheduler is not None:
                     self.scheduler.close()  # hands back a proposal prepared for a trial that will not run
                 if self.repo is not None and self.store is not None and self.run_row is not None:
-                    self._converge_git()
+                    self._converge_git_at_exit()
             finally:
                 self._fill_summary(summary)
                 self.close()
@@ -428,9 +430,84 @@ class Controller:
         return hashlib.sha256(path.read_bytes()).hexdigest()[:16] if path.exists() else None
 
     def execute(self, item: WorkItem) -> dict:
-        if item.kind == "proposal":
-            return self._execute_proposal(item.proposal, item.parent, derived_from=item.derived_from, kind=item.trial_kind)
-        return self._execute_rerun(item)
+        before = self.store.trials(self.run_row["id"], last=1)
+        try:
+            if item.kind == "proposal":
+                trial = self._execute_proposal(item.proposal, item.parent, derived_from=item.derived_from,
+                                               kind=item.trial_kind)
+            else:
+                trial = self._execute_rerun(item)
+        except Exception as exc:  # a full disk, wherever it surfaced in the trial's handling
+            if not is_disk_full(exc):
+                raise
+            latest = self.store.trials(self.run_row["id"], last=1)
+            ours = bool(latest) and (not before or latest[0]["id"] != before[0]["id"])  # this item's trial
+            return self._pause_for_full_disk(
+                disk_full_what(exc), latest[0] if ours and self._failed_for_full_disk(latest[0]) else None)
+        line = self._failed_for_full_disk(trial)
+        if line is not None:  # training itself ran out of space (e.g. saving its checkpoint)
+            return self._pause_for_full_disk(f"trial {trial['number']}: {line}", trial)
+        return trial
+
+    @staticmethod
+    def _failed_for_full_disk(trial: dict) -> str | None:
+        """The log line saying the disk is full, for a trial that crashed or timed out."""
+        if trial.get("status") not in (Status.CRASH.value, Status.TIMEOUT.value):
+            return None
+        return _disk_full_line(trial.get("error_tail"), trial.get("reason"))
+
+    def _pause_for_full_disk(self, what: str, trial: dict | None = None) -> dict:
+        """A full disk is nobody's proposal's fault: the trial it hit is `interrupted` (its
+        idea goes back to the queue), the db is left with no `running` row, and the run
+        pauses with that diagnosis (see `_integrity_pause`). Returns the trial row."""
+        try:
+            free = f", {shutil.disk_usage(self.state_dir).free >> 20} MB free"
+        except OSError:
+            free = ""
+        reason = (f"the disk is full ({what}{free}): free some space, then resume with "
+                  f"`autoloop run --tag {self.tag}`")
+        run_id = self.run_row["id"]
+        try:
+            hit = {t["id"]: t for t in self.store.running_trials(run_id)}
+            if trial is not None:
+                hit[trial["id"]] = trial
+            for row in hit.values():
+                if row.get("pgid"):
+                    kill_process_group(row["pgid"], expected_pid=row.get("pid"),
+                                       expected_start_time=row.get("pid_start_time"))
+                self.store.update_trial(row["id"], status=Status.INTERRUPTED, reason=reason)
+                if row.get("idea_id"):
+                    self.store.set_idea_status(row["idea_id"], IdeaStatus.PENDING)
+                self._archive_quietly(row)
+            self._event("disk_full", reason, trial_id=next(iter(hit), None))
+        except Exception as exc:
+            if is_disk_full(exc):  # not even the db can be written: the next start recovers it
+                raise DiskFull(f"{reason}; experiments.db could not be updated either (the next start recovers it)") from exc
+            raise
+        self._say(reason, "red")
+        self._pending_pause = reason
+        latest = self.store.trials(run_id, last=1)
+        return self.store.trial_by_id(trial["id"]) if trial is not None else (latest[0] if latest else {})
+
+    def _archive_quietly(self, trial: dict) -> None:
+        """Archive a non-kept trial's commit now if the disk allows; else recovery does it."""
+        sha = trial.get("trial_commit")
+        if not sha or trial["kind"] in (Kind.BASELINE.value, Kind.RERUN.value) or sha == self.best_commit():
+            return
+        try:
+            self.repo.archive(self.tag, trial["number"], sha)
+        except Exception as exc:
+            if not is_disk_full(exc):
+                raise
+
+    def _converge_git_at_exit(self) -> None:
+        """Leave git on the best commit; on a full disk say so: the next start does it."""
+        try:
+            self._converge_git()
+        except Exception as exc:
+            if not is_disk_full(exc):
+                raise
+            self._say(f"git is not reset to the best commit ({disk_full_what(exc)}): the next start does it", "yellow")
 
     def _common_fields(self, proposal: Proposal | None = None) -> dict:
         # An LLM/agent proposal carries the hash of the program.md it was written from.
@@ -582,7 +659,10 @@ class Controller:
         return final
 
     def _integrity_pause(self) -> WorkItem | None:
-        """A pause when the harness or the data changed under the run (autoloop.verifier)."""
+        """A pause when the disk filled up, or the harness or the data changed under the run (autoloop.verifier)."""
+        if getattr(self, "_pending_pause", None):
+            reason, self._pending_pause = self._pending_pause, None
+            return WorkItem("pause", reason=reason)
         check = getattr(self.verifier, "check_run", None)
         reason = check(self) if check is not None else None
         return WorkItem("pause", reason=reason) if reason else None
@@ -661,6 +741,15 @@ class Controller:
                 if not decision.keep:
                     return fields, Status.DISCARD, f"verified val_bpb {metric:.6f}: {decision.reason}"
         return fields, Status.KEEP, decision.reason
+
+
+def _disk_full_line(*texts: str | None) -> str | None:
+    """The last line of a training log tail (or reason) that says the disk is full."""
+    for text in texts:
+        for line in reversed((text or "").splitlines()):
+            if is_disk_full(line):
+                return line.strip()[:200]
+    return None
 
 
 def _invalid_reason(exc: Exception) -> str:

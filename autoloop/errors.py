@@ -16,7 +16,17 @@ _DISK_FULL_TEXT = ("no space left on device", "[errno 28]", "database or disk is
 
 
 class DiskFull(AutoloopError):
-    """The disk is full; str(error) names where it was noticed and says to free space."""
+    """The disk is full; str(error) is one line naming what failed on it."""
+
+
+def disk_full_what(exc: BaseException) -> str:
+    """What failed on the full disk, in a few words, for a pause reason."""
+    if isinstance(exc, OSError) and not isinstance(exc, AutoloopError):
+        where = f" ({exc.filename})" if getattr(exc, "filename", None) else ""
+        return f"{exc.strerror or exc}{where}"
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    line = next((line for line in lines if is_disk_full(line)), lines[0] if lines else type(exc).__name__)
+    return line[:200]
 
 
 def is_disk_full(what) -> bool:

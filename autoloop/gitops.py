@@ -48,7 +48,7 @@ from pathlib import Path
 
 import git
 
-from autoloop.errors import AutoloopError
+from autoloop.errors import AutoloopError, DiskFull, is_disk_full
 
 BRANCH_PREFIX = "autoloop/"
 REF_PREFIX = "refs/autoloop/"
@@ -97,8 +97,10 @@ class GitRepo:
     def _git(self, *args: str, env: dict[str, str] | None = None, strip: bool = True, **kwargs) -> str:
         """Run `git args...` in the repository and return stdout.
 
-        A stale `index.lock` (left by a git process that was killed) is turned into an
-        AutoloopError naming the file, since every later git command would fail on it.
+        A full disk is a DiskFull error saying so (git's message for it names
+        `index.lock` too, as the file it could not create). A stale `index.lock` (left by
+        a git process that was killed: "File exists") is turned into an AutoloopError
+        naming the file, since every later git command would fail on it.
         """
         try:
             return self.repo.git.execute(
@@ -106,8 +108,11 @@ class GitRepo:
             )  # type: ignore[return-value]
         except git.GitCommandError as error:
             stderr = str(error.stderr or "")
+            if is_disk_full(stderr):
+                # git names index.lock as the file it could not create: not a lock problem.
+                raise DiskFull(f"git {args[0]} could not write: No space left on device") from error
             match = re.search(r"'([^']*index\.lock)'", stderr)
-            if match:
+            if match and "exists" in stderr:
                 raise AutoloopError(
                     f"git is locked by {match.group(1)}: if no git command is running, delete that file and retry"
                 ) from error

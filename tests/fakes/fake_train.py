@@ -16,7 +16,7 @@ import time
 LR = 0.02  # learning rate; range 0.0001..1 log
 WIDTH = 64  # model width; power of two
 SLEEP = 0.0  # seconds to pretend to train
-MODE = "ok"  # ok | crash | hang | nan | nometric | reported | stubborn_child | fail
+MODE = "ok"  # ok | crash | hang | nan | nometric | reported | stubborn_child | fail | enospc
 
 
 def val_bpb() -> float:
@@ -37,6 +37,12 @@ def main() -> None:
         time.sleep(600)
     if MODE == "crash":
         raise RuntimeError("CUDA out of memory (pretend)")
+    if MODE == "enospc":  # a checkpoint save on a full disk; DISK_FULL tells a test's fake git
+        if os.environ.get("AUTOLOOP_RESULT"):
+            open(os.path.join(os.path.dirname(os.environ["AUTOLOOP_RESULT"]), "DISK_FULL"), "w").close()
+        print("Traceback (most recent call last):\n  File \"train.py\", line 1, in save_checkpoint", flush=True)
+        print("OSError: [Errno 28] No space left on device", flush=True)
+        sys.exit(1)
     if MODE == "fail":
         print("FAIL: loss is nan", flush=True)
         sys.exit(1)

@@ -196,6 +196,7 @@ class Controller:
         self.store = Store(self.db_path())
         self._lock = RunLock.for_folder(self.repo_dir).acquire(self.tag, self.repo_dir)  # one loop per working tree
         try:
+            self._reap_helpers()
             self._exclude_runtime_files()
             env = self._environment()
             existing = self.store.get_run(self.tag)
@@ -228,8 +229,25 @@ class Controller:
             self.close()
             raise
 
+    def _reap_helpers(self) -> None:
+        """End helper processes (coding agents) of this folder's runs that a dead controller
+        left running, and delete their temporary clones (autoloop.proposers.agent). Part of
+        recovery, for a new tag too: it runs holding the working tree's lock, so no live
+        controller owns them."""
+        from autoloop.proposers.agent import reap_helpers
+
+        for run in self.store.runs():
+            if run.get("repo") in (None, str(self.repo_dir)):  # a db shared with other folders: only ours
+                for line in reap_helpers(self.store, [run["id"]]):
+                    self.store.add_event(run["id"], "recovered", f"helper process left by a dead controller: {line}")
+
     def close(self) -> None:
         lock = getattr(self, "_lock", None)
+        if lock is not None and lock._fd is not None and self.store is not None and self.run_row is not None:
+            try:  # an agent still preparing a proposal when the run stops must not outlive it
+                self._reap_helpers()
+            except Exception as exc:  # never mask the error that is closing the run
+                self._say(f"could not end helper processes ({exc}): the next start does it", "yellow")
         if lock is not None:
             lock.release()
         if self.store is not None:

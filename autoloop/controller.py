@@ -123,7 +123,8 @@ class Controller:
         exclude = Path(self.repo.repo.git_dir) / "info" / "exclude"
         exclude.parent.mkdir(parents=True, exist_ok=True)
         current = exclude.read_text() if exclude.exists() else ""
-        wanted = [f"/{STATE_DIR}/", f"/{Path(self.config.db).name}*"]
+        prefix = self.repo.prefix  # the project folder may be a subfolder of the repository
+        wanted = [f"/{prefix}{STATE_DIR}/", f"/{prefix}{Path(self.config.db).name}*"]
         missing = [line for line in wanted if line not in current.splitlines()]
         if missing:
             with open(exclude, "a") as handle:
@@ -190,6 +191,12 @@ class Controller:
         if self._train_script() is not None and not self._train_script().exists():
             raise AutoloopError(
                 f"training script {self._train_script()} does not exist: create it or set train_command in [tool.autoloop]"
+            )
+        script = self._train_script()
+        if script is not None and not script.resolve().is_relative_to(self.repo_dir):
+            raise AutoloopError(
+                f"the training script {script} is outside the project folder {self.repo_dir}: run autoloop in the "
+                "folder that holds it (edits, training and .autoloop/ all refer to that folder)"
             )
         self.repo = GitRepo.open(self.repo_dir)
         self.state_dir.mkdir(exist_ok=True)

@@ -188,3 +188,15 @@ def test_an_agent_outliving_a_killed_controller_is_ended_and_its_clone_deleted_a
     with Store(repo / "experiments.db") as store:
         assert store.live_processes() == []
         assert any("agent" in e["message"] for e in store.events(kind="recovered"))
+
+
+def test_an_agent_works_in_the_project_folder_of_its_clone(tmp_path, monkeypatch):
+    fake = FAKE_TRAIN.read_text()
+    top = make_repo(tmp_path / "big", fake.replace("LR = 0.02", "LR = 0.5"), {"sub/train.py": fake, "sub/program.md": PROGRAM})
+    sub = top / "sub"
+    monkeypatch.setenv("FAKE_AGENT_MODE", "edit")
+    run_agent(sub, max_trials=2)
+    trial = rows(sub)[1]
+    assert trial["status"] == "keep" and trial["metric"] == pytest.approx(1.0), trial["reason"]
+    assert git(top, "diff", "--name-only", trial["parent_commit"], trial["trial_commit"]) == "sub/train.py"
+    assert "LR = 0.5" in (top / "train.py").read_text()

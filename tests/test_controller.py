@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import subprocess
 import time
 
@@ -500,3 +501,49 @@ def test_a_proposal_that_cannot_be_applied_for_any_reason_is_invalid_not_a_crash
     assert "RuntimeError: no repr" in by_desc["odd value"]["reason"]
     assert by_desc["a good one"]["status"] == "keep"
     assert "no more proposals" in summary.stop_reason
+
+
+def test_a_project_in_a_subfolder_edits_trains_and_records_there(tmp_path):
+    from conftest import FAKE_TRAIN, make_repo
+
+    fake = FAKE_TRAIN.read_text()
+    top = make_repo(tmp_path / "big", fake.replace("LR = 0.02", "LR = 0.5"), {"sub/train.py": fake})
+    sub = top / "sub"
+    seed(sub, "lower lr", "LR=0.01")
+    source = (sub / "train.py").read_text()
+    seed_patch = tmp_path / "wider.patch"
+    seed_patch.write_text(unified_diff(source, source.replace("WIDTH = 64", "WIDTH = 128")))
+    seed(sub, "wider (a patch)", patch=seed_patch, priority=1)
+    # `git diff` run in sub/ names the file sub/train.py, relative to the top: applies too.
+    (sub / "train.py").write_text(source.replace("SLEEP = 0.0", "SLEEP = 0.01"))
+    top_patch = tmp_path / "sleep.patch"
+    top_patch.write_bytes(subprocess.run(["git", "diff"], cwd=sub, check=True, capture_output=True).stdout)
+    git(sub, "checkout", "train.py")
+    assert "+++ b/sub/train.py" in top_patch.read_text()
+    seed(sub, "sleep (git diff)", patch=top_patch, priority=2)
+    run_loop(sub)
+    rows = assert_consistent(sub)
+    assert [(r["description"], r["status"]) for r in rows[1:]] == [
+        ("sleep (git diff)", "discard"), ("wider (a patch)", "discard"), ("lower lr", "keep")]
+    baseline = 1.0 + (math.log10(0.02) + 2) ** 2
+    assert rows[0]["metric"] == pytest.approx(baseline)  # sub/train.py trained, not ../train.py
+    assert rows[1]["metric"] == pytest.approx(baseline)
+    assert rows[2]["metric"] == pytest.approx(baseline + 0.1)  # and it trained the edits
+    assert rows[3]["metric"] == pytest.approx(1.0)
+    for row in rows[1:]:
+        assert git(top, "diff", "--name-only", row["parent_commit"], row["trial_commit"]) == "sub/train.py"
+        assert row["diff"].startswith("diff --git a/train.py b/train.py")  # paths as in the project folder
+    assert git(top, "show", f"{rows[3]['trial_commit']}:train.py") == (top / "train.py").read_text().rstrip("\n")
+    assert "LR = 0.01" in (sub / "train.py").read_text() and "LR = 0.5" in (top / "train.py").read_text()
+    assert (sub / ".autoloop" / "t" / "trials" / "2" / "train.log").exists() and (sub / "experiments.db").exists()
+    assert not (top / ".autoloop").exists() and not (top / "experiments.db").exists()
+    assert git(top, "status", "--porcelain", "--untracked-files=all") == ""
+
+
+def test_a_train_script_outside_the_project_folder_is_refused_in_one_line(tmp_path):
+    from conftest import FAKE_TRAIN, make_repo
+
+    top = make_repo(tmp_path / "big", FAKE_TRAIN.read_text(), {"sub/README": "x\n"})
+    with pytest.raises(AutoloopError) as caught:
+        run_loop(top / "sub", train_command="python ../train.py")
+    assert "\n" not in str(caught.value) and "outside the project folder" in str(caught.value)

@@ -158,7 +158,7 @@ class AgentProposer:
                                        info={"command": self.config.agent_command})
         try:
             clone = tmp / "work"
-            _git(tmp, "clone", "--quiet", "--shared", "--no-checkout", str(ctx.repo.root), str(clone))
+            _git(tmp, "clone", "--quiet", "--shared", "--no-checkout", str(ctx.repo.toplevel), str(clone))
             _git(clone, "remote", "remove", "origin")
             _git(clone, "checkout", "--quiet", "--detach", start)
             exclude = clone / ".git" / "info" / "exclude"
@@ -168,8 +168,11 @@ class AgentProposer:
             prompt_file = tmp / "prompt.md"
             prompt_file.write_text(prompt)
             transcript.with_suffix(".prompt.md").write_text(prompt)
+            # The agent works in the project folder of its clone (a subfolder when the
+            # project is one); its diff is relative to that folder, as every proposal is.
+            prefix = getattr(ctx.repo, "prefix", "")
             returncode, timed_out = self._execute(
-                self._command(prompt, prompt_file), clone, transcript,
+                self._command(prompt, prompt_file), clone / prefix if prefix else clone, transcript,
                 on_start=lambda pid, start: ctx.store.update_process(record, pid=pid, pgid=pid, pid_start_time=start))
             latency = time.monotonic() - started
             call = {"proposer": self.name, "model": self.model, "latency_seconds": latency}
@@ -182,8 +185,9 @@ class AgentProposer:
             _git(clone, "add", "-A")
             # Bytes, not text: a file the agent left in another encoding must reach validation
             # (which names it), not fail decoding here.
+            relative = [f"--relative={prefix}"] if prefix else []
             diff = patch_text(_git_bytes(clone, "diff", "--cached", "--binary", "--no-color", "--no-ext-diff",
-                                         ctx.parent_commit, "--"))
+                                         *relative, ctx.parent_commit, "--"))
             if not diff.strip():
                 ctx.store.add_proposal_record(run_id=ctx.run["id"], error="the agent changed nothing", **call)
                 raise ProposerUnavailable(f"the agent ({self.config.agent_command}) changed nothing; transcript: {transcript}")

@@ -97,17 +97,17 @@ def _first_line(data: bytes, fallback: str) -> str:
     return lines[0] if lines else fallback
 
 
-def _git_prefix(repo_dir: str) -> str:
-    """The project folder relative to the git worktree's top ("" or "sub/"): patches are
-    relative to the project folder, the index to the top."""
-    out = subprocess.run(["git", "rev-parse", "--show-prefix"], cwd=repo_dir, capture_output=True)
+def _git_location(repo_dir: str) -> tuple[str, str]:
+    """(the worktree's top level, the project folder relative to it: "" or "sub/")."""
+    out = subprocess.run(["git", "rev-parse", "--show-toplevel", "--show-prefix"], cwd=repo_dir, capture_output=True)
     if out.returncode != 0:
         raise InvalidProposal(f"{repo_dir} is not in a git repository: {_first_line(out.stderr, 'git rev-parse failed')}")
-    return out.stdout.decode("utf-8", errors="surrogateescape").strip()
+    top, _, prefix = out.stdout.decode("utf-8", errors="surrogateescape").partition("\n")
+    return top.strip(), prefix.strip()
 
 
-def _patch_paths(repo_dir: str, patch: bytes) -> list[str]:
-    out = subprocess.run(["git", "apply", "--numstat", "-z", "-"], cwd=repo_dir, input=patch, capture_output=True)
+def _patch_paths(top: str, patch: bytes, directory: list[str]) -> list[str]:
+    out = subprocess.run(["git", "apply", "--numstat", "-z", *directory, "-"], cwd=top, input=patch, capture_output=True)
     if out.returncode != 0:
         raise InvalidProposal(f"the patch is not a valid diff: {_first_line(out.stderr, 'git apply failed')}")
     paths = []
@@ -132,24 +132,32 @@ def _apply_patch(repo_dir: str, parent: str, patch: str | bytes) -> dict[str, st
     """Apply a diff to the parent commit's tree in a temporary index (never the worktree).
 
     Paths in the patch are relative to the project folder `repo_dir`, which may be a
-    subfolder of the git worktree: git apply gets `--directory` so they land there."""
+    subfolder ("sub/") of the git worktree; a patch whose paths all start with "sub/"
+    (`git diff` run in the subfolder writes them so) is taken as relative to the top level.
+    git runs at the top level with `--directory=sub` where needed: git apply run in a
+    subfolder would treat `diff --git` patches and plain ones differently."""
     data = patch_bytes(patch)
-    paths = _patch_paths(repo_dir, data)
-    prefix = _git_prefix(repo_dir)
-    directory = [f"--directory={prefix.rstrip('/')}"] if prefix else []
+    top, prefix = _git_location(repo_dir)
+    directory: list[str] = []
+    if prefix:
+        as_top = _patch_paths(top, data, [])
+        if not as_top or not all(path.startswith(prefix) for path in as_top):
+            directory = [f"--directory={prefix.rstrip('/')}"]
+    # Back to project-relative paths; one outside the project keeps a "../" that validate rejects.
+    paths = [path[len(prefix):] if path.startswith(prefix) else os.path.relpath("/" + path, "/" + prefix)
+             for path in _patch_paths(top, data, directory)]
     with tempfile.TemporaryDirectory() as tmp:
         env = {**os.environ, "GIT_INDEX_FILE": os.path.join(tmp, "index")}
-        read = subprocess.run(["git", "read-tree", parent], cwd=repo_dir, env=env, capture_output=True)
+        read = subprocess.run(["git", "read-tree", parent], cwd=top, env=env, capture_output=True)
         if read.returncode != 0:
             raise InvalidProposal(f"the parent commit {parent[:12]} cannot be read: {_first_line(read.stderr, 'git read-tree failed')}")
-        applied = subprocess.run(
-            ["git", "apply", "--cached", *directory, "-"], cwd=repo_dir, env=env, input=data, capture_output=True
-        )
+        applied = subprocess.run(["git", "apply", "--cached", *directory, "-"], cwd=top, env=env, input=data,
+                                 capture_output=True)
         if applied.returncode != 0:
             raise InvalidProposal(f"the patch does not apply to the parent commit: {_first_line(applied.stderr, 'git apply failed')}")
         files: dict[str, str | None] = {}
         for path in paths:
-            shown = subprocess.run(["git", "show", f":{prefix}{path}"], cwd=repo_dir, env=env, capture_output=True)
+            shown = subprocess.run(["git", "show", f":{prefix}{path}"], cwd=top, env=env, capture_output=True)
             files[path] = _utf8(path, shown.stdout) if shown.returncode == 0 else None
         return files
 

@@ -2,8 +2,8 @@
 
 val_bpb is a known function of the constants below (minimum 1.0 at LR = 0.01,
 WIDTH = 64), so a test knows which proposals improve. MODE makes it misbehave the way
-real scripts do: crash, hang, NaN, no metric, summary-only output, or a child process
-that ignores SIGTERM.
+real scripts do: crash, hang, NaN, no metric, summary-only output, a child process that
+ignores SIGTERM (stubborn_child), or a checkpoint save on a full disk (enospc).
 """
 
 import json
@@ -16,7 +16,7 @@ import time
 LR = 0.02  # learning rate; range 0.0001..1 log
 WIDTH = 64  # model width; power of two
 SLEEP = 0.0  # seconds to pretend to train
-MODE = "ok"  # ok | crash | hang | nan | nometric | reported | stubborn_child | fail | enospc
+MODE = "ok"  # ok | crash | hang | nan | nometric | reported | stubborn_child | fail
 
 
 def val_bpb() -> float:

@@ -249,7 +249,7 @@ def _validate(files, read_parent_file, *, editable: list[str], protected: list[s
         if isinstance(content, (bytes, bytearray)):
             content = _utf8(path, bytes(content))
         if content is not None and not isinstance(content, str):
-            raise InvalidProposal(f"the new content of {path} is a {type(content).__name__}, not text")
+            raise InvalidProposal(f"the new content of {path} is not text ({type(content).__name__})")
         if content is not None:
             try:
                 content.encode("utf-8")

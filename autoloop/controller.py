@@ -18,9 +18,14 @@ One trial, in the order that keeps every crash recoverable:
    refs/autoloop/<tag>/trials/<n> and the branch is reset to the best commit.
 
 On start-up (`recover`) the controller kills a training process group left by a dead
-controller, marks its row `interrupted`, archives commits of finished trials that lack
-their ref, and resets the branch and worktree to the db's best commit. Each window is
+controller (and, for any tag, a coding agent's process group, deleting its temporary
+clone: `_reap_helpers`), marks its row `interrupted`, archives commits of finished
+trials that lack their ref, and resets the branch and worktree to the db's best commit. Each window is
 reachable by fault injection (`autoloop.faults`).
+
+A full disk, wherever it surfaces in a trial (the training log, git, the db, our own
+writes), is not the proposal's fault: the trial becomes `interrupted` and the run pauses
+with that diagnosis, leaving no `running` row (`execute`, `_pause_for_full_disk`).
 """
 
 from __future__ import annotations
@@ -89,6 +94,7 @@ class Controller:
         self._chain = chain
         self.scheduler: Scheduler | None = None  # set by run(); prepares proposals while trials train
         self.abort_requested = False
+        self._pending_pause: str | None = None  # a pause decided inside a trial (a full disk), taken next
         self.repo: GitRepo | None = None
         self.store: Store | None = None
         self.run_row: dict | None = None
@@ -250,7 +256,7 @@ class Controller:
 
     def close(self) -> None:
         lock = getattr(self, "_lock", None)
-        if lock is not None and lock._fd is not None and self.store is not None and self.run_row is not None:
+        if lock is not None and lock.held and self.store is not None and self.run_row is not None:
             try:  # an agent still preparing a proposal when the run stops must not outlive it
                 self._reap_helpers()
             except Exception as exc:  # never mask the error that is closing the run
@@ -319,7 +325,7 @@ class Controller:
 
     def _stop_reason(self, started: float, trials_run: int) -> str | None:
         cfg = self.config
-        if getattr(self, "_pending_pause", None):
+        if self._pending_pause:
             return None  # the pause (a full disk) is recorded first, whatever else would stop the run
         if self.abort_requested:
             return "interrupted (Ctrl-C)"
@@ -685,7 +691,7 @@ class Controller:
 
     def _integrity_pause(self) -> WorkItem | None:
         """A pause when the disk filled up, or the harness or the data changed under the run (autoloop.verifier)."""
-        if getattr(self, "_pending_pause", None):
+        if self._pending_pause:
             reason, self._pending_pause = self._pending_pause, None
             return WorkItem("pause", reason=reason)
         check = getattr(self.verifier, "check_run", None)

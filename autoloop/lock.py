@@ -111,6 +111,10 @@ class RunLock:
         self._fd = fd
         return self
 
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
     def release(self) -> None:
         if self._fd is not None:
             os.ftruncate(self._fd, 0)  # no stale holder for `autoloop status` to show

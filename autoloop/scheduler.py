@@ -137,9 +137,8 @@ class Scheduler:
         return list(reversed(tail))
 
     def _diagnose(self, what: str) -> str:
-        from autoloop.runner import gpu_busy_report
-
         from autoloop.errors import is_disk_full
+        from autoloop.runner import gpu_busy_report
 
         free = shutil.disk_usage(self.controller.repo_dir).free
         if is_disk_full(what):  # the failure itself says so ("No space left on device"), whatever is free now

@@ -482,8 +482,9 @@ class Controller:
 
     @staticmethod
     def _failed_for_full_disk(trial: dict) -> str | None:
-        """The log line saying the disk is full, for a trial that crashed or timed out."""
-        if trial.get("status") not in (Status.CRASH.value, Status.TIMEOUT.value):
+        """The log line saying the disk is full, for a trial that crashed, timed out or failed
+        its checks (the verifier's evaluation can run out of space too)."""
+        if trial.get("status") not in (Status.CRASH.value, Status.TIMEOUT.value, Status.INVALID.value):
             return None
         return _disk_full_line(trial.get("error_tail"), trial.get("reason"))
 

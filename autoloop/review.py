@@ -519,6 +519,10 @@ def run_status(store, run: dict, repo: Path) -> dict:
     from autoloop.overfit import current_signal
 
     info["best_metric_source"] = best.get("metric_source") if best else None
+    # Which controller holds this working tree's run lock (autoloop.lock), whatever its tag.
+    from autoloop.lock import holder
+
+    info["controller"] = holder(repo)
     info["overfitting"] = (current_signal(store, run["id"]) or {}).get("message")
     running = [t for t in trials if t["status"] == "running"]
     if running:
@@ -552,6 +556,11 @@ def format_status(info: dict) -> str:
             lines[-1] += f" - unverified ({info['best_metric_source']})"
     if info.get("overfitting"):
         lines.append(info["overfitting"])
+    held = info.get("controller")
+    if held:
+        folder = f" (project {held['folder']})" if held.get("folder") else ""
+        lines.append(f"controller: pid {held['pid']} runs '{held.get('tag')}' in this working tree since "
+                     f"{held.get('since', '?')}{folder}")
     r = info.get("running")
     if r:
         parts = [f"running: trial {r['number']} [{r['kind']}] {r.get('description') or ''}"]

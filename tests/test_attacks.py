@@ -36,7 +36,7 @@ def _patched(old: str, new: str, source: str | None = None) -> str:
     return source.replace(old, new, 1)
 
 
-IMPORT_ANCHOR = "import autoloop.harness as H\n"
+IMPORT_ANCHOR = "from autoloop import harness as H\n"
 LOOP_ANCHOR = "        clock.step_finished(dt)\n"
 
 ATTACKS = {

@@ -636,14 +636,34 @@ def format_best(b: dict) -> str:
 
 def kept_trials(store, run: dict) -> list[dict]:
     """Every trial with status keep (the baseline first), in trial order."""
-    return select(store, "SELECT number, kind, description, proposer, metric, metric_source, heldout_metric, "
-                         "best_before, delta, trial_commit, parent_commit, checkpoint_path, finished_at "
-                         "FROM trials WHERE run_id = ? AND status = ? ORDER BY number", (run["id"], Status.KEEP.value))
+    return select(store, "SELECT id, number, kind, description, proposer, metric, metric_sd, n_runs, metric_source, "
+                         "heldout_metric, best_before, delta, trial_commit, parent_commit, diff, checkpoint_path, "
+                         "finished_at FROM trials WHERE run_id = ? AND status = ? ORDER BY number",
+                  (run["id"], Status.KEEP.value))
 
 
 def progress_points(store, run: dict) -> list[dict]:
-    """(number, kind, status, metric) of every trial, for the progress chart."""
-    return select(store, "SELECT number, kind, status, metric FROM trials WHERE run_id = ? ORDER BY number", (run["id"],))
+    """(number, kind, status, metric, metric_sd, n_runs) of every trial, for the progress chart."""
+    return select(store, "SELECT number, kind, status, metric, metric_sd, n_runs FROM trials WHERE run_id = ? "
+                         "ORDER BY number", (run["id"],))
+
+
+def latest_ablations(store, run: dict) -> list[dict]:
+    """For each kept change that was ablated, its latest ablation trial: {trial (the kept
+    trial's number), description, ablation (the ablation trial's number), status,
+    reason, parent_commit (the best commit it was measured against), figures
+    (autoloop.effects.AblationEffect or None)}, in the kept trials' order."""
+    rows = select(store, "SELECT a.number AS ablation, a.status, a.reason, a.parent_commit, a.trial_commit, a.decision, "
+                         "k.number AS trial, k.description, k.id AS kept_id FROM trials a JOIN trials k "
+                         "ON k.id = a.derived_from WHERE a.run_id = ? AND a.kind = ? ORDER BY a.number",
+                  (run["id"], Kind.ABLATION.value))
+    latest: dict[int, dict] = {}
+    for row in rows:
+        if row["status"] == Status.RUNNING.value:
+            continue
+        row["figures"] = ablation_effect(row)
+        latest[row["trial"]] = row
+    return [latest[k] for k in sorted(latest)]
 
 
 _NUMBERS = re.compile(r"0x[0-9a-f]+|\d+(?:\.\d+)?")

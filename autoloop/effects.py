@@ -40,6 +40,29 @@ def decision_of(trial: dict) -> dict:
     return value if isinstance(value, dict) else {}
 
 
+# The decision's figures under the names the brief of this wave uses, with the names
+# autoloop.decide's Verdict.figures uses as fallbacks (the controller may store either).
+_ALIASES = {"statistic": ("statistic", "t"), "bound": ("bound", "keep_bound"),
+            "stopped_because": ("stopped_because", "stopped")}
+
+
+def decision_figures(trial: dict) -> dict:
+    """The decision with its figures under one set of names: low/high (also read from
+    `interval: [low, high]`), statistic (or `t`), bound (or `keep_bound`),
+    stopped_because (or `stopped`); everything else as stored."""
+    decision = dict(decision_of(trial))
+    interval = decision.pop("interval", None)
+    if isinstance(interval, (list, tuple)) and len(interval) == 2:
+        decision.setdefault("low", interval[0])
+        decision.setdefault("high", interval[1])
+    for name, aliases in _ALIASES.items():
+        values = [decision.pop(alias, None) for alias in aliases]
+        value = next((v for v in values if v is not None), None)
+        if value is not None:
+            decision[name] = value
+    return decision
+
+
 def flags_of(trial: dict) -> list[dict]:
     """The trial's diagnosis flags ([{flag, message}]), whatever form the column is in."""
     value = trial.get("flags")
@@ -77,7 +100,7 @@ class Effect:
 
 
 def trial_effect(trial: dict) -> Effect:
-    decision = decision_of(trial)
+    decision = decision_figures(trial)
     metric = _number(trial.get("metric"))
     n = trial.get("n_runs") or (1 if metric is not None else 0)
     se = _number(trial.get("metric_sd")) if n > 1 else None
@@ -95,7 +118,7 @@ def trial_effect(trial: dict) -> Effect:
 
 
 def format_estimate(mean: float | None, se: float | None = None, n: int | None = None) -> str:
-    """'2.543100 ' for one run (as before), '2.5431 ± 0.0040 (3)' for a mean of several."""
+    """'2.543100' for one run (as before), '2.5431 ± 0.0040 (3)' for a mean of several."""
     if mean is None:
         return "-"
     if n is not None and n > 1 and se is not None:

@@ -35,7 +35,8 @@ from typing import Any, Iterable
 
 from autoloop.display import format_metric, last_progress
 from autoloop.effects import (
-    ablation_effect, ablation_verdict, decision_of, flags_of, format_estimate, format_interval, trial_effect,
+    ablation_effect, ablation_verdict, decision_figures, decision_of, flags_of, format_estimate, format_interval,
+    trial_effect,
 )
 from autoloop.errors import AutoloopError
 from autoloop.store import Kind, Status
@@ -440,7 +441,7 @@ _DECISION_FIELDS = (("action", "action"), ("rule", "rule"), ("n", "pairs (n)"), 
 
 
 def _decision_lines(d: dict) -> list[str]:
-    decision = decision_of(d)
+    decision = decision_figures(d)
     if not decision or d.get("kind") == Kind.ABLATION.value and "effect" in decision:
         return []
     lines = ["decision"]
@@ -455,7 +456,10 @@ def _decision_lines(d: dict) -> list[str]:
         if value not in (None, ""):
             lines.append(f"  {label:<16} {value}")
 
-    interval = format_interval(_float(decision.get("low")), _float(decision.get("high")))
+    low, high = _float(decision.get("low")), _float(decision.get("high"))
+    interval = format_interval(low, high)
+    if "distinguishable" not in decision and "mean_diff" in decision and interval:
+        decision["distinguishable"] = not low <= 0.0 <= high
     for key, label in _DECISION_FIELDS:
         add(label, decision.get(key))
         if key == "se" and interval:

@@ -138,7 +138,7 @@ def build_noisy_db(repo: Path) -> dict[str, dict]:
         3 proposal  discard  2.5420 ± 0.0040 (2)   near miss (flag slow_start)
         4 proposal  discard  2.7000 (1 run)        clearly worse after one run
         5 drift     discard  2.5581                the incumbent re-measured: drift event
-        6 proposal  discard  2.5451 ± 0.0030 (3)   not distinguishable, not a near miss
+        6 proposal  discard  2.5451 ± 0.0017 (3)   not distinguishable, not a near miss (decide's names)
         7 ablation  discard  2.6000 ± 0.0020 (3)   trial 2 reverted: effect -0.0569
     """
     from autoloop.store import Store
@@ -193,7 +193,11 @@ def build_noisy_db(repo: Path) -> dict[str, dict]:
         store.add_event(rid, "noise", NOISE_MESSAGE)
         null = trial("null", "proposal", "discard", [2.5421, 2.5451, 2.5481], description="init seed only",
                      parent_commit="b" * 40, trial_commit="e" * 40, best_before=kept["metric"],
-                     decision=_decision("discard", 0.0020, 0.0018, 3, why="max runs reached"),
+                     # As autoloop.decide's Verdict.figures name them (t, interval, keep_bound, stopped).
+                     decision={"action": "discard", "rule": "paired", "n": 3, "seeds": [1, 2, 3], "mean_diff": 0.0020,
+                               "se": 0.0018, "t": 1.111, "keep_bound": -3.2, "df": 8, "level": 0.95,
+                               "interval": [0.0020 - 0.00415, 0.0020 + 0.00415], "stopped": "futility",
+                               "near_miss": False, "reason": "discard: not better than the incumbent"},
                      reason="not distinguishable from the incumbent")
         ablation = trial("ablation", "ablation", "discard", [2.5980, 2.6000, 2.6020], role="ablation",
                          description="ablation: trial 2 reverted (lr 0.02)", derived_from=kept["id"],

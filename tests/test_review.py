@@ -675,8 +675,9 @@ def test_log_json_has_the_uncertainty(noisy):
         row = out[t["number"]]
         assert (row["metric"], row["metric_sd"], row["n_runs"]) == (t["metric"], t["metric_sd"], t["n_runs"])
         decision = json.loads(t["decision"]) if t["decision"] else {}
-        if t["kind"] != "ablation":  # an ablation's interval is its effect's: tested with ablate
-            assert row["distinguishable"] == decision.get("distinguishable")
+        if "mean_diff" in decision:
+            low, high = decision.get("interval") or (decision["low"], decision["high"])
+            assert row["distinguishable"] == decision.get("distinguishable", not low <= 0 <= high)
     assert out[3]["near_miss"] is True and out[3]["distinguishable"] is False
     assert out[2]["near_miss"] is False and out[2]["distinguishable"] is True
     assert out[5]["near_miss"] is None and out[5]["distinguishable"] is None  # a drift check: no decision
@@ -743,6 +744,14 @@ def test_show_lists_every_measurement_the_decision_and_the_flags(noisy):
     assert [m["role"] for m in detail["measurements"]] == [r["role"] for r in rows]
     assert detail["decision"] == decision
     assert detail["flags"] == [{"flag": "slow_start", "message": "spent 40% of its budget before the first step"}]
+
+
+def test_show_reads_the_figures_under_decides_names_too(noisy):
+    out = cli(noisy, "show", "6", "--no-diff").output
+    block = out.split("\ndecision\n")[1].split("\ncommits\n")[0]
+    for expected in ("statistic        1.111", "bound            -3.2", "stopped because  futility",
+                     "interval         95% CI -0.0022..+0.0062", "distinguishable  no", "near miss        no"):
+        assert expected in block, expected
 
 
 def test_show_of_an_ablation_and_of_the_change_it_measured(noisy):

@@ -431,3 +431,54 @@ def test_real_train_py_in_step_mode(tmp_path, embedded_dataset):
         else:
             assert archived[row["number"]] == row["trial_commit"]
     assert git.branch_commit("autoloop/t") == summary.best_commit
+
+
+# ---------------------------------------------------------------------------- noise-aware reading of results
+
+
+def _noisy_trial(diff: float, se: float, *, status: str = "discard", n: int = 3, near_miss: bool = False) -> dict:
+    """A trial row as the noise-aware controller stores it (see autoloop.effects)."""
+    low, high = diff - 2.3 * se, diff + 2.3 * se
+    return {"status": status, "metric": 2.5 + diff, "best_before": 2.5, "delta": diff, "n_runs": n,
+            "metric_sd": se, "decision": {"mean_diff": diff, "se": se, "low": low, "high": high, "n": n,
+                                          "near_miss": near_miss, "distinguishable": not low <= 0 <= high}}
+
+
+def test_a_difference_within_the_noise_moved_nothing():
+    from autoloop.proposers.search import FAILURE, INERT, SUCCESS, observed_change, outcome_of
+
+    # Large but inside the noise: no evidence the constant matters.
+    assert observed_change(_noisy_trial(0.030, 0.020)) == 0.0
+    assert observed_change(_noisy_trial(-0.004, 0.001)) == pytest.approx(0.004)  # small but real
+    assert observed_change(_noisy_trial(-0.004, 0.001, status="keep")) == pytest.approx(0.004)
+    # A trial of one run from an old database: the bare delta, as before.
+    assert observed_change({"status": "discard", "metric": 2.53, "best_before": 2.5, "delta": 0.03}) == \
+        pytest.approx(0.03)
+    assert outcome_of(_noisy_trial(0.0, 0.0)) == INERT  # identical runs at every shared seed
+    assert outcome_of(_noisy_trial(0.001, 0.002, near_miss=False)) == FAILURE
+    assert outcome_of(_noisy_trial(-0.02, 0.001, status="keep")) == SUCCESS
+    assert outcome_of({"status": "discard", "metric": 2.5, "best_before": 2.5}) == INERT
+
+
+@pytest.mark.parametrize("noise_aware", [True, False])
+def test_the_next_sweep_follows_real_effects_not_noise(noise_aware):
+    """LR's trial moved val_bpb by 0.030, DEPTH's by 0.004. With one run each (an old
+    run) the search goes back to LR first; measured with uncertainty, LR's 0.030 is
+    within the noise and DEPTH's 0.004 is real, so DEPTH goes first."""
+    from autoloop.proposers.search import FAILURE, SearchState, observed_change
+
+    source = "LR = 0.02\nDEPTH = 8\n"
+    params = build_space(source, step_mode=False)
+    assert [p.name for p in params] == ["LR", "DEPTH"]  # the order of attack
+    results = {"LR": _noisy_trial(0.030, 0.020), "DEPTH": _noisy_trial(0.004, 0.001)}
+    if not noise_aware:
+        results = {k: {"status": "discard", "delta": v["delta"], "metric": v["metric"], "best_before": 2.5}
+                   for k, v in results.items()}
+    state, seen = SearchState(), set()
+    for expected in ("LR", "DEPTH"):  # the screen: one trial per constant
+        move = state.next_move(params, "p", source, seen)
+        assert move.param.name == expected
+        seen.add(move.digest)
+        state.observe(FAILURE, observed_change(results[expected]))
+    following = state.next_move(params, "p", source, seen)
+    assert following.param.name == ("DEPTH" if noise_aware else "LR")

@@ -1,12 +1,41 @@
-"""The keep/discard decision, in one replaceable function.
+"""Keep, discard or measure again: the decision, as pure functions (no I/O).
 
-A later issue replaces this rule with a statistical one (re-runs, confidence); the
-controller only needs `decide(candidate, best, margin) -> Decision`.
+One training run is one sample: seeds move val_bpb by about as much as a typical late
+gain. So a candidate is compared with the incumbent on the SAME seeds (same data order
+and init stream), where most of the seed noise cancels, and the rule looks again after
+each paired measurement (docs/decisions.md has the reasoning and the simulation):
+
+* d_s = candidate(s) - incumbent(s) over the n seeds both have; mean d, se = pair_sd / sqrt(n)
+  with pair_sd the run's pooled noise of one paired difference (`pool_noise`), t = mean / se.
+* keep when t <= -t_{df}(1 - alpha / max_runs): a Bonferroni bound over the at most
+  max_runs looks, so the chance that a proposal with no effect is ever kept is <= alpha.
+* discard when t >= futility (default 0: not better on average), or at max_runs; a
+  clearly worse candidate is therefore discarded after one run. Stopping for futility
+  never keeps anything, so it cannot raise the false-keep rate.
+* otherwise measure again: the incumbent first where the candidate has a seed it lacks
+  (no look is taken on a half-measured pair), else the candidate on the next seed,
+  preferring seeds the incumbent already has.
+
+Each look n is taken once, with the noise known at that moment. The baseline (no
+incumbent) is measured at `baseline_seeds` seeds and kept. `rule = "strict"` is the old
+rule (one run, kept when it beats the incumbent's run at the same seed by `margin`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
+from functools import lru_cache
+from statistics import NormalDist
+
+from autoloop.errors import AutoloopError
+
+RULES = ("paired", "strict")
+_NORMAL = NormalDist()
+
+
+# ---------------------------------------------------------------------------------------
+# The strict rule (kept as it was: the bench's reference and `decision-rule = strict`)
 
 
 @dataclass(frozen=True)
@@ -25,3 +54,415 @@ def decide_by_margin(metric: float, best: float | None, margin: float = 0.0) -> 
     if margin:
         return Decision(False, f"{metric:.6f} does not beat the best {best:.6f} by more than {margin} ({delta:+.6f})")
     return Decision(False, f"{metric:.6f} is not better than the best {best:.6f} ({delta:+.6f})")
+
+
+# ---------------------------------------------------------------------------------------
+# Student t, without scipy: the CDF through the regularized incomplete beta function
+# (continued fraction, Numerical Recipes 6.4), the quantile by bisection on the CDF.
+
+
+def _beta_cf(a: float, b: float, x: float) -> float:
+    tiny = 1e-300
+    qab, qap, qam = a + b, a + 1.0, a - 1.0
+    c, d = 1.0, 1.0 - qab * x / qap
+    d = 1.0 / (d if abs(d) > tiny else tiny)
+    h = d
+    for m in range(1, 500):
+        m2 = 2 * m
+        aa = m * (b - m) * x / ((qam + m2) * (a + m2))
+        d = 1.0 + aa * d
+        d = 1.0 / (d if abs(d) > tiny else tiny)
+        c = 1.0 + aa / c
+        c = c if abs(c) > tiny else tiny
+        h *= d * c
+        aa = -(a + m) * (qab + m) * x / ((a + m2) * (qap + m2))
+        d = 1.0 + aa * d
+        d = 1.0 / (d if abs(d) > tiny else tiny)
+        c = 1.0 + aa / c
+        c = c if abs(c) > tiny else tiny
+        step = d * c
+        h *= step
+        if abs(step - 1.0) < 1e-15:
+            break
+    return h
+
+
+def _beta_inc(a: float, b: float, x: float) -> float:
+    """Regularized incomplete beta I_x(a, b)."""
+    if x <= 0.0:
+        return 0.0
+    if x >= 1.0:
+        return 1.0
+    front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x))
+    if x < (a + 1.0) / (a + b + 2.0):
+        return front * _beta_cf(a, b, x) / a
+    return 1.0 - front * _beta_cf(b, a, 1.0 - x) / b
+
+
+def t_cdf(t: float, df: float) -> float:
+    """P(T <= t) for Student's t with df degrees of freedom (df = inf: the normal)."""
+    if math.isinf(df) or df > 1e7:
+        return _NORMAL.cdf(t)
+    if math.isinf(t):
+        return 1.0 if t > 0 else 0.0
+    tail = 0.5 * _beta_inc(df / 2.0, 0.5, df / (df + t * t))
+    return 1.0 - tail if t > 0 else tail
+
+
+@lru_cache(maxsize=4096)
+def t_quantile(p: float, df: float) -> float:
+    """The t with P(T <= t) = p (cached: the rule asks for a handful of (p, df) pairs)."""
+    if not 0.0 < p < 1.0:
+        raise ValueError(f"t_quantile needs 0 < p < 1, got {p}")
+    if math.isinf(df) or df > 1e7:
+        return _NORMAL.inv_cdf(p)
+    if df <= 0:
+        raise ValueError(f"t_quantile needs df > 0, got {df}")
+    if p < 0.5:
+        return -t_quantile(1.0 - p, df)
+    lo, hi = 0.0, max(1.0, _NORMAL.inv_cdf(p))
+    while t_cdf(hi, df) < p:
+        lo, hi = hi, hi * 2.0
+    for _ in range(200):  # bisection to float resolution; ~0.5 ms, once per (p, df)
+        mid = 0.5 * (lo + hi)
+        if mid in (lo, hi):
+            break
+        if t_cdf(mid, df) < p:
+            lo = mid
+        else:
+            hi = mid
+    return 0.5 * (lo + hi)
+
+
+# ---------------------------------------------------------------------------------------
+# Pooled noise
+
+
+@dataclass(frozen=True)
+class Noise:
+    """The run's measured noise: sd of one run (across seeds), sd of one paired difference
+    (candidate minus incumbent at a shared seed), and the degrees of freedom behind it."""
+
+    run_sd: float
+    pair_sd: float
+    df: int
+
+
+@dataclass(frozen=True)
+class NoiseSums:
+    """Sums of squares and their degrees of freedom; additive, so a long history can be
+    summed once and the groups still changing added on each call (the simulation does)."""
+
+    ss_run: float = 0.0
+    df_run: int = 0
+    ss_pair: float = 0.0
+    df_pair: int = 0
+
+    def __add__(self, other: NoiseSums) -> NoiseSums:
+        return NoiseSums(self.ss_run + other.ss_run, self.df_run + other.df_run,
+                         self.ss_pair + other.ss_pair, self.df_pair + other.df_pair)
+
+    def noise(self) -> Noise | None:
+        df = self.df_run + self.df_pair
+        if df == 0:
+            return None
+        # Runs of one commit at different seeds estimate run_sd^2; a paired difference
+        # without any shared seed component has variance 2 run_sd^2, and sharing only
+        # lowers it, so 2 * ss_run is a conservative stand-in for paired sums of squares.
+        pair_var = (2.0 * self.ss_run + self.ss_pair) / df
+        run_sd = math.sqrt(self.ss_run / self.df_run) if self.df_run else math.sqrt(pair_var / 2.0)
+        return Noise(run_sd=run_sd, pair_sd=math.sqrt(pair_var), df=df)
+
+
+def _ss(values) -> tuple[float, int]:
+    n = len(values)
+    if n < 2:
+        return 0.0, 0
+    mean = sum(values) / n
+    return sum((v - mean) ** 2 for v in values), n - 1
+
+
+def noise_sums(repeats: list[list[float]], paired_diffs: list[list[float]]) -> NoiseSums:
+    ss_run = ss_pair = 0.0
+    df_run = df_pair = 0
+    for group in repeats:
+        ss, df = _ss(group)
+        ss_run += ss
+        df_run += df
+    for group in paired_diffs:
+        ss, df = _ss(group)
+        ss_pair += ss
+        df_pair += df
+    return NoiseSums(ss_run, df_run, ss_pair, df_pair)
+
+
+def pool_noise(repeats: list[list[float]], paired_diffs: list[list[float]], *,
+               base: NoiseSums | None = None) -> Noise | None:
+    """The pooled noise of a paired difference from every repeated measurement.
+
+    repeats: groups of runs of one commit at different seeds (each group once, however
+    many comparisons it served in); paired_diffs: per comparison, candidate minus incumbent
+    at their shared seeds. Each group contributes its sum of squares about its own mean
+    with (size - 1) degrees of freedom (so true effects never inflate the noise);
+    pair_sd^2 = (2 SS_run + SS_pair) / (df_run + df_pair). None while there is no degree
+    of freedom (fewer than two runs of anything). `base`: sums of groups already summed.
+    """
+    sums = noise_sums(repeats, paired_diffs)
+    if base is not None:
+        sums = base + sums
+    return sums.noise()
+
+
+# ---------------------------------------------------------------------------------------
+# Configuration and verdicts
+
+
+@dataclass(frozen=True)
+class DecisionConfig:
+    """The rule and its thresholds (Config keys decision-rule, baseline-seeds, max-runs, alpha, ...).
+
+    rule: "paired" (the sequential paired test) or "strict" (one run; keep when it beats the
+    incumbent's run at the same seed by more than `margin`).
+    baseline_seeds: seeds the baseline is measured at (its spread starts the noise estimate).
+    max_runs: most runs of one candidate (= most looks of the test).
+    alpha: the chance that a proposal with no true effect is kept (over all its looks).
+    futility: discard early when t >= futility (0: the candidate is not better on average).
+    margin: the strict rule's margin, in metric units (0: any improvement).
+    level: two-sided level of the interval reported in figures.
+    """
+
+    rule: str = "paired"
+    baseline_seeds: int = 3
+    max_runs: int = 4
+    alpha: float = 0.05
+    futility: float = 0.0
+    margin: float = 0.0
+    level: float = 0.95
+
+    def __post_init__(self) -> None:
+        if self.rule not in RULES:
+            raise AutoloopError(f"decision-rule {self.rule!r} is unknown: use one of {', '.join(RULES)}")
+        if self.baseline_seeds < 1:
+            raise AutoloopError(f"baseline-seeds is {self.baseline_seeds}: set it to 1 or more (3 measures the noise)")
+        if self.max_runs < 1:
+            raise AutoloopError(f"max-runs is {self.max_runs}: set it to 1 or more (default 4)")
+        if not 0.0 < self.alpha < 0.5:
+            raise AutoloopError(f"alpha is {self.alpha}: set it between 0 and 0.5 (default 0.05)")
+        if not 0.0 < self.level < 1.0:
+            raise AutoloopError(f"level is {self.level}: set it between 0 and 1 (default 0.95)")
+        if self.margin < 0:
+            raise AutoloopError(f"margin is {self.margin}: set it to 0 or more (metric units)")
+
+
+@dataclass(frozen=True)
+class Verdict:
+    action: str  # "keep" | "discard" | "measure"
+    side: str | None  # "candidate" | "incumbent" when measuring, else None
+    seed: int | None
+    reason: str  # one line for humans
+    figures: dict = field(default_factory=dict)  # JSON-able: statistic, interval, n, bound, why it stopped
+
+
+def keep_bound(cfg: DecisionConfig, df: float) -> float:
+    """The t a candidate's mean paired difference must reach (negative: lower is better)."""
+    return -t_quantile(1.0 - cfg.alpha / cfg.max_runs, df)
+
+
+def estimate(values: list[float], noise: Noise | None) -> tuple[float, float | None]:
+    """A trial's metric: the mean of its runs and its standard error (run_sd / sqrt(n)).
+
+    Without pooled noise the runs' own spread is used; with one run and no noise the
+    standard error is unknown: None.
+    """
+    if not values:
+        raise ValueError("estimate needs at least one value")
+    n = len(values)
+    mean = sum(values) / n
+    if noise is not None:
+        return mean, noise.run_sd / math.sqrt(n)
+    ss, df = _ss(values)
+    return mean, (math.sqrt(ss / df / n) if df else None)
+
+
+def paired_effect(cand: dict[int, float], inc: dict[int, float], noise: Noise | None,
+                  level: float = 0.95) -> tuple[float, float, float]:
+    """Mean of candidate minus incumbent over shared seeds with its two-sided interval.
+
+    The interval uses the pooled pair_sd and its df; without noise, the differences' own
+    spread (df n - 1); with one shared seed and no noise the interval is unbounded.
+    """
+    shared = sorted(set(cand) & set(inc))
+    if not shared:
+        raise ValueError("paired_effect needs at least one seed measured on both sides")
+    diffs = [cand[s] - inc[s] for s in shared]
+    n = len(diffs)
+    mean = sum(diffs) / n
+    if noise is not None:
+        sd, df = noise.pair_sd, noise.df
+    else:
+        ss, df = _ss(diffs)
+        if not df:
+            return mean, -math.inf, math.inf
+        sd = math.sqrt(ss / df)
+    half = t_quantile(0.5 + level / 2.0, df) * sd / math.sqrt(n)
+    return mean, mean - half, mean + half
+
+
+# ---------------------------------------------------------------------------------------
+# The decision
+
+
+def _decimals(scale: float) -> int:
+    """Enough decimals to show `scale` with two significant digits (at least 4)."""
+    if not scale or not math.isfinite(scale):
+        return 4
+    return max(4, min(8, 1 - math.floor(math.log10(abs(scale)))))
+
+
+def _finite(x: float | None) -> float | None:
+    return x if x is not None and math.isfinite(x) else None
+
+
+def _seeds_word(n: int) -> str:
+    return f"{n} paired seed" + ("" if n == 1 else "s")
+
+
+def _next_candidate_seed(candidate: dict, incumbent: dict, seeds: list[int]) -> int | None:
+    # A seed the incumbent already has costs one run; any other costs two.
+    for s in seeds:
+        if s not in candidate and s in incumbent:
+            return s
+    for s in seeds:
+        if s not in candidate:
+            return s
+    return None
+
+
+def decide(candidate: dict[int, float], incumbent: dict[int, float], noise: Noise | None,
+           cfg: DecisionConfig, seeds: list[int]) -> Verdict:
+    """Keep, discard, or which measurement to run next.
+
+    candidate / incumbent: metric by seed (the runs that finished ok); incumbent empty
+    means this is the baseline. noise: the run's pooled noise (`pool_noise`, including this
+    comparison's own runs and differences), None while nothing was repeated. seeds: the
+    run's seed sequence (base seed, base+1, ...), long enough for baseline_seeds and
+    max_runs.
+    """
+    if not incumbent:
+        return _baseline(candidate, noise, cfg, seeds)
+    if cfg.rule == "strict":
+        return _strict(candidate, incumbent, cfg, seeds)
+    return _paired(candidate, incumbent, noise, cfg, seeds)
+
+
+def _baseline(candidate, noise, cfg, seeds) -> Verdict:
+    for s in seeds[: cfg.baseline_seeds]:
+        if s not in candidate:
+            return Verdict("measure", "candidate", s,
+                           f"measure the baseline at seed {s} ({len(candidate) + 1} of {cfg.baseline_seeds})",
+                           {"rule": cfg.rule, "n": len(candidate), "stopped": "baseline seeds"})
+    mean, se = estimate(list(candidate.values()), noise)
+    dec = _decimals(se or 0.0)
+    spread = f" ± {se:.{dec}f}" if se is not None else ""
+    return Verdict("keep", None, None,
+                   f"baseline: {mean:.{dec}f}{spread} bpb over {len(candidate)} seed{'s' if len(candidate) != 1 else ''}",
+                   {"rule": cfg.rule, "n": len(candidate), "mean": mean, "se": se, "stopped": "baseline"})
+
+
+def _strict(candidate, incumbent, cfg, seeds) -> Verdict:
+    seed = next((s for s in seeds if s in candidate), seeds[0] if seeds else None)
+    if seed is None:
+        raise ValueError("decide needs a seed sequence")
+    if seed not in candidate:
+        return Verdict("measure", "candidate", seed, f"measure the candidate at seed {seed}",
+                       {"rule": "strict", "n": 0, "stopped": "continue"})
+    if seed not in incumbent:
+        return Verdict("measure", "incumbent", seed, f"measure the incumbent at seed {seed} to compare on the same seed",
+                       {"rule": "strict", "n": 0, "stopped": "continue"})
+    d = decide_by_margin(candidate[seed], incumbent[seed], cfg.margin)
+    diff = candidate[seed] - incumbent[seed]
+    return Verdict("keep" if d.keep else "discard", None, None, f"{'keep' if d.keep else 'discard'}: {d.reason}",
+                   {"rule": "strict", "n": 1, "seed": seed, "mean_diff": diff, "margin": cfg.margin,
+                    "stopped": "margin" if d.keep else "not better by the margin"})
+
+
+def _paired(candidate, incumbent, noise, cfg, seeds) -> Verdict:
+    # Pair first: a candidate run on a seed the incumbent lacks is not yet a paired difference.
+    order = list(seeds) + sorted(set(candidate) - set(seeds))
+    for s in order:
+        if s in candidate and s not in incumbent:
+            return Verdict("measure", "incumbent", s,
+                           f"measure the incumbent at seed {s} to pair the candidate's run there",
+                           {"rule": "paired", "n": len(set(candidate) & set(incumbent)), "stopped": "pairing"})
+    shared = [s for s in order if s in candidate and s in incumbent]
+    if not shared:
+        s = _next_candidate_seed(candidate, incumbent, seeds)
+        if s is None:
+            raise ValueError("decide needs a seed sequence")
+        return Verdict("measure", "candidate", s, f"measure the candidate at seed {s}",
+                       {"rule": "paired", "n": 0, "stopped": "continue"})
+
+    diffs = [candidate[s] - incumbent[s] for s in shared]
+    n = len(diffs)
+    mean = sum(diffs) / n
+    k = cfg.max_runs
+    source = "pooled"
+    if noise is None:
+        # Nothing repeated anywhere else yet: fall back on this comparison's own spread.
+        noise = pool_noise([[candidate[s] for s in shared], [incumbent[s] for s in shared]], [diffs])
+        source = "own"
+    figures: dict = {"rule": "paired", "n": n, "seeds": shared, "mean_diff": mean, "max_runs": k,
+                     "alpha": cfg.alpha, "futility": cfg.futility, "noise_source": source if noise else None}
+
+    if noise is None:
+        # One paired seed and no noise at all (baseline-seeds = 1): the sign still says
+        # whether the candidate can be worth a second run.
+        figures.update(t=None, keep_bound=None, df=0)
+        dec = _decimals(mean)
+        if mean >= 0 or n >= k:
+            figures["stopped"] = "futility" if mean >= 0 else "max runs"
+            return Verdict("discard", None, None,
+                           f"discard: {mean:+.{dec}f} bpb on {_seeds_word(n)}, not better and no noise measured yet",
+                           figures | {"near_miss": False})
+        return _measure_candidate(candidate, incumbent, seeds, figures,
+                                  f"{mean:+.{dec}f} bpb on {_seeds_word(n)}, no noise measured yet")
+
+    se = noise.pair_sd / math.sqrt(n)
+    bound = keep_bound(cfg, noise.df)
+    if se > 0:
+        t = mean / se
+    else:  # no noise at all: the sign decides
+        t = -math.inf if mean < 0 else (math.inf if mean > 0 else 0.0)
+    low, high = mean, mean
+    if se > 0:
+        half = t_quantile(0.5 + cfg.level / 2.0, noise.df) * se
+        low, high = mean - half, mean + half
+    figures.update(se=se, t=_finite(t), keep_bound=bound, df=noise.df, pair_sd=noise.pair_sd,
+                   run_sd=noise.run_sd, interval=[low, high], level=cfg.level)
+    dec = _decimals(se)
+    t_text = f"{t:+.1f}" if math.isfinite(t) else ("-inf" if t < 0 else "+inf")
+    summary = f"{mean:+.{dec}f} ± {se:.{dec}f} bpb over {_seeds_word(n)}"
+
+    if t <= bound:
+        figures["stopped"] = "keep bound"
+        return Verdict("keep", None, None, f"keep: {summary} (t = {t_text}, bound {bound:.1f})", figures)
+    if n >= k:
+        figures.update(stopped="max runs", near_miss=mean < 0)
+        return Verdict("discard", None, None,
+                       f"discard: {summary}, not distinguishable from the incumbent after {k} runs "
+                       f"(t = {t_text}, bound {bound:.1f})", figures)
+    if t >= cfg.futility:
+        figures.update(stopped="futility", near_miss=mean < 0)
+        return Verdict("discard", None, None,
+                       f"discard: {summary}, not better than the incumbent (t = {t_text} >= {cfg.futility:g})", figures)
+    return _measure_candidate(candidate, incumbent, seeds, figures,
+                              f"{summary} (t = {t_text}, bound {bound:.1f})")
+
+
+def _measure_candidate(candidate, incumbent, seeds, figures, summary) -> Verdict:
+    s = _next_candidate_seed(candidate, incumbent, seeds)
+    if s is None:
+        figures.update(stopped="no seeds left", near_miss=figures.get("mean_diff", 0.0) < 0)
+        return Verdict("discard", None, None, f"discard: {summary}; no seed left to measure", figures)
+    figures["stopped"] = "continue"
+    return Verdict("measure", "candidate", s, f"measure the candidate at seed {s}: {summary}", figures)

@@ -9,9 +9,10 @@ is measured against the best at the same seeds:
    on the path from the run's base to its best commit, in trial order.
 2. **Revert** a change: its diff (the trial row's `diff`, else `git diff parent..commit`)
    is applied in reverse to the best commit's tree in a temporary index (`git apply
-   --cached -R`), so the worktree, the real index and the branch are untouched. A change
-   that no longer reverts cleanly (a later change rewrote the same lines) is skipped
-   with git's reason. The reverted tree is committed through `GitRepo.commit_files` on
+   --cached -R`), so the worktree, the real index and the branch are untouched. Where
+   only neighbouring lines changed since (another constant tuned later), the change's
+   own lines are matched without their context (`-C0`). A change that no longer reverts
+   cleanly (a later change rewrote the same lines) is skipped with git's reason. The reverted tree is committed through `GitRepo.commit_files` on
    top of the best commit and kept reachable under `refs/autoloop/<tag>/ablations/<n>`.
 3. **Record** an `ablation` trial (derived_from = the kept trial, parent = the best
    commit, trial commit = the reverted one), then **measure** both sides at the same K
@@ -97,11 +98,18 @@ def reverse_applied(git: GitRepo, commit: str, diffs: list[str]) -> tuple[str, d
             if not diff.strip():
                 raise NotRevertible("the trial recorded no diff")
             text = diff if diff.endswith("\n") else diff + "\n"
+            apply = ["apply", "--cached", "-R", "--whitespace=nowarn"]
             try:
-                _git_bytes(git, "apply", "--cached", "-R", "--whitespace=nowarn", "-", env=env, stdin=text.encode())
+                _git_bytes(git, *apply, "-", env=env, stdin=text.encode())
             except NotRevertible as exc:
-                first = str(exc).splitlines()[0] if str(exc) else "git apply failed"
-                raise NotRevertible(f"it no longer reverts cleanly ({first})") from None
+                # A neighbouring line changed since (the constant on the next line was tuned
+                # later): the change's own lines must still match exactly, its context need
+                # not. A merge (`git revert`) would call adjacent edits a conflict.
+                try:
+                    _git_bytes(git, *apply, "-C0", "-", env=env, stdin=text.encode())
+                except NotRevertible:
+                    first = str(exc).splitlines()[0] if str(exc) else "git apply failed"
+                    raise NotRevertible(f"it no longer reverts cleanly ({first})") from None
         tree = _git_bytes(git, "write-tree", env=env).decode().strip()
         names = _git_bytes(git, "diff", "--cached", "--name-only", "--no-renames", "-z", commit, env=env).decode()
         files: dict[str, bytes | None] = {}

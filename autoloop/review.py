@@ -227,7 +227,10 @@ def tail_lines(path: Path, count: int = LOG_TAIL_LINES, max_bytes: int = 65536) 
 
 
 def archive_ref(run: dict, trial: dict) -> str | None:
-    """Where the controller keeps a non-kept trial's commit reachable."""
+    """Where the controller keeps a non-kept trial's commit reachable (an ablation's
+    reverted commit: under ablations/, see autoloop.ablate)."""
+    if trial.get("trial_commit") and trial["kind"] == Kind.ABLATION.value:
+        return f"refs/autoloop/{run['tag']}/ablations/{trial['number']}"
     if trial.get("trial_commit") and trial["status"] not in (Status.KEEP.value, Status.RUNNING.value) \
             and trial["kind"] not in (Kind.BASELINE.value, Kind.RERUN.value):
         return f"refs/autoloop/{run['tag']}/trials/{trial['number']}"

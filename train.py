@@ -533,9 +533,13 @@ def main():
     # ---- Evaluation and results ----
     # The uncompiled model: it is what the verifier rebuilds from the checkpoint, so its
     # re-evaluated val_bpb matches this one, and no recompile for another batch size.
+    # Under the controller (AUTOLOOP_EVAL=external) a separate harness process evaluates the
+    # checkpoint, so val_bpb stays null here and training never reads the val split.
     t_eval = time.perf_counter()
-    val_bpb = H.evaluate_bpb(model, ds, "val", device=device, batch_size=EVAL_BATCH_SIZE)
+    val_bpb = None if spec.external_eval else H.evaluate_bpb(model, ds, "val", device=device, batch_size=EVAL_BATCH_SIZE)
     eval_seconds = time.perf_counter() - t_eval
+    if spec.external_eval:
+        print("val_bpb: n/a (evaluated by the harness from the checkpoint)", flush=True)
     if spec.checkpoint_path is not None:
         H.save_checkpoint(spec.checkpoint_path, model, config)
 

@@ -49,6 +49,7 @@ def run(
     train_command: Annotated[Optional[str], typer.Option(help="The training command, run in the repository; 'python train.py' by default.")] = None,
     allow_env_change: Annotated[Optional[bool], typer.Option("--allow-env-change", help="Resume even if the GPU, torch version, data or harness changed (recorded in the run).")] = None,
     no_verify: Annotated[bool, typer.Option("--no-verify", help="Do not verify keep candidates in a fresh process (not recommended).")] = False,
+    no_sandbox: Annotated[bool, typer.Option("--no-sandbox", help="Run trials without the bubblewrap sandbox (recorded on the run; not recommended).")] = False,
     llm_model: Annotated[Optional[str], typer.Option(help="Model name for the llm proposer (an OpenAI-compatible API); setting it adds the llm to the default chain.")] = None,
     llm_base_url: Annotated[Optional[str], typer.Option(help="Base URL of the OpenAI-compatible API (vLLM, Ollama, OpenRouter, ...); OPENAI_BASE_URL by default.")] = None,
     agent_command: Annotated[Optional[str], typer.Option(help="A coding-agent command (e.g. 'claude -p'); setting it adds the agent proposer to the default chain.")] = None,
@@ -62,7 +63,7 @@ def run(
         repo, tag=tag, db=db, max_trials=max_trials, hours=hours, time_budget=time_budget, max_steps=max_steps,
         grace_seconds=grace_seconds, proposers=proposers, keep_margin=keep_margin, seed=seed, dataset=dataset,
         train_command=train_command, allow_env_change=allow_env_change, verify=False if no_verify else None,
-        llm_model=llm_model, llm_base_url=llm_base_url, agent_command=agent_command, max_cost=max_cost,
+        sandbox="off" if no_sandbox else None, llm_model=llm_model, llm_base_url=llm_base_url, agent_command=agent_command, max_cost=max_cost,
     )
     display = Display()
     display.say(f"autoloop run '{config.tag}' on branch autoloop/{config.tag} ({config.db})", "bold")

@@ -51,6 +51,19 @@ class Config:
     max_consecutive_failures: int = 3  # circuit breaker: crashes/timeouts in a row before re-running the incumbent
     allow_env_change: bool = False  # resume on another GPU / torch / data / harness anyway (recorded)
     verify: bool = True  # verify keep candidates in a fresh process before keeping them
+    # Trials run under bubblewrap where it works (docs/verification.md): auto | on | off.
+    sandbox: str = "auto"
+    # Noise-aware decisions (docs/decisions.md). "paired": a candidate is compared with the
+    # incumbent on the same seeds, run again while the answer is unclear; "strict": one run,
+    # kept when it beats the best by more than keep_margin (autoresearch's rule).
+    decision_rule: str = "paired"
+    baseline_seeds: int = 3  # the baseline's runs: the first measure of the noise
+    max_runs: int = 4  # most runs of one candidate before it is discarded as not distinguishable
+    alpha: float = 0.05  # false keeps allowed per proposal that changes nothing
+    drift_every: int = 10  # re-measure the incumbent every N trials (0: never)
+    drift_event_sigmas: float = 3.0  # a shift beyond this many paired-noise sds is an event
+    drift_pause_sigmas: float = 8.0  # ... and beyond this many, the run pauses
+    requeue_near_misses: bool = False  # retry a discard within the noise once after the incumbent changes
     # LLM and coding-agent proposers (docs/llm.md). Setting llm_model or agent_command puts
     # that proposer into the default chain ("auto"). API keys are read from the environment
     # variable named by llm_api_key_env and never stored in the config, the db or logs.
@@ -64,6 +77,9 @@ class Config:
     max_cost: float | None = None  # stop calling paid models once the run's proposals cost this many $
     agent_command: str | None = None  # coding agent run in a throwaway clone, e.g. "claude -p"
     agent_timeout: float = 1800.0  # seconds before the agent is killed
+    # Trials under bubblewrap (autoloop/sandbox.py): "auto" where it works here, "on" (an
+    # error where it cannot run), "off" (what --no-sandbox sets; recorded on the run).
+    sandbox: str = "auto"
 
     def train_argv(self) -> list[str]:
         argv = shlex.split(self.train_command)
@@ -82,10 +98,17 @@ class Config:
 
 _FIELDS = {f.name: f for f in fields(Config)}
 _HINTS = get_type_hints(Config)
+# Fields with a fixed vocabulary; TOML's true/false mean on/off.
+_CHOICES = {"sandbox": ("auto", "on", "off")}
 
 
 def _coerce(name: str, raw: Any, source: str) -> Any:
     """Turn a TOML, environment or flag value into the field's type, or say what is wrong."""
+    if name in _CHOICES:
+        value = {True: "on", False: "off"}.get(raw, raw) if isinstance(raw, bool) else str(raw).strip().lower()
+        if value not in _CHOICES[name]:
+            raise AutoloopError(f"{source}: {name} = {raw!r} is not one of {', '.join(_CHOICES[name])}: fix the value")
+        return value
     hint = _HINTS[name]
     args = [a for a in get_args(hint) if a is not type(None)]
     base = args[0] if get_origin(hint) is not None and args and get_origin(hint) is not list else hint
@@ -161,4 +184,10 @@ def resolve(repo: Path | str = ".", flags: dict[str, Any] | None = None, environ
             raise AutoloopError(f"unknown setting {name!r}")
         if value is not None:
             merged[name] = _coerce(name, value, f"--{name.replace('_', '-')}")
+    for name, allowed in _CHOICES.items():
+        if name in merged and merged[name] not in allowed:
+            raise AutoloopError(f"{name} = {merged[name]!r} is not one of {', '.join(allowed)}: fix the value")
     return dataclasses.replace(Config(), **merged).with_defaults()
+
+
+_CHOICES = {"decision_rule": ("paired", "strict"), "sandbox": ("auto", "on", "off")}

@@ -25,8 +25,10 @@ reachable by fault injection (`autoloop.faults`).
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
+import os
 import shutil
 import signal
 import statistics
@@ -37,13 +39,14 @@ from typing import Callable
 
 from autoloop import faults
 from autoloop.config import Config
-from autoloop.decide import Decision, decide_by_margin
+from autoloop.decide import DecisionConfig, Noise, decide, estimate, pool_noise
 from autoloop.errors import AutoloopError
 from autoloop.gitops import GitRepo
 from autoloop.lock import RunLock
 from autoloop.proposers.proposal import InvalidProposal, Proposal, materialize, matches, validate
 from autoloop.proposers import ProposalContext, build_chain
-from autoloop.runner import RunOutcome, gpu_busy_report, kill_process_group, run_training
+from autoloop.measure import Measurement, Measurer
+from autoloop.runner import gpu_busy_report, kill_process_group
 from autoloop.scheduler import Scheduler, WorkItem
 from autoloop.store import IdeaStatus, Kind, MetricSource, RunStatus, Status, Store
 
@@ -73,14 +76,12 @@ class Controller:
         repo_dir: Path | str = ".",
         *,
         display=None,
-        decide: Callable[[float, float | None, float], Decision] = decide_by_margin,
         verifier=DEFAULT_VERIFIER,
         chain=None,
     ):
         self.config = config
         self.repo_dir = Path(repo_dir).resolve()
         self.display = display
-        self.decide = decide
         if verifier is DEFAULT_VERIFIER:
             from autoloop.verifier import Verifier
 
@@ -93,6 +94,11 @@ class Controller:
         self.store: Store | None = None
         self.run_row: dict | None = None
         self.branch = ""
+        self.measurer = Measurer(self)
+        self._noise_cache: Noise | None = None
+        self._curves: dict[int, list] = {}  # a trial's curve (of its last run), stored when it ends
+        self._pause_reason: str | None = None  # set by a drift check that found a large shift
+        self._disk_full: str | None = None
 
     # ------------------------------------------------------------------ paths and setup
 
@@ -224,9 +230,29 @@ class Controller:
                 self.store.update_run(existing["id"], status=RunStatus.ACTIVE, stop_requested=0, pause_reason=None,
                                       config=_config_dict(self.config))
             self.run_row = self.store.get_run(self.tag)
+            self._record_rules(existing)
         except BaseException:
             self.close()
             raise
+
+    def _record_rules(self, existing: dict | None) -> None:
+        """The decision rule and the isolation of this invocation, on the run and said once."""
+        fields = {}
+        rule = self.config.decision_rule
+        if existing is not None and (existing.get("decision_rule") or "strict") != rule:
+            before = existing.get("decision_rule") or "strict (one run, lower wins: before autoloop decided with noise)"
+            message = f"run '{self.tag}' was decided by the {before} rule; it resumes with the {rule} rule (docs/decisions.md)"
+            self._event("rule_change", message)
+            self._say(message, "yellow")
+        fields["decision_rule"] = rule
+        if self.verifier is not None:
+            sandbox = self.measurer.describe_sandbox()
+            fields["sandbox"] = sandbox
+            if not sandbox.startswith("bwrap"):
+                self._event("unsandboxed", f"trials run unsandboxed: {sandbox}")
+                self._say(f"trials run unsandboxed: {sandbox} (docs/verification.md)", "yellow")
+        self.store.update_run(self.run_row["id"], **fields)
+        self.run_row = self.store.get_run(self.tag)
 
     def close(self) -> None:
         lock = getattr(self, "_lock", None)
@@ -247,6 +273,15 @@ class Controller:
         for trial in self.store.running_trials(run_id):
             if trial.get("pgid"):
                 kill_process_group(trial["pgid"], expected_pid=trial.get("pid"), expected_start_time=trial.get("pid_start_time"))
+            done = self.store.measurements_for(trial["id"])
+            if done and trial.get("trial_commit") and trial["kind"] != Kind.ABLATION.value:
+                # Its measurements are recorded: the trial goes on where it stopped (the run in
+                # flight is lost and run again; none recorded is repeated).
+                self._event("recovered", f"trial {trial['number']} resumes after a dead controller with "
+                            f"{len(done)} measurement{'s' if len(done) != 1 else ''} recorded", trial_id=trial["id"])
+                recovered.append(trial["number"])
+                ours_dirty = True
+                continue
             self.store.update_trial(
                 trial["id"], status=Status.INTERRUPTED,
                 reason="the controller stopped while this trial ran; recovered at the next start",
@@ -307,7 +342,14 @@ class Controller:
         return None
 
     def _trial_estimate(self) -> float:
-        walls = [t["wall_seconds"] for t in self.store.trials(self.run_row["id"], last=20) if t.get("wall_seconds")]
+        """The median wall time of a recent trial, every run it took (its own and the
+        incumbent's re-measurements) counted."""
+        walls = []
+        for t in self.store.trials(self.run_row["id"], last=20):
+            runs = [m.get("wall_seconds") or 0.0 for m in self.store.measurements_for(t["id"])]
+            wall = sum(runs) if runs else t.get("wall_seconds")
+            if wall:
+                walls.append(wall)
         if walls:
             return statistics.median(walls)
         return self.config.time_budget + 30.0
@@ -428,6 +470,10 @@ class Controller:
         return hashlib.sha256(path.read_bytes()).hexdigest()[:16] if path.exists() else None
 
     def execute(self, item: WorkItem) -> dict:
+        if item.kind == "resume":
+            trial = self.store.trial_by_id(item.derived_from)
+            self._say(f"trial {trial['number']} resumes: {trial.get('description') or trial['kind']}", "yellow")
+            return self._train_and_decide(trial)
         if item.kind == "proposal":
             return self._execute_proposal(item.proposal, item.parent, derived_from=item.derived_from, kind=item.trial_kind)
         return self._execute_rerun(item)
@@ -498,62 +544,390 @@ class Controller:
         self._converge_git()
         return self._train_and_decide(self.store.trial_by_id(trial["id"]))
 
-    def _child_env(self, trial_dir: Path) -> dict:
+    # ------------------------------------------------------------------ measurements
+
+    @property
+    def python(self) -> str:
+        import sys
+
+        return sys.executable
+
+    def git_dir(self) -> Path:
+        return Path(self.repo.repo.git_dir)
+
+    def compile_cache_dirs(self) -> list[Path]:
+        """Caches a training run may write (torch.compile's): shared across trials for speed."""
+        from autoloop.harness.contract import cache_root
+
+        path = Path(os.environ.get("AUTOLOOP_COMPILE_CACHE") or cache_root() / "compile")
+        path.mkdir(parents=True, exist_ok=True)
+        return [path]
+
+    def child_env(self, run_dir: Path, seed: int) -> dict:
         cfg = self.config
         env = {
             "AUTOLOOP_TIME_BUDGET": str(cfg.time_budget),
-            "AUTOLOOP_SEED": str(cfg.seed),
-            "AUTOLOOP_RESULT": str(trial_dir / "result.json"),
-            "AUTOLOOP_CHECKPOINT": str(trial_dir / "checkpoint.pt"),
-            "AUTOLOOP_PROGRESS": str(trial_dir / "progress.jsonl"),
+            "AUTOLOOP_SEED": str(seed),
+            "AUTOLOOP_RESULT": str(run_dir / "result.json"),
+            "AUTOLOOP_CHECKPOINT": str(run_dir / "checkpoint.pt"),
+            "AUTOLOOP_PROGRESS": str(run_dir / "progress.jsonl"),
             "AUTOLOOP_DATA_DIR": str(self.data_dir()),
+            "AUTOLOOP_COMPILE_CACHE": str(self.compile_cache_dirs()[0]),
         }
         if cfg.max_steps:
             env["AUTOLOOP_MAX_STEPS"] = str(cfg.max_steps)
         return env
 
+    def checkout_for_measurement(self, commit: str) -> None:
+        dirty = any(matches(path, self.config.editable) for path in self.repo.dirty_files())
+        if self.repo.branch_commit(self.branch) != commit or dirty:
+            self._checkout(commit)
+
+    def snapshot_sources(self, commit: str, source_dir: Path) -> Path:
+        """The train script and the other editable files of `commit`, copied to `source_dir`
+        (what the evaluator imports: never the working tree)."""
+        from autoloop.verifier import Verifier
+
+        script = self._train_script()
+        if script is None:
+            raise AutoloopError(
+                f"the train command {self.config.train_command!r} names no .py file, so the harness cannot rebuild "
+                "the model: use a command like 'python train.py', or run with --no-verify"
+            )
+        relative = script.resolve().relative_to(self.repo_dir).as_posix()
+        Verifier._snapshot_sources(self, commit, relative, source_dir)
+        return source_dir / relative
+
+    @staticmethod
+    def device_of(row: dict) -> str:
+        return "cpu"
+
+    def best_metric(self) -> float | None:
+        return self._best_metric()
+
+    def measure_commit(self, commit: str, seed: int, *, owner: dict, role: str, for_trial: dict | None = None,
+                       verify: bool = False) -> Measurement:
+        """One training run of `commit` at `seed`, evaluated by the harness and recorded as a
+        measurement of `owner` (for `autoloop ablate` and the decision loop)."""
+        m = self.measurer.measure(commit, seed, owner=owner, role=role, running=for_trial or owner, verify=verify)
+        if m.ok and for_trial is None and owner.get("status") == Status.RUNNING.value:
+            self.store.update_trial(owner["id"], metric_source=m.metric_source)
+        return m
+
+    def seeds(self, n: int) -> list[int]:
+        """The run's seed sequence: every trial's k-th run uses the k-th seed, so candidate
+        and incumbent are compared on the same data order and init stream."""
+        return [self.config.seed + k for k in range(n)]
+
+    def decision_config(self) -> DecisionConfig:
+        cfg = self.config
+        return DecisionConfig(rule=cfg.decision_rule, baseline_seeds=cfg.baseline_seeds, max_runs=cfg.max_runs,
+                              alpha=cfg.alpha, margin=cfg.keep_margin)
+
+    def _runs(self, trial: dict, roles: tuple[str, ...] | None = None) -> dict[int, float]:
+        """{seed: metric} of a trial's successful runs (the first run per seed)."""
+        runs: dict[int, float] = {}
+        for row in self.store.measurements(trial["id"]):
+            if row.get("status") not in (None, "ok") or row.get("metric") is None or row.get("seed") is None:
+                continue
+            if roles is not None and (row.get("role") or "candidate") not in roles:
+                continue
+            runs.setdefault(int(row["seed"]), float(row["metric"]))
+        return runs
+
+    def incumbent_runs(self, incumbent: dict) -> dict[int, float]:
+        return self._runs(incumbent, ("baseline", "candidate", "incumbent"))
+
+    def noise(self) -> Noise | None:
+        return self._noise_cache
+
+    def update_noise(self) -> Noise | None:
+        """Pool every repeated measurement of the run into the noise of a paired difference."""
+        run_id = self.run_row["id"]
+        repeats, paired = [], []
+        trials = {t["id"]: t for t in self.store.trials(run_id)}
+        by_trial: dict[int, dict[int, float]] = {}
+        for tid, trial in trials.items():
+            runs = self._runs(trial, ("baseline", "candidate", "incumbent", "ablation"))
+            if runs:
+                by_trial[tid] = runs
+            if len(runs) >= 2:
+                repeats.append(list(runs.values()))
+        for tid, trial in trials.items():
+            incumbent_id = (trial.get("decision") or {}).get("incumbent_id")
+            if incumbent_id in by_trial and tid in by_trial and trial["kind"] != Kind.BASELINE.value:
+                cand, inc = by_trial[tid], by_trial[incumbent_id]
+                diffs = [cand[s] - inc[s] for s in cand if s in inc]
+                if len(diffs) >= 2:
+                    paired.append(diffs)
+        noise = pool_noise(repeats, paired)
+        self._noise_cache = noise
+        if noise is not None:
+            self.store.update_run(run_id, noise_sd=noise.run_sd, noise_pair_sd=noise.pair_sd, noise_df=noise.df)
+        return noise
+
+    # ------------------------------------------------------------------ one trial
+
     def _train_and_decide(self, trial: dict) -> dict:
-        number = trial["number"]
-        trial_dir = self.trial_dir(number)
-        if trial_dir.exists():
+        """Measure the trial as often as its decision needs, then keep or discard it."""
+        trial_dir = self.trial_dir(trial["number"])
+        if not self.store.measurements(trial["id"]) and trial_dir.exists():
             shutil.rmtree(trial_dir)  # left by an interrupted attempt with this number
-        trial_dir.mkdir(parents=True)
+        trial_dir.mkdir(parents=True, exist_ok=True)
         busy = gpu_busy_report()
         if busy:
             message = "the GPU is held by other processes: " + "; ".join(busy)
             self._event("gpu_busy", message, trial_id=trial["id"])
             self._say(message, "yellow")
-        log_path = trial_dir / "train.log"
-        self.store.update_trial(trial["id"], log_path=str(log_path), heartbeat_at=_now())
-        if self.display is not None:
-            self.display.trial_started(trial, self._best_metric(), self.config)
+        if self._noise_cache is None:
+            self.update_noise()
+        try:
+            kind = trial["kind"]
+            if kind == Kind.BASELINE.value:
+                outcome = self._measure_baseline(trial)
+            elif kind in (Kind.RERUN.value, Kind.DRIFT.value):
+                outcome = self._measure_incumbent_again(trial)
+            else:
+                outcome = self._compare(trial)
+        except OSError as exc:
+            if exc.errno != errno.ENOSPC:
+                raise
+            outcome = TrialOutcome(Status.CRASH, f"the disk is full ({exc}): free some space and resume", {})
+            self._disk_full = str(exc)
+        return self._finish(trial, outcome)
 
-        def on_start(pid: int, pgid: int, start_time: int | None) -> None:
-            self.store.update_trial(trial["id"], pid=pid, pgid=pgid, pid_start_time=start_time, started_at=_now())
-            faults.fault_point("during_training")
-            if self.scheduler is not None:
-                self.scheduler.prefetch(trial)  # the next proposal is prepared while this trial trains
+    def _measured(self, trial: dict, m: Measurement) -> TrialOutcome | None:
+        """The trial's end when a run of its own failed, else None."""
+        if m.ok:
+            return None
+        status = {"aborted": Status.INTERRUPTED, "timeout": Status.TIMEOUT, "invalid": Status.INVALID}.get(
+            m.status, Status.CRASH)
+        fields = dict(m.fields)
+        fields.pop("curve", None)
+        return TrialOutcome(status, m.reason or m.status, fields)
 
-        last_beat = [time.monotonic()]
+    def _measure_baseline(self, trial: dict) -> TrialOutcome:
+        """The unmodified script at `baseline_seeds` seeds: the first incumbent and the
+        first measure of the noise."""
+        cfg = self.decision_config()
+        seeds = self.seeds(max(1, cfg.baseline_seeds if cfg.rule != "strict" else 1))
+        commit = trial["trial_commit"]
+        last = None
+        for seed in seeds:
+            if seed in self._runs(trial):
+                continue
+            if self.abort_requested:
+                return TrialOutcome(Status.INTERRUPTED, "interrupted by the user", {})
+            last = self.measure_commit(commit, seed, owner=trial, role="baseline")
+            failed = self._measured(trial, last)
+            if failed:
+                return failed
+            self._delete_checkpoints(trial, keep_last=True)
+        self.update_noise()
+        runs = self._runs(trial)
+        outcome = TrialOutcome(Status.KEEP, "", self._trial_fields(trial, last))
+        mean, se = estimate(list(runs.values()), self.noise())
+        outcome.fields.update(metric=mean, metric_sd=se, n_runs=len(runs))
+        noise = self.noise()
+        outcome.reason = f"baseline: val_bpb {_pm(mean, se)} over {len(runs)} seed{'s' if len(runs) > 1 else ''}" + (
+            f"; run-to-run noise {noise.run_sd:.4f} bpb" if noise is not None else "")
+        return self._verify_keep(trial, outcome, incumbent=None)
 
-        def should_abort() -> bool:
-            if self.display is not None:
-                self.display.poll(trial_dir / "progress.jsonl")
-            if time.monotonic() - last_beat[0] > 30:
-                last_beat[0] = time.monotonic()
-                self.store.update_trial(trial["id"], heartbeat_at=_now())
-            return self.abort_requested
+    def _measure_incumbent_again(self, trial: dict) -> TrialOutcome:
+        """A `rerun` (circuit breaker) or `drift` trial: the incumbent at its first seed."""
+        incumbent = self.store.best_trial(self.run_row["id"])
+        seed = self.seeds(1)[0]
+        m = self.measure_commit(incumbent["trial_commit"] or self.best_commit(), seed, owner=trial,
+                                role="drift" if trial["kind"] == Kind.DRIFT.value else "rerun")
+        failed = self._measured(trial, m)
+        if failed:
+            return failed
+        fields = self._trial_fields(trial, m)
+        fields.update(metric=m.metric, n_runs=1)
+        before = self.incumbent_runs(incumbent).get(seed)
+        if trial["kind"] == Kind.RERUN.value or before is None:
+            best = self._best_metric()
+            reason = (f"re-run of the incumbent: val_bpb {m.metric:.6f} (best {best:.6f})" if best is not None
+                      else f"re-run: val_bpb {m.metric:.6f}")
+            return TrialOutcome(Status.DISCARD, reason, fields)
+        return self._judge_drift(trial, m, before, fields)
 
-        snapshot = getattr(self.verifier, "snapshot", None)
-        before = snapshot(self) if snapshot is not None else None  # harness and data, to compare after
-        outcome = run_training(
-            self.config.train_argv(), cwd=self.repo_dir, env=self._child_env(trial_dir), log_path=log_path,
-            deadline_seconds=self.config.time_budget + self.config.grace_seconds, on_start=on_start,
-            should_abort=should_abort,
-        )
-        faults.fault_point("after_training")
-        fields, status, reason = self._judge(trial, outcome, trial_dir, before=before)
+    def _judge_drift(self, trial: dict, m: Measurement, before: float, fields: dict) -> TrialOutcome:
+        shift = m.metric - before
+        noise = self.noise()
+        sd = noise.pair_sd if noise is not None else 0.0
+        # A step-mode repeat at the same seed is bit-identical: any shift beyond rounding is real.
+        scale = max(sd, 1e-6)
+        sigmas = abs(shift) / scale
+        fields["decision"] = {"action": "drift", "shift": shift, "pair_sd": sd, "sigmas": sigmas,
+                              "seed": m.seed, "before": before, "after": m.metric}
+        what = (f"drift check: the incumbent at seed {m.seed} gave {m.metric:.6f}, {before:.6f} when it was measured "
+                f"({shift:+.6f}, {sigmas:.1f} x the paired noise {sd:.4f})")
+        if sigmas > self.config.drift_pause_sigmas:
+            fields["decision"]["pause"] = True
+            self._event("drift", what + ": a large shift", trial_id=trial["id"])
+            self._pause_reason = (
+                f"{what}: the machine or software changed under the run (a throttled GPU, another process, a new "
+                "driver?); check it and resume with `autoloop run --tag " + self.tag + "`")
+        elif sigmas > self.config.drift_event_sigmas:
+            self._event("drift", what, trial_id=trial["id"])
+            self._say(what, "yellow")
+        return TrialOutcome(Status.DISCARD, what, fields)
+
+    def _compare(self, trial: dict) -> TrialOutcome:
+        """The paired, sequential comparison of a candidate with the incumbent (autoloop.decide)."""
+        cfg = self.decision_config()
+        incumbent = self.store.best_trial(self.run_row["id"])
+        seeds = self.seeds(max(cfg.max_runs, cfg.baseline_seeds, 1) + 1)
+        last = None
+        while True:
+            if self.abort_requested:
+                return TrialOutcome(Status.INTERRUPTED, "interrupted by the user", {})
+            candidate = self._runs(trial, ("candidate",))
+            inc_runs = self.incumbent_runs(incumbent) if incumbent is not None else {}
+            if incumbent is not None and incumbent.get("metric_source") == MetricSource.REPORTED.value:
+                cfg = DecisionConfig(rule="strict", margin=self.config.keep_margin)
+            verdict = decide(candidate, inc_runs, self.noise(), cfg, seeds)
+            record = {**verdict.figures, "action": verdict.action, "reason": verdict.reason, "rule": cfg.rule,
+                      "incumbent_id": incumbent["id"] if incumbent else None,
+                      "incumbent_number": incumbent["number"] if incumbent else None}
+            self.store.update_trial(trial["id"], decision=record)
+            if verdict.action == "measure":
+                if verdict.side == "incumbent":
+                    m = self.measure_commit(incumbent["trial_commit"] or self.best_commit(), verdict.seed,
+                                            owner=incumbent, role="incumbent", for_trial=trial)
+                    if m.status == "aborted":
+                        return TrialOutcome(Status.INTERRUPTED, "interrupted by the user", {})
+                    if not m.ok:
+                        return TrialOutcome(Status.CRASH, (
+                            f"the incumbent (trial {incumbent['number']}) failed when re-measured at seed "
+                            f"{verdict.seed}: {m.reason}"), {})
+                    self._delete_run_checkpoint(m.run_dir)
+                else:
+                    last = self.measure_commit(trial["trial_commit"], verdict.seed, owner=trial, role="candidate")
+                    failed = self._measured(trial, last)
+                    if failed:
+                        return failed
+                faults.fault_point("between_measurements")
+                self.update_noise()
+                continue
+            fields = self._trial_fields(trial, last)
+            mean, se = estimate(list(candidate.values()), self.noise())
+            fields.update(metric=mean, metric_sd=se, n_runs=len(candidate))
+            best_before = trial.get("best_before")
+            if best_before is not None and mean is not None:
+                fields["delta"] = mean - (estimate(list(inc_runs.values()), self.noise())[0] if inc_runs else best_before)
+            record["near_miss"] = verdict.action == "discard" and bool(verdict.figures.get("near_miss"))
+            record["distinguishable"] = bool(verdict.figures.get("distinguishable", verdict.action == "keep"))
+            fields["decision"] = record
+            if incumbent is not None and incumbent.get("metric_source") != MetricSource.REPORTED.value \
+                    and any(m.get("role") == "candidate" and m.get("status") == "ok" and m.get("metric") is not None
+                            for m in self.store.measurements(trial["id"])) \
+                    and self._last_source(trial) == MetricSource.REPORTED.value:
+                return TrialOutcome(Status.INVALID, (
+                    "only a printed val_bpb (no result JSON): it cannot be checked, so it is not compared with the "
+                    "harness-measured best"), fields)
+            if verdict.action == "discard":
+                return TrialOutcome(Status.DISCARD, verdict.reason, fields)
+            return self._verify_keep(trial, TrialOutcome(Status.KEEP, verdict.reason, fields), incumbent=incumbent)
+
+    def _last_source(self, trial: dict) -> str | None:
+        row = self.store.trial_by_id(trial["id"])
+        return row.get("metric_source") if row else None
+
+    def _verify_keep(self, trial: dict, outcome: TrialOutcome, incumbent: dict | None) -> TrialOutcome:
+        """A keep stands only on verified numbers: every run of the trial with a checkpoint
+        is re-checked (causality, held-out); then the held-out guard."""
+        fields = outcome.fields
+        source = self._last_source(trial)
+        if source == MetricSource.REPORTED.value:
+            fields["metric_source"] = MetricSource.REPORTED.value
+            self._say(f"trial {trial['number']}: only a printed val_bpb (no result JSON), so it cannot be verified; "
+                      "it is kept as reported (unverified)", "yellow")
+            return outcome
+        if self.verifier is None or not self.config.verify:
+            fields["metric_source"] = source or MetricSource.HARNESS.value
+            return outcome
+        started = time.monotonic()
+        self._say(f"verifying trial {trial['number']} in a fresh process: causality, val_bpb, held-out")
+        heldouts = {}
+        role = "baseline" if trial["kind"] == Kind.BASELINE.value else "candidate"
+        for row in self.store.measurements(trial["id"]):
+            if row.get("role") != role or row.get("status") != "ok":
+                continue
+            ok, reason, heldout = self.measurer.verify(trial, trial, row)
+            if not ok:
+                fields["verify_seconds"] = time.monotonic() - started
+                if self.abort_requested:
+                    return TrialOutcome(Status.INTERRUPTED, "interrupted by the user during verification", fields)
+                return TrialOutcome(Status.INVALID, reason, fields)
+            heldouts[int(row["seed"])] = heldout
+        fields["verify_seconds"] = time.monotonic() - started
+        fields["metric_source"] = MetricSource.VERIFIED.value
+        if heldouts:
+            mean, se = estimate(list(heldouts.values()), self.noise())
+            fields["heldout_metric"], fields["heldout_sd"] = mean, se
+        if incumbent is not None and heldouts:
+            inc_heldouts = {int(r["seed"]): float(r["heldout_metric"]) for r in self.store.measurements(incumbent["id"])
+                            if r.get("heldout_metric") is not None and r.get("seed") is not None}
+            problem = self._heldout_problem(trial, incumbent, heldouts, inc_heldouts)
+            if problem:
+                return TrialOutcome(Status.INVALID, problem, fields)
+        self._delete_checkpoints(trial, keep_last=True)
+        self._say(f"trial {trial['number']} verified in {fields['verify_seconds']:.1f} s: held-out "
+                  f"{fields.get('heldout_metric', float('nan')):.6f}, causal", "green")
+        return outcome
+
+    def _heldout_problem(self, trial, incumbent, heldouts: dict, inc_heldouts: dict) -> str | None:
+        from autoloop.evaluation import heldout_guard
+
+        if not inc_heldouts:
+            return None
+        cand_val = self._runs(trial, ("candidate",))
+        inc_val = self.incumbent_runs(incumbent)
+        shared = [s for s in heldouts if s in inc_heldouts and s in cand_val and s in inc_val]
+        if shared:
+            val_delta = sum(cand_val[s] - inc_val[s] for s in shared) / len(shared)
+            heldout_delta = sum(heldouts[s] - inc_heldouts[s] for s in shared) / len(shared)
+            n = len(shared)
+        else:
+            val_delta = sum(cand_val.values()) / len(cand_val) - sum(inc_val.values()) / len(inc_val)
+            heldout_delta = sum(heldouts.values()) / len(heldouts) - sum(inc_heldouts.values()) / len(inc_heldouts)
+            n = 1
+        noise = self.noise()
+        pair_sd = noise.pair_sd if noise is not None else 0.0
+        return heldout_guard(val_delta, heldout_delta, pair_sd, n)
+
+    def _trial_fields(self, trial: dict, m: Measurement | None) -> dict:
+        if m is None:
+            rows = [r for r in self.store.measurements(trial["id"]) if r.get("status") == "ok"]
+            return {"wall_seconds": rows[-1].get("wall_seconds")} if rows else {}
+        fields = {k: v for k, v in m.fields.items() if k not in ("curve",)}
+        fields["checkpoint_path"] = str(m.checkpoint) if m.checkpoint.exists() else None
+        if m.fields.get("curve"):
+            self._curves[trial["id"]] = m.fields["curve"]
+        return fields
+
+    def _delete_run_checkpoint(self, run_dir: Path) -> None:
+        (run_dir / "checkpoint.pt").unlink(missing_ok=True)
+
+    def _delete_checkpoints(self, trial: dict, keep_last: bool) -> None:
+        """Only one checkpoint per kept trial is worth the disk (finalize copies it)."""
+        rows = [r for r in self.store.measurements(trial["id"]) if r.get("log_path")]
+        keep = Path(rows[0]["log_path"]).parent if (keep_last and rows) else None
+        runs = self.trial_dir(trial["number"]) / "runs"
+        if not runs.exists():
+            return
+        for run_dir in runs.iterdir():
+            if run_dir != keep:
+                self._delete_run_checkpoint(run_dir)
+
+    def _finish(self, trial: dict, outcome: TrialOutcome) -> dict:
+        """Record the decision and the new best in one transaction, then make git agree."""
+        status, reason, fields = outcome.status, outcome.reason, dict(outcome.fields)
         keep = status == Status.KEEP
+        number = trial["number"]
+        fields.pop("curve", None)
         with self.store.transaction():
             self.store.update_trial(trial["id"], status=status, reason=reason, **fields)
             if keep:
@@ -561,9 +935,11 @@ class Controller:
         if keep and fields.get("heldout_metric") is not None:
             self._watch_overfitting(trial)
         faults.fault_point("during_reset")
-        if outcome.result and outcome.result.get("curve"):
-            self.store.add_curve(trial["id"], outcome.result["curve"])
-        if not keep and trial["kind"] not in (Kind.BASELINE.value, Kind.RERUN.value) and trial.get("trial_commit"):
+        curve = self._curves.pop(trial["id"], None)
+        if curve:
+            self.store.add_curve(trial["id"], curve)
+        if not keep and trial["kind"] not in (Kind.BASELINE.value, Kind.RERUN.value, Kind.DRIFT.value) \
+                and trial.get("trial_commit"):
             self.repo.archive(self.tag, number, trial["trial_commit"])
         self._converge_git()
         if trial.get("idea_id"):
@@ -571,16 +947,23 @@ class Controller:
                 trial["idea_id"], IdeaStatus.PENDING if status == Status.INTERRUPTED else IdeaStatus.DONE,
                 trial_id=trial["id"],
             )
-        checkpoint = trial_dir / "checkpoint.pt"
-        if not keep and checkpoint.exists():
-            checkpoint.unlink()  # only kept trials' weights are worth the disk
+        if not keep:
+            self._delete_checkpoints(trial, keep_last=False)
         final = self.store.trial_by_id(trial["id"])
         if self.display is not None:
             self.display.trial_finished(final)
         return final
 
     def _integrity_pause(self) -> WorkItem | None:
-        """A pause when the harness or the data changed under the run (autoloop.verifier)."""
+        """A pause when the harness or the data changed under the run (autoloop.verifier),
+        when a drift check found a large shift, or when the disk filled up."""
+        if self._pause_reason:
+            reason, self._pause_reason = self._pause_reason, None
+            return WorkItem("pause", reason=reason)
+        if self._disk_full:
+            reason, self._disk_full = self._disk_full, None
+            return WorkItem("pause", reason=f"the disk is full ({reason}): free some space and resume with "
+                                              f"`autoloop run --tag {self.tag}`")
         check = getattr(self.verifier, "check_run", None)
         reason = check(self) if check is not None else None
         return WorkItem("pause", reason=reason) if reason else None
@@ -593,72 +976,18 @@ class Controller:
             self._event("overfitting", signal_["message"], trial_id=trial["id"])
             self._say(signal_["message"], "yellow")
 
-    def _judge(self, trial: dict, outcome: RunOutcome, trial_dir: Path, before=None) -> tuple[dict, Status, str]:
-        """Fields to record, the status and its reason, from the training outcome.
 
-        `before`: the verifier's snapshot of the harness and data from before training.
-        """
-        result = outcome.result or {}
-        fields = {
-            "wall_seconds": outcome.wall_seconds,
-            "error_tail": outcome.error_tail if outcome.status != "ok" else None,
-            "result": {k: v for k, v in result.items() if k != "curve"} or None,
-            "metric": outcome.metric,
-            "metric_source": outcome.metric_source if outcome.metric is not None else None,
-        }
-        for key in ("training_seconds", "total_seconds", "compile_seconds", "eval_seconds", "num_steps",
-                    "total_tokens", "num_params", "mfu_percent", "peak_memory_mb"):
-            value = result.get(key)
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                fields[key] = int(value) if key in ("num_steps", "total_tokens", "num_params") else float(value)
-        if (trial_dir / "checkpoint.pt").exists():
-            fields["checkpoint_path"] = str(trial_dir / "checkpoint.pt")
-        best_before = trial.get("best_before")
-        if outcome.status == "aborted":
-            return fields, Status.INTERRUPTED, "interrupted by the user"
-        check_trial = getattr(self.verifier, "check_trial", None)
-        problem = check_trial(self, trial, outcome, before) if check_trial is not None else None
-        if problem:
-            return fields, Status.INVALID, problem
-        if outcome.status == "timeout":
-            return fields, Status.TIMEOUT, outcome.reason
-        if outcome.status != "ok":
-            return fields, Status.CRASH, outcome.reason
-        metric = outcome.metric
-        if best_before is not None:
-            fields["delta"] = metric - best_before
-        if trial["kind"] == Kind.RERUN.value:
-            self.store.add_measurement(trial["id"], seed=self.config.seed, metric=metric)
-            return fields, Status.DISCARD, f"re-run of the incumbent: val_bpb {metric:.6f} (best {best_before:.6f})" \
-                if best_before is not None else f"re-run: val_bpb {metric:.6f}"
-        best = self.store.best_trial(self.run_row["id"])
-        if best is not None and best.get("metric_source") != MetricSource.REPORTED.value \
-                and outcome.metric_source == MetricSource.REPORTED.value:
-            return fields, Status.INVALID, (
-                "only a printed val_bpb (no result JSON): it cannot be checked, so it is not compared with the "
-                "harness-measured best"
-            )
-        decision = self.decide(metric, best_before if trial["kind"] != Kind.BASELINE.value else None,
-                               self.config.keep_margin)
-        if not decision.keep:
-            return fields, Status.DISCARD, decision.reason
-        if self.verifier is not None and self.config.verify:
-            verdict = self.verifier(self, trial, outcome, fields)
-            fields.update(verdict.fields)
-            if not verdict.ok:
-                if self.abort_requested:  # Ctrl-C during verification: the trial is not at fault
-                    return fields, Status.INTERRUPTED, "interrupted by the user during verification"
-                return fields, Status.INVALID, verdict.reason
-            if fields.get("metric") is not None and fields["metric"] != metric:
-                # The verified value is what is stored and compared, so it decides.
-                metric = fields["metric"]
-                if best_before is not None:
-                    fields["delta"] = metric - best_before
-                decision = self.decide(metric, best_before if trial["kind"] != Kind.BASELINE.value else None,
-                                       self.config.keep_margin)
-                if not decision.keep:
-                    return fields, Status.DISCARD, f"verified val_bpb {metric:.6f}: {decision.reason}"
-        return fields, Status.KEEP, decision.reason
+@dataclass
+class TrialOutcome:
+    status: Status
+    reason: str
+    fields: dict
+
+
+def _pm(mean: float | None, se: float | None) -> str:
+    if mean is None:
+        return "-"
+    return f"{mean:.6f}" if not se else f"{mean:.6f} ± {se:.6f}"
 
 
 def _now() -> str:

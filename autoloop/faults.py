@@ -17,6 +17,7 @@ POINTS = (
     "after_commit",  # the proposal's commit exists, the branch has not moved
     "during_training",  # the training process group is running and recorded
     "after_training",  # training finished, no decision recorded
+    "between_measurements",  # a measurement of a trial is recorded, its decision asks for another
     "during_reset",  # decision recorded, git archive/reset half done
 )
 

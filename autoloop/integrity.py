@@ -14,6 +14,20 @@ Fingerprints, before and after each trial
     A trial that changed either is `invalid`, naming the files; the run then pauses,
     because every later trial would be measured with something else.
 
+Bytecode and import hooks, before and after each trial
+    Python runs a `__pycache__/*.pyc` whose header carries its source's mtime and size
+    without reading the source, and runs every `.pth` file (and sitecustomize /
+    usercustomize) in site-packages at start-up. So the snapshot also hashes the harness's
+    `__pycache__` files (and the harness part of the bytecode prefixes the controller gives
+    its children, autoloop.evaluation.pycache_env) and those files in every site-packages
+    folder (sysconfig purelib/platlib, site.getsitepackages(), the user site). A trial that
+    added or modified one is `invalid`, naming the file (a deleted .pyc is harmless:
+    Python compiles the source again). `precompile_harness` writes the harness's own
+    bytecode before the run, so a child that writes bytecode finds it current and an
+    honest trial never adds a .pyc; `bytecode_problems` checks that every .pyc beside the
+    harness sources holds the code of its source (a poisoned one planted before the run
+    started pauses it).
+
 Budget, after each successful trial (all numbers come from the result JSON or the
 printed block, checked against the budget and against the controller's own clock):
     * step mode (max_steps): num_steps <= max_steps + STEP_SLACK. The harness clock
@@ -40,6 +54,13 @@ grace_seconds) is the hard bound on that. See docs/verification.md.
 
 from __future__ import annotations
 
+import importlib.util
+import marshal
+import py_compile
+import re
+import site
+import sys
+import sysconfig
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -69,6 +90,8 @@ class Snapshot:
     harness: dict[str, str] = field(default_factory=dict)  # relative path -> sha256
     data: dict[str, str] = field(default_factory=dict)  # split -> sha256 or "stat:size:mtime_ns"
     data_dir: str = ""
+    bytecode: dict[str, str] = field(default_factory=dict)  # harness .pyc label -> sha256
+    hooks: dict[str, str] = field(default_factory=dict)  # site-packages .pth / *customize.py path -> sha256
 
 
 def harness_file_hashes(directory: Path) -> dict[str, str]:
@@ -104,8 +127,126 @@ def data_signature(data_dir: Path) -> dict[str, str]:
     return signature
 
 
-def take_snapshot(harness: Path, data_dir: Path) -> Snapshot:
-    return Snapshot(harness=harness_file_hashes(harness), data=data_signature(data_dir), data_dir=str(data_dir))
+def harness_bytecode_hashes(directory: Path, prefixes: list[Path] | tuple[Path, ...] = ()) -> dict[str, str]:
+    """sha256 of every file in the harness's `__pycache__` folders, and of the harness's
+    files under each bytecode prefix (PYTHONPYCACHEPREFIX mirrors the source's absolute
+    path there). Labels: `__pycache__/metric.cpython-311.pyc`, `<prefix>:metric.cpython-311.pyc`."""
+    from autoloop.harness.fingerprint import sha256_file
+
+    directory = Path(directory)
+    hashes = {}
+    for cache in sorted(directory.rglob("__pycache__")):
+        for path in sorted(cache.rglob("*")):
+            if path.is_file():
+                hashes[path.relative_to(directory).as_posix()] = sha256_file(path)
+    resolved = directory.resolve()
+    for prefix in prefixes:
+        mirrored = Path(prefix) / resolved.relative_to(resolved.anchor)
+        if mirrored.is_dir():
+            for path in sorted(mirrored.rglob("*")):
+                if path.is_file():
+                    hashes[f"{prefix}:{path.relative_to(mirrored).as_posix()}"] = sha256_file(path)
+    return hashes
+
+
+def site_dirs() -> list[Path]:
+    """Every site-packages folder this interpreter reads .pth files from."""
+    found: list[Path] = []
+    candidates = [sysconfig.get_paths().get("purelib"), sysconfig.get_paths().get("platlib")]
+    try:
+        candidates += list(site.getsitepackages())
+    except AttributeError:  # some virtualenv builds lack it
+        pass
+    try:
+        candidates.append(site.getusersitepackages())
+    except AttributeError:
+        pass
+    for candidate in candidates:
+        if candidate and Path(candidate).is_dir() and Path(candidate).resolve() not in found:
+            found.append(Path(candidate).resolve())
+    return found
+
+
+def import_hook_hashes(dirs: list[Path] | None = None) -> dict[str, str]:
+    """sha256 of the files Python runs at start-up from site-packages: *.pth,
+    sitecustomize.py, usercustomize.py."""
+    from autoloop.harness.fingerprint import sha256_file
+
+    hashes = {}
+    for folder in site_dirs() if dirs is None else dirs:
+        folder = Path(folder)
+        if not folder.is_dir():
+            continue
+        for path in sorted(folder.iterdir()):
+            if path.is_file() and (path.suffix == ".pth" or path.name in ("sitecustomize.py", "usercustomize.py")):
+                try:
+                    hashes[str(path)] = sha256_file(path)
+                except OSError:
+                    hashes[str(path)] = "unreadable"
+    return hashes
+
+
+def take_snapshot(harness: Path, data_dir: Path, *, pycache_prefixes: list[Path] | tuple[Path, ...] = (),
+                  hook_dirs: list[Path] | None = None) -> Snapshot:
+    """The harness sources and bytecode, the data, and the site-packages import hooks now.
+
+    `pycache_prefixes`: the bytecode prefixes autoloop's children use (their harness part
+    is covered); `hook_dirs`: the folders searched for .pth files (default: `site_dirs()`).
+    """
+    return Snapshot(harness=harness_file_hashes(harness), data=data_signature(data_dir), data_dir=str(data_dir),
+                    bytecode=harness_bytecode_hashes(harness, pycache_prefixes), hooks=import_hook_hashes(hook_dirs))
+
+
+_PYC_NAME = re.compile(r"^(?P<stem>.+)\.(?P<tag>[^.]+?)(?:\.opt-(?P<opt>[12]))?\.pyc$")
+
+
+def bytecode_problems(directory: Path) -> list[str]:
+    """Every .pyc beside the harness sources that this interpreter would run, whose code is
+    not its source's (compiled here and compared as code objects), e.g. a poisoned .pyc
+    written with the real source's mtime and size. Bytecode of other interpreters is
+    skipped: this one never reads it."""
+    problems = []
+    for pyc in sorted(Path(directory).rglob("__pycache__/*.pyc")):
+        match = _PYC_NAME.match(pyc.name)
+        if not match or match["tag"] != sys.implementation.cache_tag:
+            continue
+        source = pyc.parent.parent / f"{match['stem']}.py"
+        label = pyc.relative_to(directory).as_posix()
+        if not source.exists():
+            problems.append(f"harness bytecode {label} has no source")
+            continue
+        try:
+            code = marshal.loads(pyc.read_bytes()[16:])
+            expected = compile(source.read_bytes(), str(source), "exec", dont_inherit=True,
+                               optimize=int(match["opt"] or 0))
+        except (ValueError, EOFError, TypeError, SyntaxError, OSError):
+            problems.append(f"harness bytecode {label} is unreadable")
+            continue
+        if code != expected:
+            problems.append(f"harness bytecode {label} does not match {source.name}")
+    return problems
+
+
+def precompile_harness(directory: Path) -> None:
+    """Write current bytecode for every harness source whose `__pycache__` .pyc is missing or
+    stale, as an import would (best effort: a read-only install is skipped), so that a
+    training process importing the harness writes nothing there."""
+    for source in sorted(Path(directory).rglob("*.py")):
+        if "__pycache__" in source.parts:
+            continue
+        target = source.parent / "__pycache__" / f"{source.stem}.{sys.implementation.cache_tag}.pyc"
+        try:
+            stat = source.stat()
+            if target.exists():
+                header = target.read_bytes()[:16]
+                if (int.from_bytes(header[8:12], "little") == int(stat.st_mtime) & 0xFFFFFFFF
+                        and int.from_bytes(header[12:16], "little") == stat.st_size & 0xFFFFFFFF
+                        and header[:4] == importlib.util.MAGIC_NUMBER):
+                    continue
+            py_compile.compile(str(source), cfile=str(target), doraise=True,
+                               invalidation_mode=py_compile.PycInvalidationMode.TIMESTAMP)
+        except (OSError, py_compile.PyCompileError):
+            continue
 
 
 def changes(before: Snapshot, after: Snapshot) -> list[str]:
@@ -116,6 +257,14 @@ def changes(before: Snapshot, after: Snapshot) -> list[str]:
         if old != new:
             what = "added" if old is None else "deleted" if new is None else "modified"
             found.append(f"harness file {name} {what}")
+    for name in sorted(set(before.bytecode) | set(after.bytecode)):
+        old, new = before.bytecode.get(name), after.bytecode.get(name)
+        if new is not None and old != new:  # a deleted .pyc is harmless: the source is compiled again
+            found.append(f"harness bytecode {name} {'added' if old is None else 'modified'}")
+    for name in sorted(set(before.hooks) | set(after.hooks)):
+        old, new = before.hooks.get(name), after.hooks.get(name)
+        if new is not None and old != new:
+            found.append(f"import hook {name} {'added' if old is None else 'modified'}")
     for name in sorted(set(before.data) | set(after.data)):
         if before.data.get(name) != after.data.get(name):
             label = name if name.endswith(".json") else f"{name}.bin"
@@ -193,6 +342,10 @@ def budget_problem(config: Config, outcome: RunOutcome, *, data_fingerprint: str
 def describe_pause(found: list[str], tag: str) -> str:
     """The pause reason for a run whose harness or data changed under it."""
     listed = "; ".join(found[:5]) + (f"; and {len(found) - 5} more" if len(found) > 5 else "")
+    if any(item.startswith(("harness bytecode", "import hook")) for item in found):
+        return (f"bytecode or an import hook of the harness's interpreter changed during the run ({listed}): delete "
+                "the named files (bytecode: the harness's __pycache__ folder; Python compiles the sources again) and "
+                f"resume with `autoloop run --tag {tag}`")
     if any(item.startswith("harness") for item in found):
         return (f"the harness changed during the run ({listed}): restore it (`git checkout -- autoloop/harness` in "
                 f"autoloop's checkout, or reinstall autoloop) and resume with `autoloop run --tag {tag}`, or resume "

@@ -15,10 +15,18 @@ pid, which is also the group id, cannot be reused, so signalling the group can n
 unrelated process. A process group counts as gone when only zombies are left in it (an
 orphaned grandchild that was killed may wait a moment for init to reap it).
 
-The child's environment is the parent's minus anything that looks like a secret (a
-variable whose name contains KEY, TOKEN, SECRET or PASSWORD: API keys never reach the
-training subprocess), plus PYTHONUNBUFFERED=1, plus the AUTOLOOP_* contract variables the
-caller passes.
+The child's environment comes from an allow-list (`autoloop.sandbox.allowed_environment`:
+PATH, locale, thread and GPU settings, ...; never a secret, whatever its name), plus
+PYTHONUNBUFFERED=1, plus the AUTOLOOP_* contract variables the caller passes, plus a
+per-trial marker (AUTOLOOP_TRIAL_MARKER).
+
+With a `SandboxPolicy` of kind "bwrap" the command runs inside bubblewrap
+(autoloop/sandbox.py); the group signalled is bubblewrap's, and killing it ends the trial's
+PID namespace and every process in it. Without one, a process that left the group (a
+`setsid` daemon) could outlive the trial, so for the length of a trial this process is a
+child subreaper (orphans of the trial become its children, not init's) and after the trial
+every process whose /proc/<pid>/environ carries the trial's marker is SIGKILLed, and those
+that became our children are reaped.
 
 The result comes from the result JSON (`AUTOLOOP_RESULT`, metric source "harness") if the
 script wrote one, else from the final `---` block of `key: value` lines in the log (metric
@@ -38,7 +46,10 @@ import re
 import select
 import shlex
 import signal
+import secrets
 import subprocess
+import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -47,8 +58,10 @@ from pathlib import Path
 from typing import Any
 
 from autoloop.errors import AutoloopError
+from autoloop.sandbox import SandboxPaths, SandboxPolicy, allowed_environment
 
-SECRET_MARKERS = ("KEY", "TOKEN", "SECRET", "PASSWORD")
+TRIAL_MARKER = "AUTOLOOP_TRIAL_MARKER"
+PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
 ERROR_TAIL_LINES = 40
 # How long to wait for a SIGKILLed group to disappear; only a process stuck in the kernel
 # (e.g. in a GPU driver call) takes longer, and waiting forever would hang the loop.
@@ -69,9 +82,11 @@ REPORTED_KEY_MAP = {
 class RunOutcome:
     """What happened to one training process.
 
-    status: "ok" (exit 0 with a finite val_bpb), "crash", "timeout" or "aborted".
+    status: "ok" (exit 0 with a finite val_bpb, or under AUTOLOOP_EVAL=external with a
+    result JSON and no val_bpb), "crash", "timeout" or "aborted".
     metric: val_bpb when finite, else None. metric_source: "harness" (result JSON) or
-    "reported" (printed block), None without a metric. reason: one line, None when ok.
+    "reported" (printed block), None without a metric (except an external-eval "ok":
+    "harness", metric None whatever the JSON says). reason: one line, None when ok.
     result: the parsed result JSON, or the parsed summary block, or None.
     """
 
@@ -206,20 +221,104 @@ def gpu_busy_report() -> list[str]:
 
 
 def child_environment(extra: dict[str, Any]) -> dict[str, str]:
-    """The training process's environment: ours without secrets, PYTHONUNBUFFERED=1, then
-    `extra` (a None value unsets the variable)."""
-    env = {
-        name: value
-        for name, value in os.environ.items()
-        if not any(marker in name.upper() for marker in SECRET_MARKERS)
-    }
-    env["PYTHONUNBUFFERED"] = "1"  # so the log is written line by line as training goes
-    for name, value in extra.items():
-        if value is None:
-            env.pop(name, None)
-        else:
-            env[name] = str(value)
-    return env
+    """A child process's environment (see `autoloop.sandbox.allowed_environment`)."""
+    return allowed_environment(extra)
+
+
+# ---------------------------------------------------------------------------------------
+# No process of a trial outlives it
+# ---------------------------------------------------------------------------------------
+
+_subreaper_lock = threading.Lock()
+_subreaper_users = 0
+
+
+def _set_child_subreaper(on: bool) -> bool:
+    if not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(PR_SET_CHILD_SUBREAPER, int(on), 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+class _ChildSubreaper:
+    """This process is a child subreaper while at least one trial runs (trials may run in
+    threads side by side); afterwards orphans go to init again, as for any program."""
+
+    def __enter__(self) -> "_ChildSubreaper":
+        global _subreaper_users
+        with _subreaper_lock:
+            if _subreaper_users == 0:
+                _set_child_subreaper(True)
+            _subreaper_users += 1
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        global _subreaper_users
+        with _subreaper_lock:
+            _subreaper_users -= 1
+            if _subreaper_users == 0:
+                _set_child_subreaper(False)
+
+
+def _marked_pids(needle: bytes) -> list[int]:
+    """Live processes whose initial environment holds `needle` (a zombie's reads empty)."""
+    pids = []
+    me = os.getpid()
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit() or int(entry.name) == me:
+            continue
+        try:
+            with open(f"/proc/{entry.name}/environ", "rb") as handle:
+                environ = handle.read()
+        except OSError:
+            continue  # gone, or another user's
+        if needle in environ.split(b"\0"):
+            pids.append(int(entry.name))
+    return pids
+
+
+def _reap_adopted(pgid: int, pids: set[int]) -> None:
+    """Reap the zombies that became our children during the trial: those of its group and
+    the marked ones we killed. Only these pids, so no other child's status is stolen."""
+    me = os.getpid()
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        pid = int(entry.name)
+        fields = _proc_stat(pid)
+        if fields and int(fields[1]) == me and fields[0] == "Z" and (int(fields[2]) == pgid or pid in pids):
+            try:
+                os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                pass
+
+
+def sweep_trial_processes(marker: str, pgid: int, timeout: float = KILL_WAIT_SECONDS) -> list[int]:
+    """SIGKILL every process that carries the trial's marker until none is left (a process
+    may fork while we look), then reap those that are our zombies. Returns the pids killed.
+    Call it after the trial's main process was reaped."""
+    needle = f"{TRIAL_MARKER}={marker}".encode()
+    killed: set[int] = set()
+    deadline = time.monotonic() + timeout
+    if os.path.isdir("/proc/self"):
+        while True:
+            found = _marked_pids(needle)
+            for pid in found:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                    killed.add(pid)
+                except (ProcessLookupError, PermissionError):
+                    pass
+            if not found or time.monotonic() >= deadline:
+                break
+            time.sleep(0.01)
+        _reap_adopted(pgid, killed)
+    return sorted(killed)
 
 
 class _ExitWatch:
@@ -275,6 +374,8 @@ def run_training(
     on_start: Callable[[int, int, int | None], None] | None = None,
     should_abort: Callable[[], bool] | None = None,
     poll_interval: float = 0.2,
+    sandbox: SandboxPolicy | None = None,
+    sandbox_paths: SandboxPaths | None = None,
 ) -> RunOutcome:
     """Run `command` until it exits, the deadline passes or `should_abort()` is true.
 
@@ -284,6 +385,11 @@ def run_training(
     record the group before waiting; if it (or `should_abort`) raises, or the caller is
     interrupted (KeyboardInterrupt), the group is SIGKILLed and the exception propagates.
     The deadline counts from the spawn and covers start-up, compile, training and eval.
+
+    `sandbox` (kind "bwrap") runs the command inside bubblewrap with `sandbox_paths`;
+    without paths, the working folder is read-only and the folders of AUTOLOOP_RESULT,
+    AUTOLOOP_CHECKPOINT and AUTOLOOP_PROGRESS are writable. pid and pgid are then
+    bubblewrap's. Kinds "none" and "off" (and None) run the command as it is.
     """
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -291,22 +397,35 @@ def run_training(
     if result_path is not None:
         result_path.unlink(missing_ok=True)
 
+    marker = secrets.token_hex(12)
+    argv = [str(part) for part in command]
+    child_env = allowed_environment({**env, TRIAL_MARKER: marker})
+    sandboxed = sandbox is not None and sandbox.kind == "bwrap"
+    if sandboxed:
+        paths = sandbox_paths if sandbox_paths is not None else _default_paths(cwd, env)
+        argv, child_env = sandbox.wrap(
+            argv, env=child_env, cwd=cwd, writable=paths.writable, readonly=paths.readonly, hidden=paths.hidden,
+        )
+
     with log_path.open("ab") as log:
-        log.write(f"# autoloop {_now()}: {shlex.join(map(str, command))}\n".encode())
+        where = f" [sandbox: {sandbox.kind}]" if sandbox is not None else ""
+        log.write(f"# autoloop {_now()}: {shlex.join(map(str, command))}{where}\n".encode())
         log.flush()
         offset = log.tell()
         started = time.monotonic()
+        reaper = _ChildSubreaper().__enter__()
         try:
             proc = subprocess.Popen(
-                [str(part) for part in command],
+                argv,
                 cwd=str(cwd),
-                env=child_environment(env),
+                env=child_env,
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
         except OSError as error:
+            reaper.__exit__()
             raise AutoloopError(
                 f"cannot start the training command {shlex.join(map(str, command))} in {cwd} ({error}): "
                 "check the train command and the working directory"
@@ -339,12 +458,15 @@ def run_training(
             _signal_group(pgid, signal.SIGKILL)
             group_gone = _wait_group_gone(pgid, KILL_WAIT_SECONDS, reap)
         returncode = proc.wait()
+        survivors = sweep_trial_processes(marker, pgid)
     except BaseException:
         _signal_group(pgid, signal.SIGKILL)
         proc.wait()
+        sweep_trial_processes(marker, pgid)
         raise
     finally:
         watch.close()
+        reaper.__exit__()
     wall_seconds = time.monotonic() - started
 
     text = _read_from(log_path, offset)
@@ -354,6 +476,8 @@ def run_training(
         returncode=returncode,
         result_path=result_path,
         deadline_seconds=deadline_seconds,
+        sandboxed=sandboxed,
+        external_eval=str(env.get("AUTOLOOP_EVAL") or "").strip().lower() == "external",
     )
     outcome.wall_seconds = wall_seconds
     outcome.pid, outcome.pgid, outcome.start_time = pid, pgid, start_time
@@ -363,6 +487,8 @@ def run_training(
         footer += f": {outcome.reason}"
     if not group_gone:
         footer += f" (processes of group {pgid} survived SIGKILL)"
+    if survivors:
+        footer += f" (killed {len(survivors)} process(es) that had left the group: {' '.join(map(str, survivors))})"
     with log_path.open("ab") as log:
         log.write((footer + "\n").encode())
     return outcome
@@ -375,8 +501,17 @@ def _judge(
     returncode: int,
     result_path: Path | None,
     deadline_seconds: float,
+    sandboxed: bool = False,
+    external_eval: bool = False,
 ) -> RunOutcome:
-    """Apply the outcome rules to what the process left behind."""
+    """Apply the outcome rules to what the process left behind.
+
+    `external_eval` (the run's env asked for AUTOLOOP_EVAL=external): the harness evaluates
+    the checkpoint in another process, so exit 0 with a result JSON is "ok" with metric
+    None and metric_source "harness" (the contract was followed; the evaluation supplies
+    the number). A val_bpb the trial wrote anyway is left in `result` but is never the
+    metric. A script with only a printed block keeps today's rules ("reported").
+    """
     lines = text.splitlines()
     error_tail = "\n".join(lines[-ERROR_TAIL_LINES:])
 
@@ -419,7 +554,12 @@ def _judge(
     if stopped == "aborted":
         return outcome("aborted", "aborted before it finished")
     if returncode != 0:
-        return outcome("crash", _crash_reason(lines, returncode))
+        return outcome("crash", _crash_reason(lines, returncode, sandboxed))
+    if external_eval and source == "harness":
+        # Whatever val_bpb the trial wrote is its own claim: the evaluation process decides.
+        ok = outcome("ok", None)
+        ok.metric, ok.metric_source = None, "harness"
+        return ok
     if metric is None:
         reason = "finished without a val_bpb metric"
         if result_problem:
@@ -430,17 +570,19 @@ def _judge(
     return outcome("ok", None)
 
 
-def _crash_reason(lines: list[str], returncode: int) -> str:
+def _crash_reason(lines: list[str], returncode: int, sandboxed: bool = False) -> str:
     """The last `FAIL: ...` line; else, for a signal death, its name; else the last
-    non-empty line (the exception line of a traceback)."""
+    non-empty line (the exception line of a traceback). bubblewrap reports a command
+    killed by signal N as exit 128 + N."""
     for line in reversed(lines):
         if line.strip().startswith("FAIL:"):
             return line.strip()
-    if returncode < 0:
+    signum = -returncode if returncode < 0 else (returncode - 128 if sandboxed and 128 < returncode <= 192 else 0)
+    if signum:
         try:
-            name = signal.Signals(-returncode).name
+            name = signal.Signals(signum).name
         except ValueError:
-            name = f"signal {-returncode}"
+            name = f"signal {signum}"
         return f"killed by {name}"
     for line in reversed(lines):
         if line.strip():
@@ -493,6 +635,13 @@ def _as_float(value: Any) -> float | None:
 def _one_line(text: str) -> str:
     line = " ".join(text.split())
     return line if len(line) <= MAX_REASON_CHARS else line[: MAX_REASON_CHARS - 3] + "..."
+
+
+def _default_paths(cwd: str | Path, env: dict[str, Any]) -> SandboxPaths:
+    """Without explicit paths: the working folder read-only, the contract's output folders writable."""
+    outputs = [Path(str(env[name])).parent for name in ("AUTOLOOP_RESULT", "AUTOLOOP_CHECKPOINT", "AUTOLOOP_PROGRESS")
+               if env.get(name)]
+    return SandboxPaths(writable=tuple(outputs), readonly=(Path(cwd),))
 
 
 def _read_from(path: Path, offset: int) -> str:

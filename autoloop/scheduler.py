@@ -4,16 +4,20 @@ The loop is a scheduler of work items over an executor, so new kinds of work (re
 repairs, ablations, parallel lineages) are new items, not new loops. Its state is
 derived from the db, so a resumed run continues where it stopped.
 
-Order: the unmodified baseline first (until one succeeds); after K consecutive
+Order: a trial left running by a dead controller with measurements recorded resumes
+first; the unmodified baseline (until one succeeds); every `drift_every` trials a `drift`
+re-measurement of the incumbent; after K consecutive
 crashes or timeouts, a re-run of the incumbent (if that fails too, the run pauses with a
 diagnosis instead of burning the night); after a proposal that crashed with a plain
-error, one `repair` of it by the proposer that made it (llm, agent); otherwise the
-proposer chain's next proposal, prepared while the previous trial trained
-(`autoloop.prefetch`).
+error, one `repair` of it by the proposer that made it (llm, agent); with
+`requeue_near_misses`, a discard that was within the noise of an incumbent that has since
+changed, tried once more on the new best; otherwise the proposer chain's next proposal,
+prepared while the previous trial trained (`autoloop.prefetch`).
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 from dataclasses import dataclass
 
@@ -28,7 +32,7 @@ _LOW_DISK_BYTES = 1 << 30
 
 @dataclass
 class WorkItem:
-    kind: str  # "baseline" | "rerun" | "proposal" | "pause"
+    kind: str  # "baseline" | "rerun" | "proposal" | "resume" | "pause"
     reason: str = ""
     proposal: Proposal | None = None
     parent: str | None = None
@@ -60,6 +64,10 @@ class Scheduler:
                 if t["status"] != Status.INTERRUPTED.value and t["number"] >= self.first_number]
 
     def next_item(self) -> WorkItem | None:
+        running = self.store.running_trials(self.controller.run_row["id"])
+        if running:
+            return WorkItem("resume", reason=f"resume trial {running[0]['number']}", derived_from=running[0]["id"],
+                            trial_kind=Kind(running[0]["kind"]))
         trials = self._recent()
         baselines = [t for t in self._trials(kind=Kind.BASELINE) if t["status"] != Status.INTERRUPTED.value]
         if not any(t["status"] == Status.KEEP.value for t in baselines):
@@ -80,7 +88,13 @@ class Scheduler:
         repair = self._repair_item(trials)
         if repair is not None:
             return repair
+        drift = self._drift_item()
+        if drift is not None:
+            return drift
         parent = self.controller.best_commit()
+        again = self._near_miss_item(parent)
+        if again is not None:
+            return again
         proposal = self.prefetcher.next_proposal(parent)
         if proposal is None:
             self.exhausted_reason = (
@@ -123,6 +137,42 @@ class Scheduler:
             return None
         return WorkItem("proposal", reason=proposal.description, proposal=proposal, parent=parent,
                         derived_from=last["id"], trial_kind=Kind.REPAIR)
+
+    def _drift_item(self) -> WorkItem | None:
+        """Every `drift_every` trials (counted since the last drift check or the baseline),
+        the incumbent again at its first seed: a shift beyond the noise is a changed machine."""
+        every = self.controller.config.drift_every
+        if not every or self.controller.config.decision_rule == "strict":
+            return None
+        recent = self._trials(last=every + 1)
+        if any(t["kind"] in (Kind.DRIFT.value, Kind.BASELINE.value) for t in recent[-every:]) or len(recent) < every:
+            return None
+        best = self.store.best_trial(self.controller.run_row["id"])
+        if best is None:
+            return None
+        return WorkItem("rerun", reason=f"drift check: the incumbent (trial {best['number']}) measured again",
+                        derived_from=best["id"], trial_kind=Kind.DRIFT)
+
+    def _near_miss_item(self, parent: str) -> WorkItem | None:
+        """A discard within the noise of an earlier incumbent, tried once on the new best."""
+        if not self.controller.config.requeue_near_misses:
+            return None
+        trials = self._trials(last=200)
+        retried = {t.get("derived_from") for t in trials if t.get("derived_from")}
+        for trial in trials:
+            decision = trial.get("decision") or {}
+            if trial["status"] != Status.DISCARD.value or not decision.get("near_miss") or trial["id"] in retried \
+                    or trial.get("parent_commit") == parent or not trial.get("edits") \
+                    or trial["kind"] not in (Kind.PROPOSAL.value, Kind.REPAIR.value):
+                continue
+            edits, patch = Proposal.edits_from_json(json.dumps(trial["edits"]))
+            proposal = Proposal(
+                f"again on the new best (near miss of trial {trial['number']}): {trial.get('description') or ''}",
+                edits=edits, patch=patch, source=trial.get("proposer") or "controller",
+            )
+            return WorkItem("proposal", reason=proposal.description, proposal=proposal, parent=parent,
+                            derived_from=trial["id"], trial_kind=Kind.PROPOSAL)
+        return None
 
     @staticmethod
     def _failure_tail(trials: list[dict]) -> list[dict]:

@@ -747,9 +747,11 @@ class Store:
         return self.trials(run_id=run_id, status=Status.RUNNING)
 
     def best_trial(self, run_id: int, lineage: str | None = None) -> dict[str, Any] | None:
-        """The kept trial with the lowest metric (ties: the earlier one), or None.
+        """The incumbent: the most recent kept trial (a successful baseline is the first), or None.
 
-        A successful baseline is stored with status keep, so it is the first best. Kept
+        A trial is kept only when it beats the incumbent of its time (by the run's decision
+        rule), so the latest keep is the best: under the paired rule it is not necessarily
+        the lowest single number, which may be a lucky draw of an earlier trial. Kept
         trials of one run share a metric source (verified, or reported for third-party
         scripts), so their metrics are comparable.
         """
@@ -758,7 +760,7 @@ class Store:
         if lineage is not None:
             sql += " AND lineage = ?"
             params.append(lineage)
-        rows = self._rows("trials", sql + " ORDER BY metric, number LIMIT 1", params)
+        rows = self._rows("trials", sql + " ORDER BY number DESC LIMIT 1", params)
         return rows[0] if rows else None
 
     # -- ideas ----------------------------------------------------------------------------
@@ -856,6 +858,11 @@ class Store:
              "created_at": utcnow(), **fields},
         )
 
+    def measurements_for(self, trial_id: int) -> list[dict[str, Any]]:
+        """A trial's own measurements and those it asked of the incumbent, in order."""
+        return self._rows("measurements", "SELECT * FROM measurements WHERE trial_id = ? OR for_trial_id = ? ORDER BY id",
+                          (trial_id, trial_id))
+
     def update_measurement(self, measurement_id: int, **fields: Any) -> None:
         self._update("measurements", measurement_id, fields)
 
@@ -876,7 +883,7 @@ class Store:
         return self._rows("processes", sql + " ORDER BY id", params)
 
     def measurements(self, trial_id: int) -> list[dict[str, Any]]:
-        return self._query("SELECT * FROM measurements WHERE trial_id = ? ORDER BY id", (trial_id,))
+        return self._rows("measurements", "SELECT * FROM measurements WHERE trial_id = ? ORDER BY id", (trial_id,))
 
     def add_proposal_record(
         self,

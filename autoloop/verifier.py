@@ -14,10 +14,12 @@ of this off, for tests with fake scripts) and calls it at four points:
 * `verifier(controller, trial, outcome, fields) -> Verdict` for a trial the decision would
   keep (only when `config.verify`): the trial's train.py (and the other editable files
   named by a literal path) are read from its commit into the trial folder's `source/`,
-  and a fresh process on the same device (`python -m autoloop.harness.evaluate`, run by the
-  runner from that folder: own process group recorded in the row, deadline, log file
-  `verify.log`, verdict `verify.json`) rebuilds the model from that copy and the
-  checkpoint, checks causality, re-evaluates val_bpb and evaluates the held-out split.
+  and `autoloop.evaluation.evaluate_checkpoint` runs a fresh process on the same device
+  (`python -m autoloop.harness.evaluate`, from that folder: own process group recorded in
+  the row, deadline, log file `verify.log`, verdict `verify.json`, the evaluator's
+  read-only bytecode cache, the verifier's sandbox if it has one) that seals the harness,
+  rebuilds the model from that copy and the checkpoint, checks causality, re-evaluates
+  val_bpb and evaluates the held-out split.
   Nothing the trial left in the working tree is used. On success the trial's metric becomes the re-evaluated
   value with metric_source `verified`, and the held-out bpb and the verification time
   are stored; the controller decides again on the verified value.
@@ -33,7 +35,6 @@ Which trials can be verified:
 
 from __future__ import annotations
 
-import json
 import shutil
 import sys
 from dataclasses import dataclass, field
@@ -41,7 +42,8 @@ from pathlib import Path
 
 from autoloop import integrity
 from autoloop.errors import AutoloopError
-from autoloop.runner import RunOutcome, run_training
+from autoloop.evaluation import evaluate_checkpoint
+from autoloop.runner import RunOutcome
 from autoloop.store import MetricSource
 
 VERDICT_FILE = "verify.json"
@@ -63,26 +65,49 @@ class Verdict:
 class Verifier:
     """Integrity checks around every trial and out-of-process verification of keep candidates."""
 
-    def __init__(self, harness_dir: Path | str | None = None, python: str | None = None):
+    def __init__(self, harness_dir: Path | str | None = None, python: str | None = None, *, sandbox=None,
+                 cache_root: Path | str | None = None):
         # The harness the training processes import; the default is the one this process
         # imports (tests point it at a copy so that a trial may tamper with it safely).
         self.harness_dir = Path(harness_dir) if harness_dir is not None else integrity.harness_dir()
         self.python = python or sys.executable
+        # The evaluation's sandbox (autoloop.sandbox policy, None: unsandboxed) and the cache
+        # holding the bytecode prefixes (None: the harness's cache root).
+        self.sandbox = sandbox
+        self.cache_root = Path(cache_root) if cache_root is not None else None
         self._reference: integrity.Snapshot | None = None
         self._harness_fingerprint: str | None = None
 
     # ------------------------------------------------------------------ integrity
 
+    def pycache_prefixes(self) -> list[Path]:
+        """The bytecode prefixes autoloop's children use (autoloop.evaluation.pycache_env)."""
+        from autoloop.evaluation import PYCACHE_KINDS, pycache_dir
+
+        if self.cache_root is None:
+            from autoloop.harness.contract import cache_root
+
+            root = cache_root()
+        else:
+            root = self.cache_root
+        return [pycache_dir(kind, root) for kind in PYCACHE_KINDS]
+
     def snapshot(self, controller) -> integrity.Snapshot:
-        return integrity.take_snapshot(self.harness_dir, controller.data_dir())
+        return integrity.take_snapshot(self.harness_dir, controller.data_dir(), pycache_prefixes=self.pycache_prefixes())
 
     def check_run(self, controller) -> str | None:
         """A pause reason if the harness or the data changed since this invocation began."""
         now = self.snapshot(controller)
         if self._reference is None or self._reference.data_dir != now.data_dir:
-            problems = integrity.dataset_problems(controller.data_dir())
+            problems = integrity.dataset_problems(controller.data_dir()) + integrity.bytecode_problems(self.harness_dir)
             if problems:
                 return integrity.describe_pause(problems, controller.tag)
+            if not sys.dont_write_bytecode:
+                # Current bytecode now, so a training process that writes bytecode beside the
+                # sources (no PYTHONPYCACHEPREFIX) finds nothing to write: an honest trial never
+                # shows up as "harness bytecode added".
+                integrity.precompile_harness(self.harness_dir)
+                now = self.snapshot(controller)
             self._reference = now
             from autoloop.harness import compute_harness_fingerprint
 
@@ -149,58 +174,44 @@ class Verifier:
         source_dir = trial_dir / "source"
         try:
             relative = script.resolve().relative_to(controller.repo_dir).as_posix()
-            snapshot = self._snapshot_sources(controller, trial["trial_commit"], relative, source_dir)
+            self._snapshot_sources(controller, trial["trial_commit"], relative, source_dir)
         except (ValueError, AutoloopError) as exc:
             return Verdict(False, f"cannot read the trial's {script.name} from its commit: {exc}")
 
         result = outcome.result or {}
         device = "cpu" if str(result.get("device", "cpu")).lower() == "cpu" else "cuda"
-        verdict_path = trial_dir / VERDICT_FILE
-        verdict_path.unlink(missing_ok=True)
         eval_seconds = result.get("eval_seconds") if isinstance(result.get("eval_seconds"), (int, float)) else 0.0
         deadline = max(DEADLINE_FLOOR_SECONDS, controller.config.grace_seconds) + DEADLINE_EVAL_FACTOR * min(
             max(float(eval_seconds), 0.0), float(controller.config.time_budget))
-        command = [
-            self.python, "-m", "autoloop.harness.evaluate", "--train-py", str(snapshot), "--checkpoint", str(checkpoint),
-            "--reported", repr(float(outcome.metric)), "--out", str(verdict_path), "--data-dir", str(controller.data_dir()),
-            "--device", device, "--seed", str(number),
-        ]
         controller._say(f"verifying trial {number} in a fresh process: causality, val_bpb, held-out")
+
         def on_start(pid: int, pgid: int, start_time: int | None) -> None:
             # The row names the process group working for the trial, so that recovery after a
             # dead controller stops the verifier too.
             controller.store.update_trial(trial["id"], pid=pid, pgid=pgid, pid_start_time=start_time)
 
-        ran = run_training(
-            # From the snapshot folder: the trial's own imports of editable siblings resolve to
-            # the snapshot, not to whatever the working tree holds now.
-            command, cwd=source_dir, log_path=trial_dir / VERIFY_LOG, deadline_seconds=deadline, on_start=on_start,
-            # The contract variables are the trial's, not the verifier's: nothing here may
-            # overwrite its result or checkpoint.
-            env={"AUTOLOOP_RESULT": None, "AUTOLOOP_CHECKPOINT": None, "AUTOLOOP_PROGRESS": None,
-                 "AUTOLOOP_DATA_DIR": str(controller.data_dir())},
-            should_abort=lambda: controller.abort_requested,
+        ran = evaluate_checkpoint(
+            python=self.python, repo_dir=controller.repo_dir, source_dir=source_dir, checkpoint=checkpoint,
+            data_dir=controller.data_dir(), device=device, splits=("val", "heldout"), causality=True,
+            out_dir=trial_dir, sandbox=self.sandbox, deadline_seconds=deadline, on_start=on_start,
+            script=relative, seed=number, reported=float(outcome.metric), cache_root=self.cache_root,
+            should_abort=lambda: controller.abort_requested, db_path=getattr(controller.store, "path", None),
+            verdict_file=VERDICT_FILE, log_file=VERIFY_LOG,
         )
-        timing = {"verify_seconds": ran.wall_seconds}
+        timing = {"verify_seconds": ran.seconds}
         if ran.status == "aborted":
             return Verdict(False, "verification was interrupted, so the trial is not kept", timing)
         if ran.status == "timeout":
             return Verdict(False, f"verification did not finish within {deadline:.0f} s (see {VERIFY_LOG})", timing)
-        try:
-            if ran.returncode != 0:
-                raise ValueError("the worker failed")
-            verdict = json.loads(verdict_path.read_text())
-        except (OSError, ValueError):
-            why = ran.reason or f"exit {ran.returncode}"
-            return Verdict(False, f"verification crashed ({why}; see {trial_dir / VERIFY_LOG})", timing)
-        if verdict.get("heldout_bpb") is not None:
-            timing["heldout_metric"] = float(verdict["heldout_bpb"])
-        if not verdict.get("ok"):
-            return Verdict(False, f"failed verification: {verdict.get('reason') or 'no reason given'}", timing)
-        val = float(verdict["val_bpb"])
+        if ran.status in ("crash", "data"):
+            return Verdict(False, f"verification crashed: {ran.reason}", timing)
+        if ran.heldout_bpb is not None:
+            timing["heldout_metric"] = float(ran.heldout_bpb)
+        if not ran.ok:
+            return Verdict(False, f"failed verification: {ran.reason or 'no reason given'}", timing)
+        val = float(ran.val_bpb)
         controller._say(
-            f"trial {number} verified in {ran.wall_seconds:.1f} s: val_bpb {val:.6f} (reported "
+            f"trial {number} verified in {ran.seconds:.1f} s: val_bpb {val:.6f} (reported "
             f"{outcome.metric:.6f}), held-out {timing.get('heldout_metric', float('nan')):.6f}, causal", "green",
         )
         return Verdict(True, "", {**timing, "metric": val, "metric_source": MetricSource.VERIFIED.value})
-

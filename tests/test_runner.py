@@ -221,19 +221,76 @@ def test_no_grandchild_survives(tmp_path: Path):
     assert not process_group_alive(outcome.pgid)
 
 
-def test_secrets_are_stripped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+def test_environment_is_an_allow_list(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setenv("OPENAI_API_KEY", "sk-secret")
     monkeypatch.setenv("HF_TOKEN", "hf_secret")
     monkeypatch.setenv("DB_PASSWORD", "hunter2")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "aws")
-    monkeypatch.setenv("HARMLESS_SETTING", "kept")
-    outcome = run_script(tmp_path, DUMP_ENV, extra_env={"AUTOLOOP_TIME_BUDGET": 2})
+    # A key under a name no deny-list would catch (llm-api-key-env = "MY_LLM_VAR").
+    monkeypatch.setenv("MY_LLM_VAR", "sk-unlabelled")
+    monkeypatch.setenv("NVIDIA_API_KEY", "nv-secret")  # an allowed family, a secret's name
+    monkeypatch.setenv("OPENBLAS_CORETYPE", "Haswell")  # prevents crashes on some CPUs: must pass
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("LC_ALL", "C.UTF-8")
+    outcome = run_script(tmp_path, DUMP_ENV, extra_env={"AUTOLOOP_TIME_BUDGET": 2, "CUSTOM_FOR_THIS_RUN": "x"})
     child_env = outcome.result["env"]
-    for name in ("OPENAI_API_KEY", "HF_TOKEN", "DB_PASSWORD", "AWS_SECRET_ACCESS_KEY"):
+    for name in ("OPENAI_API_KEY", "HF_TOKEN", "DB_PASSWORD", "AWS_SECRET_ACCESS_KEY", "MY_LLM_VAR", "NVIDIA_API_KEY"):
         assert name not in child_env
-    assert child_env["HARMLESS_SETTING"] == "kept"
+    assert "sk-unlabelled" not in json.dumps(child_env)
+    assert (child_env["OPENBLAS_CORETYPE"], child_env["OMP_NUM_THREADS"], child_env["LC_ALL"]) == ("Haswell", "1", "C.UTF-8")
+    assert child_env["PATH"] == os.environ["PATH"]
+    # What the caller sets on purpose always passes.
     assert child_env["AUTOLOOP_TIME_BUDGET"] == "2" and child_env["AUTOLOOP_SEED"] == "1"
+    assert child_env["CUSTOM_FOR_THIS_RUN"] == "x"
     assert child_env["PYTHONUNBUFFERED"] == "1"
+    assert len(child_env[runner.TRIAL_MARKER]) == 24
+
+
+DAEMON = """
+import json, os, subprocess, sys
+# A daemon in its own session: out of the trial's process group, so killing the group
+# misses it; it sleeps with a unique argument the test looks for.
+subprocess.Popen(["setsid", sys.executable, "-c", "import time; time.sleep(600)", os.environ["DAEMON_TAG"]],
+                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+import time; time.sleep(0.5)  # setsid has forked and exec'd by now
+with open(os.environ["AUTOLOOP_RESULT"], "w") as f:
+    json.dump({"val_bpb": 1.5}, f)
+"""
+
+
+def processes_with_argument(tag: str) -> list[int]:
+    """Live processes whose command line contains `tag`."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != os.getpid():
+            try:
+                cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if tag.encode() in cmdline and alive(int(entry)):
+                found.append(int(entry))
+    return found
+
+
+def test_a_setsid_daemon_does_not_outlive_the_trial(tmp_path: Path):
+    tag = f"daemon-{os.getpid()}-{time.monotonic_ns()}"
+    outcome = run_script(tmp_path, DAEMON, extra_env={"DAEMON_TAG": tag})
+    assert outcome.status == "ok", outcome.error_tail
+    assert processes_with_argument(tag) == []
+    assert "left the group" in (tmp_path / "logs" / "trial.log").read_text()
+    # The controller is a child subreaper only while a trial runs, and has no zombie left.
+    assert Path("/proc/self/status").read_text().count("Z (zombie)") == 0
+    zombies = [e for e in os.listdir("/proc") if e.isdigit() and (s := runner._proc_stat(e)) and s[0] == "Z"
+               and int(s[1]) == os.getpid()]
+    assert zombies == []
+
+
+def test_a_setsid_daemon_is_killed_at_the_deadline_too(tmp_path: Path):
+    tag = f"daemon-{os.getpid()}-{time.monotonic_ns()}"
+    source = DAEMON.replace("with open", "time.sleep(60)\nwith open")
+    outcome = run_script(tmp_path, source, deadline=2.0, extra_env={"DAEMON_TAG": tag})
+    assert outcome.status == "timeout"
+    assert processes_with_argument(tag) == []
 
 
 def test_log_is_appended_and_only_this_run_is_judged(tmp_path: Path):

@@ -13,6 +13,10 @@ class TrainingClock:
     progress is steps / max_steps and time is only reported, which makes tests
     deterministic. The caller synchronizes CUDA before measuring a step, so the seconds
     it reports are real.
+
+    Under the controller (AUTOLOOP_FEED set) every finished step also ticks the harness's
+    data feed, which times the ticks with the controller's own clock: the budget is
+    judged from those times (autoloop.budget), not from the seconds reported here.
     """
 
     def __init__(self, spec=None, *, time_budget: float | None = None, max_steps: int | None = None,
@@ -27,6 +31,9 @@ class TrainingClock:
         self.steps = 0
         self.training_seconds = 0.0
         self.compile_seconds = 0.0
+        from autoloop.harness.feed import active_feed
+
+        self._feed = active_feed()
 
     @property
     def step_mode(self) -> bool:
@@ -51,3 +58,5 @@ class TrainingClock:
         else:
             self.training_seconds += seconds
         self.steps += 1
+        if self._feed is not None:
+            self._feed.tick(self.steps)

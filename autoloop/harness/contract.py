@@ -23,6 +23,10 @@ ENV_PROGRESS = "AUTOLOOP_PROGRESS"
 ENV_DATA_DIR = "AUTOLOOP_DATA_DIR"
 ENV_CACHE_DIR = "AUTOLOOP_CACHE_DIR"
 ENV_COMPILE_CACHE = "AUTOLOOP_COMPILE_CACHE"
+# "external": the controller evaluates the checkpoint in a separate process (autoloop.harness
+# .evaluate), so train.py skips its own evaluation; unset or "internal": train.py evaluates.
+ENV_EVAL = "AUTOLOOP_EVAL"
+EVAL_MODES = ("internal", "external")
 
 
 def cache_root() -> Path:
@@ -58,6 +62,13 @@ def _number(name: str, kind, default):
     return value
 
 
+def _eval_mode() -> str:
+    raw = os.environ.get(ENV_EVAL, "").strip().lower() or "internal"
+    if raw not in EVAL_MODES:
+        raise HarnessError(f"{ENV_EVAL}={raw!r} is not one of {', '.join(EVAL_MODES)}: set one of them or unset it")
+    return raw
+
+
 def _path(name: str) -> Path | None:
     raw = os.environ.get(name, "").strip()
     return Path(raw).expanduser() if raw else None
@@ -73,6 +84,8 @@ class RunSpec:
     progress_path: Path | None
     data_dir: Path
     compile_cache_dir: Path
+    # True under AUTOLOOP_EVAL=external: write the checkpoint, leave val_bpb to the harness.
+    external_eval: bool = False
 
     @classmethod
     def from_env(cls) -> "RunSpec":
@@ -85,6 +98,7 @@ class RunSpec:
             progress_path=_path(ENV_PROGRESS),
             data_dir=default_data_dir(),
             compile_cache_dir=_path(ENV_COMPILE_CACHE) or cache_root() / "compile",
+            external_eval=_eval_mode() == "external",
         )
 
     @property

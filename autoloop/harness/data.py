@@ -8,7 +8,10 @@ A prepared dataset is a folder:
     train.bin, val.bin, heldout.bin   flat token arrays, each document preceded by BOS
 
 Splits (the data-split contract): training reads `train` and evaluates on `val`;
-`heldout` is read only by the verifier. A folder is written under a temporary name and
+`heldout` is read only by the verifier. Under the controller the training process gets a
+meta-only view of the folder (make_meta_only_view: meta.json, token_bytes.npy and the
+tokenizer's files, no split files) and its training batches from the harness's data
+feed (autoloop/harness/feed.py), which counts what it serves. A folder is written under a temporary name and
 renamed into place, so a crash or a concurrent preparation never leaves a half-written
 dataset where a complete one was.
 
@@ -38,10 +41,26 @@ from autoloop.harness.errors import HarnessError
 from autoloop.harness.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 
 META_FORMAT = 1
+# Set by the controller for a training process: the unix socket of the harness's data
+# feed (autoloop/harness/feed.py), from which TokenLoader(ds, "train", ...) gets batches.
+ENV_FEED = "AUTOLOOP_FEED"
 _EXCLUDED_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
 
 
 # ---------------------------------------------------------------------------- loading
+
+
+# Written into a meta-only view of a dataset: its split files are deliberately absent.
+WITHHELD_MARKER = "splits-withheld.json"
+
+
+def split_refusal(split: str) -> str:
+    """Why a training process under autoloop may not read `split` (one line)."""
+    if split == "train":
+        return ("the train split is served to training by the harness's data feed under autoloop: read it with "
+                "TokenLoader(ds, \"train\", ...), not from the split files")
+    return (f"the {split} split is not available to training under autoloop: val_bpb is computed by the harness's "
+            "evaluator in a separate process (train on the train split only)")
 
 
 @dataclass
@@ -50,6 +69,7 @@ class Dataset:
     meta: dict
     tokenizer: Tokenizer
     token_bytes: np.ndarray
+    withheld: bool = False  # a meta-only view: no split files (see make_meta_only_view)
     _splits: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -72,7 +92,16 @@ class Dataset:
         return self.meta["splits"][name]["sha256"]
 
     def split(self, name: str) -> np.ndarray:
-        """The split's tokens as a read-only memory map (opened once per process)."""
+        """The split's tokens as a read-only memory map (opened once per process).
+
+        Refused in a meta-only view (the training process under the controller), whose
+        training batches come from the data feed and whose evaluation runs elsewhere.
+        """
+        if self.withheld:
+            raise HarnessError(split_refusal(name))
+        return self._memmap(name)
+
+    def _memmap(self, name: str) -> np.ndarray:
         if name not in self._splits:
             self._splits[name] = np.memmap(self.path / f"{name}.bin", dtype=self.meta["dtype"], mode="r")
         return self._splits[name]
@@ -108,7 +137,8 @@ def load_dataset(data_dir: Path | str | None = None, *, prepare: bool = True) ->
         if meta.get("format") != META_FORMAT:
             raise _corrupt(data_dir, f"meta.json has format {meta.get('format')!r}, expected {META_FORMAT}")
         itemsize = np.dtype(meta["dtype"]).itemsize
-        for name in SPLITS:
+        withheld = (data_dir / WITHHELD_MARKER).exists()
+        for name in SPLITS if not withheld else ():
             info = meta["splits"][name]
             size = (data_dir / f"{name}.bin").stat().st_size
             if size != info["tokens"] * itemsize:
@@ -123,7 +153,33 @@ def load_dataset(data_dir: Path | str | None = None, *, prepare: bool = True) ->
     if token_bytes.shape != (meta["vocab_size"],):
         raise _corrupt(data_dir, f"token_bytes.npy has shape {token_bytes.shape}, expected ({meta['vocab_size']},)")
     tokenizer = load_tokenizer(meta["tokenizer"], data_dir)
-    return Dataset(path=data_dir, meta=meta, tokenizer=tokenizer, token_bytes=token_bytes.astype(np.int64))
+    return Dataset(path=data_dir, meta=meta, tokenizer=tokenizer, token_bytes=token_bytes.astype(np.int64),
+                   withheld=withheld)
+
+
+def make_meta_only_view(data_dir: Path | str, dest: Path | str) -> Path:
+    """A folder `dest` that load_dataset opens as `data_dir`'s dataset, without its split files.
+
+    It holds every file of the dataset except the splits (meta.json, token_bytes.npy, a
+    BPE vocabulary, ...), so vocabulary, BOS id and fingerprints are the dataset's own,
+    plus a marker that makes every split access raise split_refusal. The controller
+    gives it to the training process; the batches come from the data feed.
+    """
+    data_dir, dest = Path(data_dir), Path(dest)
+    split_files = {f"{name}.bin" for name in SPLITS}
+    if not (data_dir / "meta.json").is_file():
+        raise HarnessError(f"no prepared dataset at {data_dir} to make a meta-only view of: prepare it first")
+    try:
+        dest.mkdir(parents=True, exist_ok=True)
+        for path in sorted(data_dir.iterdir()):
+            if path.is_file() and path.name not in split_files and not path.name.startswith("."):
+                shutil.copyfile(path, dest / path.name)
+        (dest / WITHHELD_MARKER).write_text(json.dumps(
+            {"splits": list(SPLITS), "source": str(data_dir), "why": "training gets its batches from the data feed"}
+        ))
+    except OSError as exc:
+        raise HarnessError(f"cannot write the meta-only data view at {dest} ({exc.strerror}): check the run folder") from None
+    return dest
 
 
 def verify_dataset(ds: Dataset) -> list[str]:
@@ -276,12 +332,55 @@ def prepare_embedded(data_dir: Path | None = None) -> Dataset:
 # ---------------------------------------------------------------------------- loader
 
 
+class WindowSampler:
+    """Where the windows of each batch start: the one sampling rule of the loader and the feed.
+
+    Random mode draws starts uniformly from its own seeded generator, so a seed fixes
+    the data order; sequential mode walks the split in order and wraps. TokenLoader
+    (reading the memory map) and the data feed (serving over a socket) both use it, so
+    a run gets the same batches, bit for bit, with or without the feed.
+    """
+
+    def __init__(self, n_tokens: int, batch_size: int, seq_len: int, *, seed: int = 0, sequential: bool = False):
+        self.batch_size, self.seq_len = batch_size, seq_len
+        self.last_start = n_tokens - (seq_len + 1)
+        self.sequential = sequential
+        self.rng = np.random.Generator(np.random.PCG64(seed))
+        self.position = 0
+
+    def starts(self) -> np.ndarray:
+        if not self.sequential:
+            return self.rng.integers(0, self.last_start + 1, size=self.batch_size)
+        starts = []
+        for _ in range(self.batch_size):
+            if self.position > self.last_start:
+                self.position = 0
+            starts.append(self.position)
+            self.position += self.seq_len
+        return np.asarray(starts)
+
+
+def read_windows(tokens: np.ndarray, starts: np.ndarray, seq_len: int) -> np.ndarray:
+    """The (batch, seq_len + 1) windows at `starts`, in the split's own dtype."""
+    span = seq_len + 1
+    return np.stack([tokens[s : s + span] for s in starts])
+
+
+def check_window_fits(n_tokens: int, seq_len: int, split: str, where) -> None:
+    if n_tokens < seq_len + 2:
+        raise HarnessError(
+            f"the {split} split of {where} has {n_tokens} tokens, fewer than one window of {seq_len + 1}: "
+            "prepare a larger dataset"
+        )
+
+
 class TokenLoader:
     """Endless (x, y) batches of packed windows from one split.
 
-    Random mode samples window starts uniformly with its own seeded generator, so a
-    seed fixes the data order; sequential mode walks the split in order and wraps.
-    The split is memory-mapped: only the windows drawn are read. On CUDA the batch goes
+    Windows start where WindowSampler says (seeded random, or sequential). The split is
+    memory-mapped: only the windows drawn are read. Under the controller (AUTOLOOP_FEED
+    set) the train split comes from the harness's data feed instead, which serves the
+    same windows and counts them; other splits are refused there. On CUDA the batch goes
     through pinned memory with a non-blocking copy, so it overlaps the previous step.
     """
 
@@ -296,39 +395,32 @@ class TokenLoader:
         seed: int = 0,
         sequential: bool = False,
     ):
-        self.tokens = ds.split(split)
-        if len(self.tokens) < seq_len + 2:
-            raise HarnessError(
-                f"the {split} split of {ds.path} has {len(self.tokens)} tokens, fewer than one window of {seq_len + 1}: "
-                "prepare a larger dataset"
-            )
         self.batch_size, self.seq_len = batch_size, seq_len
         self.device = torch.device(device)
         self.sequential = sequential
-        self.rng = np.random.Generator(np.random.PCG64(seed))
-        self.position = 0
         self._pin = self.device.type == "cuda"
+        self._stream = None
+        if os.environ.get(ENV_FEED):
+            from autoloop.harness.feed import feed_client
+
+            self.tokens = None
+            self._stream = feed_client().open_stream(
+                split, batch_size, seq_len, seed=seed, sequential=sequential, device_type=self.device.type
+            )
+            return
+        self.tokens = ds.split(split)
+        check_window_fits(len(self.tokens), seq_len, split, ds.path)
+        self.sampler = WindowSampler(len(self.tokens), batch_size, seq_len, seed=seed, sequential=sequential)
 
     def __iter__(self) -> "TokenLoader":
         return self
 
-    def _starts(self) -> np.ndarray:
-        span = self.seq_len + 1
-        last_start = len(self.tokens) - span
-        if not self.sequential:
-            return self.rng.integers(0, last_start + 1, size=self.batch_size)
-        starts = []
-        for _ in range(self.batch_size):
-            if self.position > last_start:
-                self.position = 0
-            starts.append(self.position)
-            self.position += self.seq_len
-        return np.asarray(starts)
-
     def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
-        span = self.seq_len + 1
-        windows = np.stack([self.tokens[s : s + span] for s in self._starts()]).astype(np.int64)
-        batch = torch.from_numpy(windows)
+        if self._stream is not None:
+            windows = self._stream.next_windows()
+        else:
+            windows = read_windows(self.tokens, self.sampler.starts(), self.seq_len)
+        batch = torch.from_numpy(windows.astype(np.int64))
         if self._pin:
             batch = batch.pin_memory()
         batch = batch.to(self.device, non_blocking=True)

@@ -17,10 +17,21 @@ LR = 0.02  # learning rate; range 0.0001..1 log
 WIDTH = 64  # model width; power of two
 SLEEP = 0.0  # seconds to pretend to train
 MODE = "ok"  # ok | crash | hang | nan | nometric | reported | stubborn_child | fail
+NOISE = 0.0  # sd of a per-seed draw added to val_bpb (seed noise, as in real training)
+SALT = 0  # which random stream the seed draws from: a change re-draws the noise (an init-only change)
+OFFSET_FILE = ""  # a file holding a number added to val_bpb (a machine that drifts)
 
 
 def val_bpb() -> float:
-    return 1.0 + (math.log10(LR) + 2.0) ** 2 + 0.1 * (math.log2(WIDTH) - 6.0) ** 2
+    value = 1.0 + (math.log10(LR) + 2.0) ** 2 + 0.1 * (math.log2(WIDTH) - 6.0) ** 2
+    if NOISE:
+        import random
+
+        value += NOISE * random.Random(int(os.environ.get("AUTOLOOP_SEED", "0")) * 1000003 + SALT).gauss(0.0, 1.0)
+    if OFFSET_FILE and os.path.exists(OFFSET_FILE):
+        with open(OFFSET_FILE) as handle:
+            value += float(handle.read().strip() or 0)
+    return value
 
 
 def main() -> None:

@@ -1,0 +1,217 @@
+"""The budget of a trial, judged from what the harness's data feed saw, not from what the trial says.
+
+Under the controller a trial's training batches come from a FeedServer (autoloop/harness/
+feed.py) in the controller process, which counts batches and tokens and timestamps every
+batch request and every clock tick (TrainingClock.step_finished) with the controller's
+own clock. check_budget reads that record (FeedServer.summary()) and the trial's result
+JSON and answers (problem, figures): problem is None or one line naming the rule broken
+and its figures; figures are stored with the measurement either way.
+
+Rules, in order:
+    * a request for another split than train (val, heldout) was refused by the feed: the
+      trial tried to train on evaluation data.
+    * batches drawn but no clock tick at all: the trial never reported a step, so nothing
+      it did can be placed against the budget.
+    * time mode. Warm-up ends when the feed gets the UNTIMED_WARMUP_STEPS-th tick.
+        - The window from then to the last batch request must fit in budget + the last
+          step as the feed measured it (between its last two ticks) + a tolerance of
+          max(TIME_TOLERANCE x budget, MIN_TOLERANCE_SECONDS) for the bookkeeping between
+          steps that the trial's own clock does not count (~1 ms a step measured) and for
+          timestamp jitter. The harness clock stops after the step that crosses the
+          budget, so an honest trial draws its last batch within budget + its last step
+          however slow any step was; a trial that trains past its budget by any means (a
+          clock fed half of each step's time, training outside the timed step, steps
+          not reported) draws batches for longer. A slow machine slows the feed's view
+          and the trial's clock alike and never fails a trial.
+        - The untimed warm-up steps may draw what that many steps need: warm-up steps x
+          the batches per step measured in the timed phase (median over ticks) + 1 for
+          the loader's prefetch. More means training in the untimed warm-up.
+        - The last step is granted whatever time it took, but not extra data: it may draw
+          at most 2 x the batches of a timed step + 1.
+    * step mode. The clock may be told at most max_steps steps; the tokens served may
+      exceed the tokens the trial reports by at most one step's worth (the prefetched
+      batch); the steps reported must be the steps the clock was told. So a trial that
+      trains 50 steps and reports 5 is caught, with both figures.
+Start-up (spawn -> the trial's first request) is measured, reported, and not a rule: the
+window starts at the feed's own warm-up tick, so no start-up allowance can hide training.
+
+Out of reach of these rules: training on data already drawn (extra optimizer steps on the
+same batch) in step mode, or inside a last step that is slow on purpose; the runner's
+kill deadline bounds those. See docs/verification.md.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+from autoloop.harness.constants import UNTIMED_WARMUP_STEPS
+
+TIME_TOLERANCE = 0.02  # of the budget: bookkeeping between steps (~0.1-1%) and timestamp jitter
+MIN_TOLERANCE_SECONDS = 0.5  # the same, for short budgets (tests, quick runs)
+LAST_STEP_BATCH_FACTOR = 2  # the last step may draw this many times a timed step's batches (+1)
+
+
+def _number(result: dict, key: str) -> float | None:
+    value = result.get(key)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return None
+    return float(value)
+
+
+def _r(x: float | None, digits: int = 3) -> float | None:
+    return None if x is None else round(float(x), digits)
+
+
+def _ticks(summary: dict) -> tuple[list[float], list[int], list[list]]:
+    times = [float(t) for t in summary.get("tick_times") or []]
+    batches = [int(b) for b in summary.get("tick_batches") or []]
+    last = [[float(t), int(b)] for t, b in summary.get("last_ticks") or []]
+    if not last and times:
+        last = [[t, b] for t, b in zip(times[-3:], batches[-3:])]
+    return times, batches, last
+
+
+def _batches_per_step(times: list[float], batches: list[int], warmup: int) -> float | None:
+    """Median batches drawn between consecutive ticks of the timed phase."""
+    diffs = [batches[k] - batches[k - 1] for k in range(max(warmup, 1), len(batches))]
+    return float(statistics.median(diffs)) if diffs else None
+
+
+def check_budget(summary: dict, result: dict | None, *, time_budget: float | None, max_steps: int | None,
+                 warmup_steps: int = UNTIMED_WARMUP_STEPS, spawned_at: float | None = None,
+                 exited_at: float | None = None, tolerance: float = TIME_TOLERANCE,
+                 min_tolerance_seconds: float = MIN_TOLERANCE_SECONDS) -> tuple[str | None, dict]:
+    """(problem or None, figures) for one training run; see the module doc for the rules.
+
+    `summary` is FeedServer.summary(); `result` the trial's result JSON (None if it wrote
+    none); `spawned_at`/`exited_at` are time.monotonic() readings of the controller when
+    the training process started and ended (or FeedServer.mark_spawn/mark_exit).
+    """
+    result = result or {}
+    step_mode = max_steps is not None
+    batches = int(summary.get("batches") or 0)
+    tokens = int(summary.get("tokens") or 0)
+    n_ticks = int(summary.get("ticks") or 0)
+    times, tick_batches, last_ticks = _ticks(summary)
+    started = summary.get("started_at")
+    spawned = summary.get("spawned")
+    if spawned_at is not None and started is not None:
+        spawned = spawned_at - started
+    exited = summary.get("exited")
+    if exited_at is not None and started is not None:
+        exited = exited_at - started
+    first_request, last_batch = summary.get("first_request"), summary.get("last_batch")
+    reported_steps, reported_tokens = _number(result, "num_steps"), _number(result, "total_tokens")
+
+    figures: dict = {
+        "mode": "steps" if step_mode else "time",
+        "budget": max_steps if step_mode else time_budget,
+        "batches": batches,
+        "tokens_served": tokens,
+        "ticks": n_ticks,
+        "streams": len(summary.get("streams") or []),
+        "refused": int(summary.get("refused_count") or 0),
+        "reported_steps": reported_steps,
+        "reported_tokens": reported_tokens,
+        "reported_training_seconds": _r(_number(result, "training_seconds")),
+        "startup_seconds": _r(first_request - spawned) if first_request is not None and spawned is not None else None,
+        "wall_seconds": _r(exited - spawned) if exited is not None and spawned is not None else None,
+        "tail_seconds": _r(exited - last_batch) if exited is not None and last_batch is not None else None,
+    }
+    if times and n_ticks >= 2:
+        steps_seconds = [b - a for a, b in zip(times, times[1:])][max(warmup_steps - 1, 0):]
+        figures["median_step_seconds"] = _r(statistics.median(steps_seconds)) if steps_seconds else None
+    if len(last_ticks) >= 2:
+        last_step = last_ticks[-1][0] - last_ticks[-2][0]
+    elif last_ticks and summary.get("first_batch") is not None:
+        last_step = last_ticks[-1][0] - float(summary["first_batch"])
+    else:
+        last_step = 0.0
+    figures["last_step_seconds"] = _r(last_step)
+    bps = _batches_per_step(times, tick_batches, warmup_steps)
+    figures["batches_per_step"] = _r(bps)
+
+    refused = summary.get("refused") or []
+    if figures["refused"]:
+        splits = sorted({str(r.get("split")) for r in refused}) or ["val"]
+        return (f"asked the harness's data feed for the {' and '.join(splits)} split ({figures['refused']} refused "
+                "request(s)): training may not read val or heldout", figures)
+    if batches and not n_ticks:
+        return (f"drew {batches} training batches ({tokens:,} tokens) but never reported a step to the harness clock: "
+                "its training cannot be checked against the budget", figures)
+
+    if step_mode:
+        return _step_rules(figures, summary, max_steps, batches, tokens, n_ticks, reported_steps, reported_tokens), figures
+    return _time_rules(figures, float(time_budget), warmup_steps, batches, n_ticks, times, tick_batches, last_ticks,
+                       summary.get("first_batch"), last_batch, last_step, bps, tolerance, min_tolerance_seconds), figures
+
+
+def _step_rules(figures, summary, max_steps, batches, tokens, n_ticks, reported_steps, reported_tokens) -> str | None:
+    if not batches:
+        return None
+    if n_ticks > max_steps:
+        return f"told the harness clock {n_ticks} steps, over its budget of {max_steps} steps"
+    if reported_steps is None or reported_tokens is None:
+        return (f"drew {batches} batches ({tokens:,} tokens) from the data feed but reports no num_steps/total_tokens "
+                "to check them against")
+    batch_tokens = max((int(s.get("batch_size", 0)) * int(s.get("seq_len", 0)) for s in summary.get("streams") or []),
+                       default=0)
+    step_tokens = reported_tokens / reported_steps if reported_steps > 0 else 0.0
+    allowed = reported_tokens + max(step_tokens, batch_tokens)
+    figures["tokens_allowed"] = int(allowed)
+    if tokens > allowed:
+        worth = f" (enough for ~{tokens / step_tokens:.0f} steps)" if step_tokens > 0 else ""
+        return (f"drew {batches} batches ({tokens:,} tokens{worth}) from the data feed but reports "
+                f"{reported_steps:.0f} steps and {reported_tokens:,.0f} tokens (allowed {allowed:,.0f} with one step of "
+                "prefetch): it trained on more data than it reports")
+    if int(reported_steps) != n_ticks:
+        return (f"reports {reported_steps:.0f} steps but told the harness clock {n_ticks}: its report contradicts the "
+                "clock")
+    return None
+
+
+def _time_rules(figures, budget, warmup, batches, n_ticks, times, tick_batches, last_ticks, first_batch, last_batch,
+                last_step, bps, tolerance, min_tolerance_seconds) -> str | None:
+    if not batches:
+        return None
+    if n_ticks <= warmup or len(times) < max(warmup, 1):
+        return (f"reported only {n_ticks} steps to the harness clock, none of them timed (the first {warmup} are its "
+                f"untimed warm-up), yet drew {batches} training batches")
+    if warmup > 0:
+        warm_end, warm_batches = times[warmup - 1], tick_batches[warmup - 1]
+    else:
+        warm_end, warm_batches = float(first_batch), 0
+    window = max(0.0, float(last_batch) - warm_end) if last_batch is not None and batches > warm_batches else 0.0
+    slack = max(tolerance * budget, min_tolerance_seconds)
+    allowed = budget + last_step + slack
+    figures.update({
+        "warmup_end_seconds": _r(warm_end),
+        "warmup_batches": warm_batches,
+        "timed_batches": batches - warm_batches,
+        "timed_window_seconds": _r(window),
+        "tick_window_seconds": _r(last_ticks[-1][0] - warm_end) if last_ticks else None,
+        "tolerance_seconds": _r(slack),
+        "allowed_seconds": _r(allowed),
+    })
+    reported = figures.get("reported_training_seconds")
+    if reported is not None and figures["tick_window_seconds"]:
+        # How much of the feed's timed phase the trial's own clock counted (~1 honest).
+        figures["clock_share"] = _r(reported / figures["tick_window_seconds"])
+    if bps is not None:
+        warm_allowed = math.ceil(warmup * bps) + 1
+        figures["warmup_batches_allowed"] = warm_allowed
+        if warm_batches > warm_allowed:
+            return (f"drew {warm_batches} training batches during its {warmup} untimed warm-up steps, more than they need "
+                    f"({warm_allowed}: {bps:g} per step as timed, +1 prefetch): it trained in the untimed warm-up")
+    if window > allowed:
+        return (f"drew training batches for {window:.1f} s after warm-up, over its {budget:g} s budget (last step "
+                f"{last_step:.1f} s, allowed {allowed:.1f} s): the trial trained past its budget")
+    if bps is not None and len(last_ticks) >= 2:
+        last_batches = batches - last_ticks[-2][1]
+        last_allowed = LAST_STEP_BATCH_FACTOR * math.ceil(bps) + 1
+        figures["last_step_batches"] = last_batches
+        if last_batches > last_allowed:
+            return (f"drew {last_batches} training batches in its last step, more than a step takes ({bps:g}; allowed "
+                    f"{last_allowed}): it trained past its budget in the last step")
+    return None

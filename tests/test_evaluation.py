@@ -1,0 +1,334 @@
+"""Evaluation outside training: the sealed worker, the bytecode defence, the figure rules.
+
+* known-answer tests of the rules (held-out guard, identical val/held-out, the seal);
+* the worker (python -m autoloop.harness.evaluate, run by evaluation.evaluate_checkpoint
+  through the runner) on a REAL checkpoint: the repository's train.py at a tiny CPU scale
+  (as in tests/test_verify.py), trained a few steps in step mode in tmp_path once per
+  module; each attack is a copy of that train.py with the attack added, as a proposal
+  would write it;
+* the poisoned-.pyc attack against a copy of the autoloop package in tmp_path, so the
+  installed harness is never touched.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import REPO_ROOT
+from test_verify import edited, tiny_train_source
+
+from autoloop import integrity
+from autoloop.evaluation import (
+    HELDOUT_Z,
+    evaluate_checkpoint,
+    heldout_guard,
+    heldout_threshold,
+    pycache_dir,
+    pycache_env,
+    suspicious_identity,
+)
+from autoloop.runner import _judge, run_training
+
+STEPS = 4
+SEED = 1
+
+
+# ---------------------------------------------------------------------------------------
+# rules with known answers
+# ---------------------------------------------------------------------------------------
+
+
+def test_heldout_guard_passes_honest_and_refuses_val_fitting():
+    # Honest: both splits improve by about the same; the gap (0.005) is noise.
+    assert heldout_guard(-0.050, -0.045, pair_sd=0.01, n=3) is None
+    # Held-out improving more than val is never a reason to refuse.
+    assert heldout_guard(-0.02, -0.08, pair_sd=0.01, n=1) is None
+    # The issue's attack: val 3.95 -> 3.38 (-0.57) while held-out got worse (+0.10).
+    reason = heldout_guard(-0.57, 0.10, pair_sd=0.01, n=3)
+    assert reason is not None
+    assert reason.startswith("held-out bpb got worse by 0.1000 while val bpb improved by 0.5700: a gap of 0.6700 bpb")
+    assert "0.0163 the noise explains" in reason  # 2 x sqrt(2/3) x 0.01
+    # No held-out figure: nothing to guard.
+    assert heldout_guard(-0.57, None, pair_sd=0.01, n=3) is None
+
+
+def test_heldout_threshold_is_two_standard_errors_of_the_gap():
+    assert heldout_threshold(0.01, 2) == pytest.approx(HELDOUT_Z * 0.01)  # sqrt(2/2) = 1
+    assert heldout_threshold(0.02, 8) == pytest.approx(HELDOUT_Z * 0.02 * 0.5)
+    # Just inside and just outside the boundary.
+    limit = heldout_threshold(0.01, 2)
+    assert heldout_guard(-0.1, -0.1 + limit * 0.99, 0.01, 2) is None
+    assert heldout_guard(-0.1, -0.1 + limit * 1.01, 0.01, 2) is not None
+    # No noise estimate: only the floor (1e-3) is allowed.
+    assert heldout_threshold(None, 3) == pytest.approx(1e-3)
+    assert heldout_guard(-0.05, -0.0495, None, 3) is None and heldout_guard(-0.05, -0.04, None, 3) is not None
+
+
+def test_heldout_guard_refuses_few_honest_candidates():
+    """Honest candidates whose val and held-out deltas are independent draws around the
+    same true effect (the least favourable case: correlation only lowers the rate) are
+    refused at the one-sided normal tail beyond 2 SD: 2.28%."""
+    rng = random.Random(12)
+    pair_sd, n, trials = 0.01, 3, 20000
+    se = pair_sd / math.sqrt(n)
+    refused = sum(
+        heldout_guard(-0.03 + rng.gauss(0, se), -0.03 + rng.gauss(0, se), pair_sd, n) is not None for _ in range(trials)
+    )
+    assert 0.018 < refused / trials < 0.028
+
+
+def test_suspicious_identity_at_nine_digits():
+    assert suspicious_identity(1.2345, 1.2345).startswith("val_bpb and held-out bpb are identical to 9 digits (1.2345)")
+    assert suspicious_identity(2.123456789, 2.1234567891) is not None  # same to 9 significant digits
+    assert suspicious_identity(2.12345678, 2.12345679) is None  # differ in the 9th
+    assert suspicious_identity(2.5, None) is None and suspicious_identity(None, None) is None
+    assert suspicious_identity(float("nan"), float("nan")) is None
+
+
+def test_pycache_env_separates_training_and_evaluation(tmp_path):
+    train, evaluation = pycache_env("train", tmp_path), pycache_env("eval", tmp_path)
+    assert train["PYTHONPYCACHEPREFIX"] != evaluation["PYTHONPYCACHEPREFIX"]
+    assert evaluation["PYTHONPYCACHEPREFIX"] == str(pycache_dir("eval", tmp_path))
+    assert evaluation["PYTHONDONTWRITEBYTECODE"] == "1"  # the evaluator runs trial code: it writes none
+    assert train["PYTHONDONTWRITEBYTECODE"] is None  # unset: training caches torch's bytecode
+    with pytest.raises(ValueError):
+        pycache_env("other", tmp_path)
+
+
+def test_external_eval_outcome_is_ok_without_a_metric(tmp_path):
+    result = tmp_path / "result.json"
+    result.write_text(json.dumps({"val_bpb": None, "num_steps": 3}))
+    ok = _judge("---\nval_bpb: null\n", stopped=None, returncode=0, result_path=result, deadline_seconds=10,
+                external_eval=True)
+    assert ok.status == "ok" and ok.metric is None and ok.metric_source == "harness"
+    # The trial's own number is never the metric under external evaluation.
+    result.write_text(json.dumps({"val_bpb": 0.5}))
+    claimed = _judge("", stopped=None, returncode=0, result_path=result, deadline_seconds=10, external_eval=True)
+    assert claimed.status == "ok" and claimed.metric is None and claimed.result["val_bpb"] == 0.5
+    # Without the env, the same JSON is a crash as before; a crash stays a crash.
+    result.write_text(json.dumps({"val_bpb": None}))
+    assert _judge("", stopped=None, returncode=0, result_path=result, deadline_seconds=10).status == "crash"
+    assert _judge("", stopped=None, returncode=1, result_path=result, deadline_seconds=10,
+                  external_eval=True).status == "crash"
+
+
+def test_runspec_reads_the_eval_mode(monkeypatch):
+    from autoloop.harness import HarnessError, RunSpec
+
+    monkeypatch.delenv("AUTOLOOP_EVAL", raising=False)
+    assert RunSpec.from_env().external_eval is False
+    monkeypatch.setenv("AUTOLOOP_EVAL", "external")
+    assert RunSpec.from_env().external_eval is True
+    monkeypatch.setenv("AUTOLOOP_EVAL", "sometimes")
+    with pytest.raises(HarnessError, match="AUTOLOOP_EVAL='sometimes' is not one of internal, external"):
+        RunSpec.from_env()
+
+
+def test_seal_names_what_was_replaced(monkeypatch):
+    import torch
+    import torch.nn.functional as F
+
+    import autoloop.harness as H
+    from autoloop.harness import constants
+    from autoloop.harness.evaluate import HarnessSeal, describe_replaced
+
+    seal = HarnessSeal.capture()
+    assert seal.changes() == []
+    monkeypatch.setattr(H, "evaluate_bpb", lambda *a, **k: 1.2345)
+    found = seal.changes()
+    assert found == ["autoloop.harness.evaluate_bpb"]
+    assert describe_replaced(found, "importing train.py") == (
+        "importing train.py replaced the harness's evaluate_bpb: autoloop.harness.evaluate_bpb")
+    monkeypatch.setattr(F, "cross_entropy", lambda *a, **k: torch.zeros(()))
+    monkeypatch.setattr(torch.Tensor, "sum", lambda self, *a, **k: torch.zeros(()), raising=False)
+    monkeypatch.setitem(constants.EVAL_TOKENS, "cpu", 256)  # changed in place: same dict object
+
+    def fake(*args, **kwargs):
+        return 0.0
+
+    monkeypatch.setattr(H.metric.bpb_on_batches, "__code__", fake.__code__)  # same function object, new code
+    found = seal.changes()
+    for name in ("autoloop.harness.constants.EVAL_TOKENS", "autoloop.harness.metric.bpb_on_batches",
+                 "torch.nn.functional.cross_entropy", "torch.Tensor.sum"):
+        assert name in found
+
+
+# ---------------------------------------------------------------------------------------
+# the worker on a real checkpoint
+# ---------------------------------------------------------------------------------------
+
+
+def _train(folder: Path, source: str, data_dir: Path, *, external: bool = False):
+    """Train `source` (a train.py) STEPS steps in step mode through the runner."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "train.py").write_text(source)
+    env = {"AUTOLOOP_MAX_STEPS": STEPS, "AUTOLOOP_SEED": SEED, "AUTOLOOP_RESULT": folder / "result.json",
+           "AUTOLOOP_CHECKPOINT": folder / "checkpoint.pt", "AUTOLOOP_DATA_DIR": data_dir, "OMP_NUM_THREADS": 1,
+           "AUTOLOOP_EVAL": "external" if external else None}
+    outcome = run_training([sys.executable, "train.py"], cwd=folder, env=env, log_path=folder / "train.log",
+                           deadline_seconds=300)
+    return outcome
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, embedded_dataset):
+    """The real train.py (tiny CPU scale), trained with in-process evaluation: checkpoint + val_bpb."""
+    folder = tmp_path_factory.mktemp("trained")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("AUTOLOOP_EVAL", raising=False)
+        outcome = _train(folder / "run", tiny_train_source(), embedded_dataset.path)
+    assert outcome.status == "ok", outcome.reason
+    return {"folder": folder / "run", "outcome": outcome, "val_bpb": outcome.metric,
+            "data_dir": embedded_dataset.path, "cache": folder / "cache"}
+
+
+def _evaluate(trained, tmp_path, source: str | None = None, **kwargs):
+    """evaluate_checkpoint on the trained checkpoint with `source` as the trial's train.py."""
+    source_dir = tmp_path / "source"
+    source_dir.mkdir(parents=True, exist_ok=True)
+    (source_dir / "train.py").write_text(source if source is not None else tiny_train_source())
+    options = {"splits": ("val",), "causality": False, **kwargs}
+    return evaluate_checkpoint(
+        python=sys.executable, repo_dir=tmp_path, source_dir=source_dir, checkpoint=trained["folder"] / "checkpoint.pt",
+        data_dir=trained["data_dir"], device="cpu", out_dir=tmp_path / "out", deadline_seconds=300,
+        cache_root=trained["cache"], env={"OMP_NUM_THREADS": 1}, **options,
+    )
+
+
+def test_worker_gives_the_in_process_val_bpb(trained, tmp_path):
+    result = _evaluate(trained, tmp_path, splits=("val", "heldout"), causality=True, reported=trained["val_bpb"])
+    assert result.ok and result.status == "ok", result.reason
+    assert result.val_bpb == pytest.approx(trained["val_bpb"], abs=1e-6)
+    assert result.heldout_bpb is not None and abs(result.heldout_bpb - result.val_bpb) > 1e-4
+    assert result.causality["ok"] is True
+    verdict = json.loads((tmp_path / "out" / "eval.json").read_text())
+    assert verdict["stage"] == "done" and verdict["replaced"] == []
+    assert verdict["pycache_prefix"] == str(pycache_dir("eval", trained["cache"]))  # never __pycache__ beside sources
+    assert set(verdict["seconds"]) >= {"startup", "seal", "import", "causality", "val", "heldout", "total"}
+    assert result.seconds > 0 and (tmp_path / "out" / "eval.log").exists()
+
+
+def test_replacing_evaluate_bpb_at_import_fails(trained, tmp_path):
+    attack = edited(tiny_train_source(), "from autoloop import harness as H\n",
+                    "from autoloop import harness as H\n"
+                    "import autoloop.harness.metric\n"
+                    "H.evaluate_bpb = autoloop.harness.metric.evaluate_bpb = lambda *args, **kwargs: 1.2345\n")
+    result = _evaluate(trained, tmp_path, attack, splits=("val", "heldout"), causality=True)
+    assert not result.ok and result.status == "failed" and result.val_bpb is None
+    assert result.fields["stage"] == "import"
+    assert result.reason == ("importing train.py replaced the harness's evaluate_bpb: autoloop.harness.evaluate_bpb, "
+                             "autoloop.harness.metric.evaluate_bpb")
+
+
+@pytest.mark.slow
+def test_replacing_torch_loss_in_build_model_fails(trained, tmp_path):
+    # Later than import (in build_model) and one level down (the loss, not the harness).
+    attack = edited(tiny_train_source(), "    config = dict(config) if config is not None else model_config()\n",
+                    "    config = dict(config) if config is not None else model_config()\n"
+                    "    F.cross_entropy = lambda logits, y, **kw: torch.zeros_like(y, dtype=torch.float32)\n")
+    result = _evaluate(trained, tmp_path, attack)
+    assert not result.ok and result.fields["stage"] == "import"
+    assert result.reason == ("importing train.py replaced torch's cross_entropy: torch.nn.functional.cross_entropy")
+
+
+@pytest.mark.slow
+def test_external_eval_train_py_writes_checkpoint_and_null_val_bpb(trained, tmp_path):
+    outcome = _train(tmp_path / "run", tiny_train_source(), trained["data_dir"], external=True)
+    assert outcome.status == "ok" and outcome.metric is None and outcome.metric_source == "harness"
+    result = json.loads((tmp_path / "run" / "result.json").read_text())
+    assert result["val_bpb"] is None and result["num_steps"] == STEPS
+    log = (tmp_path / "run" / "train.log").read_text()
+    assert "val_bpb: n/a (evaluated by the harness" in log and "val_bpb:" in log.split("---")[-1]
+    # The same seed and steps: the separate evaluation gives the in-process number.
+    evaluation = _evaluate({**trained, "folder": tmp_path / "run"}, tmp_path / "eval")
+    assert evaluation.ok and evaluation.val_bpb == pytest.approx(trained["val_bpb"], abs=1e-5)
+
+
+POISON_SCRIPT = r'''
+"""A training run's attack: a poisoned harness .pyc with the real metric.py's mtime and size."""
+import pathlib, py_compile, sys, tempfile
+
+source = pathlib.Path(sys.argv[1])
+text = source.read_text()
+poisoned = text.replace("return total_nats / (math.log(2) * total_bytes)",
+                        "return total_nats / (math.log(2) * total_bytes) - 1.0")
+assert poisoned != text
+copy = pathlib.Path(tempfile.mkdtemp()) / "metric.py"
+copy.write_text(poisoned)
+target = source.parent / "__pycache__" / f"metric.{sys.implementation.cache_tag}.pyc"
+target.parent.mkdir(exist_ok=True)
+py_compile.compile(str(copy), cfile=str(target), doraise=True)
+data = bytearray(target.read_bytes())
+stat = source.stat()
+data[8:12] = (int(stat.st_mtime) & 0xFFFFFFFF).to_bytes(4, "little")
+data[12:16] = (stat.st_size & 0xFFFFFFFF).to_bytes(4, "little")
+target.write_bytes(bytes(data))
+'''
+
+
+@pytest.mark.slow
+def test_poisoned_harness_pyc_is_named_and_never_read(trained, tmp_path, monkeypatch):
+    site = tmp_path / "site"
+    shutil.copytree(REPO_ROOT / "autoloop", site / "autoloop", ignore=shutil.ignore_patterns("__pycache__"))
+    harness = site / "autoloop" / "harness"
+    monkeypatch.setenv("PYTHONPATH", str(site))  # the attack, the worker and the warm-up import the copy
+    prefixes = [pycache_dir(kind, trained["cache"]) for kind in ("train", "eval")]
+    before = integrity.take_snapshot(harness, trained["data_dir"], pycache_prefixes=prefixes)
+
+    (tmp_path / "attack.py").write_text(POISON_SCRIPT)
+    outcome = run_training([sys.executable, "attack.py", str(harness / "metric.py")], cwd=tmp_path,
+                           env=pycache_env("train", trained["cache"]), log_path=tmp_path / "attack.log",
+                           deadline_seconds=120)
+    assert outcome.returncode == 0, outcome.reason
+    pyc = f"__pycache__/metric.{sys.implementation.cache_tag}.pyc"
+    assert (harness / pyc).exists()
+
+    # The snapshot around the training run names it; a run starting later refuses it.
+    found = integrity.changes(before, integrity.take_snapshot(harness, trained["data_dir"], pycache_prefixes=prefixes))
+    assert found == [f"harness bytecode {pyc} added"]
+    assert integrity.bytecode_problems(harness) == [f"harness bytecode {pyc} does not match metric.py"]
+
+    # The evaluator (bytecode prefix) never reads it: the honest number.
+    result = _evaluate(trained, tmp_path / "eval")
+    assert result.ok, result.reason
+    assert result.val_bpb == pytest.approx(trained["val_bpb"], abs=1e-6)
+    assert result.fields["harness_fingerprint"] == integrity_fingerprint(harness)
+
+    # Control: without the prefix Python does read it, so the defence is what made the difference.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPYCACHEPREFIX"}
+    env.update({"PYTHONDONTWRITEBYTECODE": "1", "OMP_NUM_THREADS": "1"})
+    out = tmp_path / "control.json"
+    subprocess.run([sys.executable, "-m", "autoloop.harness.evaluate", "--train-py", str(tmp_path / "eval" / "source" /
+                    "train.py"), "--checkpoint", str(trained["folder"] / "checkpoint.pt"), "--out", str(out),
+                    "--data-dir", str(trained["data_dir"])], env=env, cwd=tmp_path, check=True, capture_output=True,
+                   timeout=300)
+    assert json.loads(out.read_text())["val_bpb"] == pytest.approx(trained["val_bpb"] - 1.0, abs=1e-6)
+
+
+def integrity_fingerprint(harness: Path) -> str:
+    from autoloop.harness.fingerprint import compute_harness_fingerprint
+
+    return compute_harness_fingerprint(harness)
+
+
+def test_snapshot_names_an_added_pth_file(tmp_path, embedded_dataset):
+    site_packages = tmp_path / "site-packages"
+    site_packages.mkdir()
+    (site_packages / "existing.pth").write_text("/some/path\n")
+    harness = REPO_ROOT / "autoloop" / "harness"
+    before = integrity.take_snapshot(harness, embedded_dataset.path, hook_dirs=[site_packages])
+    (site_packages / "zz_evil.pth").write_text("import os; os.environ['X'] = '1'\n")
+    (site_packages / "existing.pth").write_text("/other/path\n")
+    after = integrity.take_snapshot(harness, embedded_dataset.path, hook_dirs=[site_packages])
+    assert integrity.changes(before, after) == [
+        f"import hook {site_packages / 'existing.pth'} modified", f"import hook {site_packages / 'zz_evil.pth'} added"]
+    assert str(site_packages) not in " ".join(str(d) for d in integrity.site_dirs())  # defaults: the real ones
+    assert any(str(d).endswith("site-packages") for d in integrity.site_dirs())

@@ -1,0 +1,206 @@
+"""Tests of the harness's data feed: a real FeedServer on a real unix socket, real clients.
+
+In-process tests point AUTOLOOP_FEED at a server in the same process (the client and the
+server only share the socket); the train.py tests run the real script as a subprocess
+with the contract's environment, as the controller will. `run_with_feed` is shared with
+tests/test_budget.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import struct
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from autoloop import harness as H
+from autoloop.budget import check_budget
+from autoloop.harness import feed as F
+from autoloop.harness.data import WITHHELD_MARKER
+from test_train import TRAIN_PY, explain, run_train
+
+
+def run_with_feed(script: Path, cache: Path, data_dir: Path, run_dir: Path, *, meta_only: bool = False,
+                  timeout: float = 300, **env) -> tuple[subprocess.CompletedProcess, dict, dict | None]:
+    """Run a train script as the controller does: its batches from a FeedServer. -> (proc, summary, result)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    visible = H.make_meta_only_view(data_dir, run_dir / "data") if meta_only else data_dir
+    result_path = run_dir / "result.json"
+    with H.FeedServer(data_dir, run_dir / "feed.sock", seed=int(env.get("AUTOLOOP_SEED", 0))) as feed:
+        feed.mark_spawn()
+        proc = run_train(script, cache, timeout=timeout, AUTOLOOP_FEED=feed.address, AUTOLOOP_DATA_DIR=visible,
+                         AUTOLOOP_RESULT=result_path, **env)
+        feed.mark_exit()
+    result = json.loads(result_path.read_text()) if result_path.exists() else None
+    return proc, feed.summary(), result
+
+
+@pytest.fixture
+def feed(embedded_dataset, tmp_path, monkeypatch):
+    """A running FeedServer on the embedded corpus, and AUTOLOOP_FEED pointing at it."""
+    with H.FeedServer(embedded_dataset.path, tmp_path / "feed.sock", seed=3) as server:
+        monkeypatch.setenv("AUTOLOOP_FEED", str(server.address))
+        yield server
+    monkeypatch.delenv("AUTOLOOP_FEED", raising=False)
+
+
+def draw(loader, n):
+    return [next(loader) for _ in range(n)]
+
+
+def wait_for(predicate, timeout=5.0):
+    # Ticks have no reply: the server records them a moment after the send returns.
+    deadline = time.monotonic() + timeout
+    while not predicate() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return predicate()
+
+
+# ---------------------------------------------------------------------------- batches
+
+
+@pytest.mark.parametrize("sequential", [False, True])
+def test_feed_serves_the_memmap_batches_bit_for_bit(embedded_dataset, feed, monkeypatch, sequential):
+    via_feed = {seed: draw(H.TokenLoader(embedded_dataset, "train", 4, 32, seed=seed, sequential=sequential), 6)
+                for seed in (3, 11)}
+    monkeypatch.delenv("AUTOLOOP_FEED")
+    for seed, batches in via_feed.items():
+        direct = draw(H.TokenLoader(embedded_dataset, "train", 4, 32, seed=seed, sequential=sequential), 6)
+        for (x, y), (xd, yd) in zip(batches, direct):
+            assert x.dtype == xd.dtype == torch.int64 and x.shape == (4, 32)
+            assert torch.equal(x, xd) and torch.equal(y, yd)
+    summary = feed.summary()
+    assert summary["batches"] == 12 and summary["tokens"] == 12 * 4 * 32
+    assert [s["seed"] for s in summary["streams"]] == [3, 11] and summary["foreign_seeds"] == [11]
+    assert 0 <= summary["first_connect"] <= summary["first_request"] <= summary["first_batch"] <= summary["last_batch"]
+
+
+def test_val_and_heldout_are_refused_and_recorded(embedded_dataset, feed):
+    for split in ("val", "heldout"):
+        with pytest.raises(H.HarnessError) as err:
+            H.TokenLoader(embedded_dataset, split, 2, 16)
+        message = str(err.value)
+        assert f"the {split} split is not available to training under autoloop" in message
+        assert "val_bpb is computed by the harness's evaluator" in message and "\n" not in message
+    summary = feed.summary()
+    assert [r["split"] for r in summary["refused"]] == ["val", "heldout"] and summary["refused_count"] == 2
+    assert summary["batches"] == 0 and summary["refused"][0]["pid"] == os.getpid()
+    problem, _ = check_budget(summary, {}, time_budget=20, max_steps=None)
+    assert "asked the harness's data feed for the heldout and val split" in problem
+
+
+def test_clock_ticks_reach_the_feed_in_order(embedded_dataset, feed):
+    loader = H.TokenLoader(embedded_dataset, "train", 2, 16, seed=3)
+    clock = H.TrainingClock(time_budget=10.0)
+    next(loader)
+    for _ in range(5):
+        next(loader)
+        next(loader)
+        clock.step_finished(0.01)
+    assert wait_for(lambda: feed.summary()["ticks"] == 5)
+    summary = feed.summary()
+    assert summary["tick_batches"] == [3, 5, 7, 9, 11] and summary["last_tick_steps"] == 5
+    assert summary["tick_times"] == sorted(summary["tick_times"])
+    assert [t for t, _ in summary["last_ticks"]] == summary["tick_times"][-3:]
+    json.dumps(summary)  # JSON-able as it is
+
+
+def test_clock_without_feed_does_not_connect(monkeypatch):
+    monkeypatch.delenv("AUTOLOOP_FEED", raising=False)
+    clock = H.TrainingClock(max_steps=2)
+    clock.step_finished(0.1)
+    assert clock._feed is None and clock.steps == 1
+
+
+def test_unreachable_feed_is_one_clear_line(embedded_dataset, tmp_path, monkeypatch):
+    monkeypatch.setenv("AUTOLOOP_FEED", str(tmp_path / "nobody.sock"))
+    with pytest.raises(H.HarnessError) as err:
+        H.TokenLoader(embedded_dataset, "train", 2, 16)
+    assert "cannot reach the harness's data feed" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_socket_path_longer_than_unix_allows_stays_in_the_run_folder(embedded_dataset, tmp_path, monkeypatch):
+    run_dir = tmp_path / ("a-long-run-folder-name-" * 6)
+    address = run_dir / "feed.sock"
+    assert len(os.fsencode(address)) > 108
+    with H.FeedServer(embedded_dataset.path, address) as server:
+        assert server.address == address and address.is_socket()
+        monkeypatch.setenv("AUTOLOOP_FEED", str(server.address))
+        x, _ = next(H.TokenLoader(embedded_dataset, "train", 2, 16))
+        assert x.shape == (2, 16) and server.summary()["batches"] == 1
+    assert not address.exists()  # removed on close
+
+
+def test_a_garbage_client_is_dropped_and_others_are_served(embedded_dataset, feed):
+    bad = socket.socket(socket.AF_UNIX)
+    bad.connect(str(feed.address))
+    bad.sendall(struct.pack(">IB", 2**30, 1))  # a 1 GiB "hello"
+    assert bad.recv(1) == b""  # the server hung up
+    bad.close()
+    rogue = F.FeedClient(str(feed.address))
+    kind, data = rogue.request(F._frame(F.NEXT, struct.pack(">I", 7)))
+    assert kind == F.ERROR and b"no such stream" in data
+    with pytest.raises(H.HarnessError, match="outside what the data feed serves"):
+        rogue.open_stream("train", 2**20, 2**10)
+    x, _ = next(H.TokenLoader(embedded_dataset, "train", 2, 16))
+    assert x.shape == (2, 16)
+    summary = feed.summary()
+    assert summary["error_count"] == 1 and "1073741824 bytes" in summary["errors"][0] and summary["batches"] == 1
+
+
+# ---------------------------------------------------------------------------- the meta-only view
+
+
+def test_meta_only_view_opens_as_the_dataset_without_its_splits(embedded_dataset, tmp_path, monkeypatch):
+    view = H.make_meta_only_view(embedded_dataset.path, tmp_path / "view")
+    assert not list(view.glob("*.bin")) and (view / WITHHELD_MARKER).exists()
+    ds = H.load_dataset(view, prepare=False)
+    assert ds.withheld and not embedded_dataset.withheld
+    assert (ds.fingerprint, ds.vocab_size, ds.bos_id) == (embedded_dataset.fingerprint, embedded_dataset.vocab_size,
+                                                          embedded_dataset.bos_id)
+    assert np.array_equal(ds.token_bytes, embedded_dataset.token_bytes)
+    assert np.array_equal(ds.tokenizer.encode(b"def f(): pass"), embedded_dataset.tokenizer.encode(b"def f(): pass"))
+    for split in ("val", "heldout"):
+        with pytest.raises(H.HarnessError, match=f"the {split} split is not available to training under autoloop"):
+            ds.split(split)
+    with pytest.raises(H.HarnessError, match="served to training by the harness's data feed"):
+        ds.split("train")
+    with pytest.raises(H.HarnessError, match="the val split is not available"):
+        H.evaluate_bpb(torch.nn.Identity(), ds, "val")
+    # ...and under the feed the view trains like the full folder.
+    with H.FeedServer(embedded_dataset.path, tmp_path / "feed.sock", seed=5) as server:
+        monkeypatch.setenv("AUTOLOOP_FEED", str(server.address))
+        x, _ = next(H.TokenLoader(ds, "train", 2, 16, seed=5))
+    monkeypatch.delenv("AUTOLOOP_FEED")
+    xd, _ = next(H.TokenLoader(embedded_dataset, "train", 2, 16, seed=5))
+    assert torch.equal(x, xd)
+    with pytest.raises(H.HarnessError, match="meta-only view"):
+        H.FeedServer(view, tmp_path / "other.sock")
+
+
+# ---------------------------------------------------------------------------- train.py through the feed
+
+
+@pytest.mark.slow
+def test_train_py_through_the_feed_gives_the_same_result(session_cache, embedded_dataset, tmp_path):
+    env = {"AUTOLOOP_MAX_STEPS": 6, "AUTOLOOP_SEED": 4}
+    proc, summary, fed = run_with_feed(TRAIN_PY, session_cache, embedded_dataset.path, tmp_path / "fed", **env)
+    assert proc.returncode == 0, explain(proc)
+    direct = run_train(TRAIN_PY, session_cache, AUTOLOOP_RESULT=tmp_path / "direct.json", **env)
+    assert direct.returncode == 0, explain(direct)
+    plain = json.loads((tmp_path / "direct.json").read_text())
+    assert fed["val_bpb"] == plain["val_bpb"]  # same batches, same model, bit for bit
+    assert [p["loss"] for p in fed["curve"]] == [p["loss"] for p in plain["curve"]]
+    micro = fed["batch_tokens"] // (summary["streams"][0]["batch_size"] * summary["streams"][0]["seq_len"])
+    assert summary["ticks"] == 6 and summary["batches"] == 6 * micro + 1  # +1: the loader's prefetch
+    assert summary["tokens"] == fed["total_tokens"] + fed["batch_tokens"] // micro
+    problem, figures = check_budget(summary, fed, time_budget=None, max_steps=6, spawned_at=None)
+    assert problem is None, figures
+    assert figures["startup_seconds"] > 0 and figures["wall_seconds"] > figures["startup_seconds"]

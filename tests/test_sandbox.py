@@ -1,0 +1,460 @@
+"""The bubblewrap sandbox around trial processes, and the allow-listed environment.
+
+Tests of the sandbox run real processes in real bubblewrap (through `run_training`, as the
+controller does) inside a real git repository in tmp_path, and report what the process
+could see and do. They skip, saying why, where bubblewrap cannot run (no bwrap, or a
+container without user namespaces): `.ci/run` installs bubblewrap so they run in CI.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import stat
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+import autoloop
+from autoloop import sandbox as sb
+from autoloop.errors import AutoloopError
+from autoloop.runner import process_group_alive, run_training
+from autoloop.sandbox import SandboxPaths, SandboxPolicy, allowed_environment, bwrap_arguments, detect
+from tests.conftest import make_repo
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+POLICY = detect("auto")
+needs_bwrap = pytest.mark.skipif(
+    POLICY.kind != "bwrap", reason=f"bubblewrap cannot run here ({POLICY.describe()}); .ci/run installs it"
+)
+
+
+# ---------------------------------------------------------------------------- detection
+
+
+def test_off_is_the_users_choice():
+    policy = detect("off")
+    assert policy.kind == "off" and policy.describe().startswith("off: ")
+    assert policy.wrap(["python", "x.py"], env={"A": "1"}, cwd="/") == (["python", "x.py"], {"A": "1"})
+
+
+def test_unknown_mode_is_one_clear_line():
+    with pytest.raises(AutoloopError, match="sandbox = 'maybe' is not one of auto, on, off"):
+        detect("maybe")
+
+
+def test_without_bwrap_auto_says_why_and_on_refuses(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no bwrap on it
+    policy = detect("auto")
+    assert (policy.kind, policy.describe()) == ("none", "none: bwrap not installed (apt-get install bubblewrap)")
+    assert policy.wrap(["true"], env={}, cwd=tmp_path) == (["true"], {})
+    with pytest.raises(AutoloopError) as error:
+        detect("on")
+    assert "bwrap not installed" in str(error.value) and "\n" not in str(error.value)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the probe runs on Linux only")
+def test_a_bwrap_that_cannot_make_namespaces_is_detected(tmp_path, monkeypatch):
+    # What bubblewrap says in a container without user namespaces.
+    fake = tmp_path / "bwrap"
+    fake.write_text(textwrap.dedent("""\
+        #!/bin/sh
+        if [ "$1" = "--version" ]; then echo "bubblewrap 0.8.0"; exit 0; fi
+        echo "bwrap: No permissions to creating new namespace" >&2
+        exit 1
+    """))
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    policy = detect("auto")
+    assert policy.kind == "none"
+    assert policy.describe() == "none: bwrap cannot make its namespaces here (bwrap: No permissions to creating new namespace)"
+    with pytest.raises(AutoloopError, match="sandbox = \"on\" but bwrap cannot make its namespaces here"):
+        detect("on")
+
+
+# ---------------------------------------------------------------------------- environment
+
+
+def test_environment_comes_from_an_allow_list():
+    environ = {
+        "PATH": "/usr/bin", "HOME": "/home/me", "LANG": "C.UTF-8", "LC_ALL": "C", "TZ": "UTC", "TERM": "xterm",
+        "CUDA_VISIBLE_DEVICES": "1", "NVIDIA_VISIBLE_DEVICES": "all", "OMP_NUM_THREADS": "2", "MKL_NUM_THREADS": "2",
+        "OPENBLAS_CORETYPE": "Haswell", "OPENBLAS_L2_SIZE": "262144", "PYTHONHASHSEED": "0",
+        "TORCHINDUCTOR_CACHE_DIR": "/c/i", "TRITON_CACHE_DIR": "/c/t", "PYTHONPYCACHEPREFIX": "/c/pyc",
+        "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "CUBLAS_WORKSPACE_CONFIG": ":4096:8",
+        "AUTOLOOP_CACHE_DIR": "/c",
+        # Secrets under every kind of name, and settings of the controller the trial has no business with.
+        "MY_SECRET_VAR": "sk-1", "OPENAI_API_KEY": "sk-2", "HF_TOKEN": "hf", "NVIDIA_API_KEY": "nv", "CUDA_AUTH": "x",
+        "SSH_AUTH_SOCK": "/tmp/ssh", "AWS_ACCESS_KEY_ID": "a", "DATABASE_URL": "postgres://u:p@h/db",
+        "AUTOLOOP_LLM_API_KEY_ENV": "MY_SECRET_VAR", "AUTOLOOP_FAULT": "after_row", "LD_PRELOAD": "/x.so",
+    }
+    env = allowed_environment({"AUTOLOOP_SEED": 7, "LANG": None}, environ=environ)
+    passed = {"PATH", "HOME", "LC_ALL", "TZ", "TERM", "CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES", "OMP_NUM_THREADS",
+              "MKL_NUM_THREADS", "OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE", "PYTHONHASHSEED", "TORCHINDUCTOR_CACHE_DIR",
+              "TRITON_CACHE_DIR", "PYTHONPYCACHEPREFIX", "PYTORCH_CUDA_ALLOC_CONF", "CUBLAS_WORKSPACE_CONFIG",
+              "AUTOLOOP_CACHE_DIR"}
+    assert set(env) == passed | {"PYTHONUNBUFFERED", "AUTOLOOP_SEED"}  # LANG: unset on purpose
+    assert all(env[name] == environ[name] for name in passed)
+    assert env["AUTOLOOP_SEED"] == "7" and env["PYTHONUNBUFFERED"] == "1"
+
+
+# ---------------------------------------------------------------------------- the layout
+
+
+def test_mount_order_most_specific_last_and_folders_read_only_at_the_end(tmp_path):
+    repo = make_repo(tmp_path / "repo", "print('hi')\n")
+    (repo / "experiments.db").write_text("")
+    run_dir = repo / ".autoloop" / "t" / "trials" / "1"
+    run_dir.mkdir(parents=True)
+    home = tmp_path / "home"
+    (home / "venv").mkdir(parents=True)
+    paths = SandboxPaths.for_trial(repo, run_dir, db_path="experiments.db", compile_cache=tmp_path / "cc")
+    args = bwrap_arguments(cwd=repo, writable=paths.writable, readonly=[*paths.readonly, home / "venv"],
+                           hidden=paths.hidden, homes=[home], gpu_nodes=["/dev/nvidia0"])
+
+    def at(*op: str) -> int:
+        for i in range(len(args) - len(op) + 1):
+            if tuple(args[i:i + len(op)]) == op:
+                return i
+        raise AssertionError(f"{op} not in {args}")
+
+    r, h = str(repo.resolve()), str(home.resolve())
+    assert at("--ro-bind", "/", "/") < at("--dev", "/dev") < at("--dev-bind", "/dev/nvidia0", "/dev/nvidia0")
+    assert at("--tmpfs", "/tmp") < at("--ro-bind", r, r)  # the repo lives in /tmp here: re-exposed
+    assert at("--tmpfs", h) < at("--ro-bind", f"{h}/venv", f"{h}/venv")  # home hidden, venv re-exposed
+    assert at("--ro-bind", r, r) < at("--tmpfs", f"{r}/.autoloop") < at("--bind", str(run_dir.resolve()), str(run_dir.resolve()))
+    assert at("--ro-bind", r, r) < at("--tmpfs", f"{r}/.git")
+    assert at("--ro-bind", "/dev/null", f"{r}/experiments.db")
+    assert f"{r}/experiments.db-wal" not in args  # does not exist: nothing to mount over
+    assert at("--bind", str(run_dir.resolve()), str(run_dir.resolve())) < at("--remount-ro", f"{r}/.autoloop")
+    assert at("--bind", str((tmp_path / "cc").resolve()), str((tmp_path / "cc").resolve()))
+    for flag in ("--unshare-net", "--unshare-pid", "--unshare-ipc", "--die-with-parent", "--new-session"):
+        assert flag in args
+    assert args[-2:] == ["--chdir", r]
+
+
+def test_hidden_and_writable_at_once_is_refused(tmp_path):
+    with pytest.raises(AutoloopError, match="both hidden and writable"):
+        bwrap_arguments(cwd=tmp_path, writable=[tmp_path], hidden=[tmp_path])
+
+
+# ---------------------------------------------------------------------------- inside the sandbox
+
+
+@pytest.fixture
+def layout(tmp_path, monkeypatch):
+    """A repository as the controller has it during a trial: experiments.db with its WAL
+    files, .git, .autoloop with another trial's folder, this trial's run folder, and a home
+    folder holding a secret."""
+    repo = make_repo(tmp_path / "repo", "print('train')\n")
+    for name in ("experiments.db", "experiments.db-wal", "experiments.db-shm"):
+        (repo / name).write_text("the trial log")
+    other = repo / ".autoloop" / "t" / "trials" / "1"
+    other.mkdir(parents=True)
+    (other / "checkpoint.pt").write_text("weights")
+    run_dir = repo / ".autoloop" / "t" / "trials" / "2"
+    run_dir.mkdir(parents=True)
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / ".netrc").write_text("machine api password hunter2")
+    monkeypatch.setenv("HOME", str(home))
+    paths = SandboxPaths.for_trial(repo, run_dir, db_path="experiments.db")
+    return {"repo": repo, "run_dir": run_dir, "home": home, "paths": paths}
+
+
+def run_inside(layout: dict, source: str, *, env: dict | None = None, deadline: float = 60,
+               policy: SandboxPolicy = POLICY, **kwargs):
+    """Run `source` as the trial script; it writes what it observed to result.json (a dict
+    under "seen")."""
+    script = layout["run_dir"] / "probe.py"
+    script.write_text(textwrap.dedent(source))
+    result = layout["run_dir"] / "result.json"
+    outcome = run_training(
+        [sys.executable, str(script)], cwd=layout["repo"],
+        env={"AUTOLOOP_RESULT": str(result), "PYTHONPATH": str(REPO_ROOT), **(env or {})},
+        log_path=layout["run_dir"] / "train.log", deadline_seconds=deadline, kill_grace_seconds=1,
+        sandbox=policy, sandbox_paths=layout["paths"], **kwargs,
+    )
+    assert not process_group_alive(outcome.pgid)
+    return outcome
+
+
+REPORT = """
+import json, os
+def report(**seen):
+    with open(os.environ["AUTOLOOP_RESULT"], "w") as f:
+        json.dump({"val_bpb": 1.0, "seen": seen}, f)
+def attempt(fn):
+    try:
+        return "ok: " + repr(fn())[:80]
+    except Exception as error:
+        return f"{type(error).__name__}: {error}"
+"""
+
+
+@pytest.fixture
+def outside_listener():
+    """A TCP server outside the sandbox, on every address, that answers one byte."""
+    server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    server.bind(("0.0.0.0", 0))
+    server.listen(8)
+    server.settimeout(0.2)
+    stop = threading.Event()
+
+    def serve():
+        while not stop.is_set():
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                continue
+            conn.sendall(b"x")
+            conn.close()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    yield server.getsockname()[1]
+    stop.set()
+    thread.join()
+    server.close()
+
+
+def _external_address() -> str | None:
+    """This machine's address on its network (no packet is sent), or None without one."""
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        probe.connect(("192.0.2.1", 9))  # TEST-NET-1: routing only
+        address = probe.getsockname()[0]
+    except OSError:
+        return None
+    finally:
+        probe.close()
+    return None if address.startswith("127.") else address
+
+
+@needs_bwrap
+def test_no_network(layout, outside_listener):
+    targets = [("127.0.0.1", outside_listener)]
+    if _external_address():
+        targets.append((_external_address(), outside_listener))
+    for target in targets:  # the listener does answer outside
+        with socket.create_connection(target, timeout=5) as conn:
+            assert conn.recv(1) == b"x"
+    outcome = run_inside(layout, REPORT + f"""
+import socket
+def connect(target):
+    with socket.create_connection(target, timeout=5) as conn:
+        return conn.recv(1)
+report(**{{f"{{host}}:{{port}}": attempt(lambda: connect((host, port))) for host, port in {targets!r}}},
+       dns=attempt(lambda: socket.getaddrinfo("example.com", 443)))
+""")
+    assert outcome.status == "ok", outcome.error_tail
+    seen = outcome.result["seen"]
+    assert len(seen) == len(targets) + 1
+    for target, what in seen.items():
+        assert not what.startswith("ok"), (target, what)
+    assert seen[f"127.0.0.1:{outside_listener}"].startswith("ConnectionRefusedError")
+
+
+@needs_bwrap
+def test_filesystem_read_only_except_the_run_folder_and_secrets_invisible(layout):
+    repo, home = layout["repo"], layout["home"]
+    pycache = Path(autoloop.__file__).resolve().parent / "harness" / "__pycache__" / "planted.cpython-311.pyc"
+    pycache.parent.mkdir(exist_ok=True)  # as any import makes it
+    outcome = run_inside(layout, REPORT + f"""
+import os
+def write(path):
+    with open(path, "w") as f:
+        f.write("x")
+def read(path):
+    with open(path) as f:
+        return f.read()
+report(
+    write_train=attempt(lambda: write("train.py")),
+    write_new=attempt(lambda: write("new.py")),
+    write_run=attempt(lambda: write({str(layout["run_dir"] / "out.txt")!r})),
+    write_pycache=attempt(lambda: write({str(pycache)!r})),
+    write_site=attempt(lambda: write(os.path.join({sys.prefix!r}, "planted.pth"))),
+    read_train=attempt(lambda: read("train.py")),
+    db=attempt(lambda: read("experiments.db")), wal=attempt(lambda: read("experiments.db-wal")),
+    shm=attempt(lambda: read("experiments.db-shm")), write_db=attempt(lambda: write("experiments.db")),
+    git=sorted(os.listdir(".git")), git_head=attempt(lambda: read(".git/HEAD")),
+    autoloop_dir=sorted(os.listdir(".autoloop/t/trials")),
+    other_trial=attempt(lambda: read(".autoloop/t/trials/1/checkpoint.pt")),
+    write_autoloop=attempt(lambda: write(".autoloop/planted")),
+    netrc=attempt(lambda: read({str(home / ".netrc")!r})), home=os.environ["HOME"],
+    home_dir=sorted(os.listdir({str(home)!r})),
+    root=attempt(lambda: sorted(os.listdir("/root"))), run=sorted(os.listdir("/run")),
+    write_tmp=attempt(lambda: write("/tmp/scratch")), write_home=attempt(lambda: write(os.path.expanduser("~/x"))),
+)
+""")
+    assert outcome.status == "ok", outcome.error_tail
+    seen = outcome.result["seen"]
+    for key in ("write_train", "write_new", "write_pycache", "write_site", "write_autoloop"):
+        assert seen[key].startswith("OSError: [Errno 30] Read-only file system"), (key, seen[key])
+    assert seen["write_db"].startswith("PermissionError")
+    assert seen["write_run"].startswith("ok") and seen["read_train"] == "ok: \"print('train')\\n\""
+    for key in ("db", "wal", "shm"):
+        assert seen[key].startswith("PermissionError"), (key, seen[key])
+    assert seen["git"] == [] and seen["git_head"].startswith("FileNotFoundError")
+    assert seen["autoloop_dir"] == ["2"] and seen["other_trial"].startswith("FileNotFoundError")
+    assert seen["netrc"].startswith("FileNotFoundError") and seen["home_dir"] == []
+    assert seen["home"] == "/tmp/home" and seen["write_home"].startswith("ok")  # a private HOME
+    assert seen["write_tmp"].startswith("ok") and seen["run"] == []
+    # In /root only the way to what is re-exposed (e.g. a pyenv interpreter) shows.
+    needed = {p.resolve().relative_to("/root").parts[0] for p in map(Path, (sys.prefix, sys.base_prefix, REPO_ROOT))
+              if Path("/root") in p.resolve().parents}
+    assert seen["root"] == f"ok: {sorted(needed)!r}"
+    # Nothing outside the run folder changed.
+    status = subprocess.run(["git", "status", "--porcelain", "--ignored"], cwd=repo, capture_output=True, text=True)
+    assert sorted(status.stdout.split()) == sorted(["!!", ".autoloop/", "!!", "experiments.db", "!!",
+                                                     "experiments.db-shm", "!!", "experiments.db-wal"])
+    assert (repo / "experiments.db").read_text() == "the trial log" and not pycache.exists()
+    assert (layout["run_dir"] / "out.txt").read_text() == "x"
+
+
+DAEMON = REPORT + """
+import subprocess, sys, time
+# A daemon in its own session, as `setsid` makes it: out of the trial's process group.
+subprocess.Popen(["setsid", sys.executable, "-c", "import time; time.sleep(600)", os.environ["DAEMON_TAG"]],
+                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+time.sleep(0.5)
+report(pid=os.getpid())
+"""
+
+
+def processes_with_argument(tag: str) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+                state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                continue
+            if tag.encode() in cmdline and state not in ("Z", "X"):
+                found.append(int(entry))
+    return found
+
+
+@needs_bwrap
+def test_a_setsid_daemon_dies_with_the_trial(layout):
+    tag = f"daemon-{os.getpid()}-{time.monotonic_ns()}"
+    outcome = run_inside(layout, DAEMON, env={"DAEMON_TAG": tag})
+    assert outcome.status == "ok", outcome.error_tail
+    assert outcome.result["seen"]["pid"] <= 3  # a private PID namespace (bubblewrap is pid 1)
+    assert processes_with_argument(tag) == []
+
+
+@needs_bwrap
+def test_the_deadline_kills_the_whole_namespace(layout):
+    tag = f"daemon-{os.getpid()}-{time.monotonic_ns()}"
+    source = DAEMON.replace("report(pid", "time.sleep(60)\nreport(pid")
+    started = time.monotonic()
+    outcome = run_inside(layout, source, env={"DAEMON_TAG": tag}, deadline=3)
+    assert outcome.status == "timeout" and time.monotonic() - started < 20
+    assert processes_with_argument(tag) == []
+
+
+@needs_bwrap
+def test_environment_inside_and_no_configured_key_in_it_or_the_log(layout, monkeypatch):
+    secret = "sk-do-not-leak-4242"
+    monkeypatch.setenv("MY_SECRET_VAR", secret)  # llm-api-key-env = "MY_SECRET_VAR"
+    monkeypatch.setenv("OPENBLAS_CORETYPE", "Haswell")
+    outcome = run_inside(layout, REPORT + "print(dict(os.environ))\nreport(env=dict(os.environ))\n",
+                         env={"AUTOLOOP_SEED": "3"})
+    assert outcome.status == "ok", outcome.error_tail
+    env = outcome.result["seen"]["env"]
+    assert "MY_SECRET_VAR" not in env and secret not in json.dumps(env)
+    assert secret not in (layout["run_dir"] / "train.log").read_text()
+    assert env["HOME"] == "/tmp/home" and env["OPENBLAS_CORETYPE"] == "Haswell" and env["AUTOLOOP_SEED"] == "3"
+    assert "AUTOLOOP_TRIAL_MARKER" in env
+
+
+@needs_bwrap
+def test_gpu_device_nodes_are_passed_through(layout):
+    nodes = sb.gpu_device_nodes()
+    if not nodes:
+        pytest.skip("no /dev/nvidia* or /dev/dri on this machine")
+    outcome = run_inside(layout, REPORT + f"""
+import os, stat
+report(nodes={{n: stat.S_ISCHR(os.stat(n).st_mode) or os.path.isdir(n) for n in {list(nodes)!r}}})
+""")
+    assert outcome.status == "ok", outcome.error_tail
+    assert all(outcome.result["seen"]["nodes"].values()), outcome.result["seen"]
+
+
+@needs_bwrap
+def test_torch_runs_inside(layout):
+    outcome = run_inside(layout, REPORT + """
+import torch
+x = torch.arange(16, dtype=torch.float32).reshape(4, 4)
+cuda = torch.cuda.is_available()
+y = (x.cuda() @ x.cuda()).cpu() if cuda else x @ x
+report(total=float(y.sum()), cuda=cuda)
+""", env={"OMP_NUM_THREADS": "1"})
+    assert outcome.status == "ok", outcome.error_tail
+    seen = outcome.result["seen"]
+    x = [[4 * i + j for j in range(4)] for i in range(4)]
+    assert seen["total"] == sum(sum(x[i][k] * x[k][j] for k in range(4)) for i in range(4) for j in range(4))
+    if sb.gpu_device_nodes() and Path("/dev/nvidiactl").exists():
+        import torch
+
+        assert seen["cuda"] == torch.cuda.is_available()
+
+
+@needs_bwrap
+@pytest.mark.slow
+def test_an_honest_trial_gets_the_same_val_bpb_sandboxed(tmp_path, embedded_dataset, session_cache):
+    """Step mode, same seed: the sandbox changes nothing a trial computes."""
+    repo = make_repo(tmp_path / "repo", (REPO_ROOT / "train.py").read_text())
+    env = {"AUTOLOOP_MAX_STEPS": "5", "AUTOLOOP_SEED": "11", "AUTOLOOP_DATA_DIR": str(embedded_dataset.path),
+           "AUTOLOOP_COMPILE_CACHE": str(session_cache / "compile"), "PYTHONPATH": str(REPO_ROOT),
+           "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "2"}
+    metrics = {}
+    for policy in (POLICY, detect("off")):
+        run_dir = repo / ".autoloop" / "t" / "trials" / policy.kind
+        run_dir.mkdir(parents=True)
+        paths = SandboxPaths.for_trial(repo, run_dir, db_path="experiments.db", data_dir=embedded_dataset.path,
+                                       compile_cache=session_cache / "compile")
+        outcome = run_training(
+            [sys.executable, "train.py"], cwd=repo, log_path=run_dir / "train.log", deadline_seconds=300,
+            env={**env, "AUTOLOOP_RESULT": str(run_dir / "result.json"), "AUTOLOOP_CHECKPOINT": str(run_dir / "model.pt")},
+            sandbox=policy, sandbox_paths=paths,
+        )
+        assert outcome.status == "ok", outcome.error_tail
+        assert outcome.result["num_steps"] == 5
+        metrics[policy.kind] = outcome.metric
+    assert metrics["bwrap"] == metrics["off"]
+
+
+# ---------------------------------------------------------------------------- the CLI flag
+
+
+def test_no_sandbox_flag_sets_the_config(fake_repo, monkeypatch):
+    from typer.testing import CliRunner
+
+    import autoloop.controller as controller_mod
+    from autoloop.cli import app
+
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    class FakeController:
+        def __init__(self, config, repo, display=None):
+            seen.append(config)
+            raise AutoloopError("stopped by the test")
+
+    monkeypatch.setattr(controller_mod, "Controller", FakeController)
+    for flags, expected in ((["--no-sandbox"], "off"), ([], "auto")):
+        result = CliRunner().invoke(app, ["run", "--repo", str(fake_repo), "--tag", "x", *flags])
+        assert "stopped by the test" in result.output
+        assert seen[-1].sandbox == expected

@@ -335,6 +335,27 @@ def _ablate_one(controller, best: dict, best_commit: str, change: dict, files: d
 # ---------------------------------------------------------------------------- the command's pieces
 
 
+def ablate_run(repo: Path, run: dict, *, db: str | None = None, seeds: int = DEFAULT_SEEDS, display=None, say=None,
+               **controller_options) -> Ablation:
+    """`autoloop ablate`: open the run's controller with the run's own config (it takes
+    the run's lock, so this is refused while `autoloop run` is going), ablate, and leave
+    the run's status as it was. `controller_options` go to Controller (e.g.
+    `verifier=None` for a fake training script)."""
+    from autoloop.controller import Controller
+
+    controller = Controller(run_config(repo, run, db), repo, display=display, **controller_options)
+    controller.open()
+    try:
+        previous = run.get("status")
+        try:
+            return ablate(controller, seeds=seeds, say=say)
+        finally:
+            if previous is not None:  # ablating is not running: a finished run stays finished
+                controller.store.update_run(controller.run_row["id"], status=previous)
+    finally:
+        controller.close()
+
+
 def run_config(repo: Path, run: dict, db: str | None = None):
     """The Config the run was started with (its stored config, so the measurements use
     the run's budget, seed and dataset), for the run's tag."""

@@ -153,24 +153,13 @@ def ablate(
     as_json: JsonOpt = False,
 ):
     """Measure what each kept change is worth: revert it from the best commit, train at the same seeds as the best, and mark changes whose effect is indistinguishable from zero as candidates to drop."""
-    from autoloop.ablate import ablate as run_ablation, format_ablation, run_config
-    from autoloop.controller import Controller
+    from autoloop.ablate import ablate_run, format_ablation
     from autoloop.display import Display
 
     with _Session(repo, db, tag) as s:
         run = s.run
-    display = Display()
-    controller = Controller(run_config(repo, run, db), repo, display=display if not as_json else None)
-    controller.open()  # takes the run's lock: refused while `autoloop run` is going
-    try:
-        previous = run.get("status")
-        try:
-            result = run_ablation(controller, seeds=seeds, say=None if as_json else display.say)
-        finally:
-            if previous is not None:
-                controller.store.update_run(controller.run_row["id"], status=previous)  # ablating is not running
-    finally:
-        controller.close()
+    display = None if as_json else Display()
+    result = ablate_run(repo, run, db=db, seeds=seeds, display=display, say=display.say if display else None)
     typer.echo(_dump(result.to_dict()) if as_json else format_ablation(result))
 
 

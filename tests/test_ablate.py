@@ -155,14 +155,22 @@ IDEAS = [("B", {"FEATURE_B": "1"}), ("A", {"FEATURE_A": "1"}), ("C one", {"FEATU
          ("C two", {"FEATURE_C": "2"})]
 
 
-@pytest.fixture
-def known_run(tmp_path) -> Path:
+@pytest.fixture(scope="module")
+def known_run_once(tmp_path_factory, session_cache) -> Path:
     """A run of the real controller over KNOWN: baseline, then the four ideas, all kept."""
+    with pytest.MonkeyPatch.context() as mp:  # what conftest's autouse fixture does per test
+        mp.setenv("AUTOLOOP_CACHE_DIR", str(session_cache))
+        for name in ("AUTOLOOP_TIME_BUDGET", "AUTOLOOP_MAX_STEPS", "AUTOLOOP_TAG", "AUTOLOOP_FAULT", "AUTOLOOP_SEED"):
+            mp.delenv(name, raising=False)
+        return _known_run(tmp_path_factory.mktemp("known"))
+
+
+def _known_run(root: Path) -> Path:
     from autoloop.config import resolve
     from autoloop.controller import Controller
     from autoloop.store import Store
 
-    repo = make_repo(tmp_path / "repo", KNOWN)
+    repo = make_repo(root / "repo", KNOWN)
     config = resolve(repo, {"tag": "k", "proposers": "ideas", "max_steps": 1, "grace_seconds": 30, "seed": 1,
                             "max_trials": 5})
     store = Store(repo / config.db)
@@ -178,6 +186,14 @@ def known_run(tmp_path) -> Path:
     return repo
 
 
+@pytest.fixture
+def known_run(known_run_once, tmp_path) -> Path:
+    """A private copy of the run (git, db, .autoloop/) for a test that writes."""
+    import shutil
+
+    return Path(shutil.copytree(known_run_once, tmp_path / "repo", symlinks=True))
+
+
 def trials(repo: Path) -> list[dict]:
     from autoloop.store import Store
 
@@ -186,6 +202,20 @@ def trials(repo: Path) -> list[dict]:
         return store.trials(store.runs()[-1]["id"])
     finally:
         store.close()
+
+
+def ablate_known(repo: Path, **options):
+    """`autoloop ablate --tag k` as the command runs it, with the verifier off: the fake
+    script has no model for the harness to evaluate (the one thing the CLI cannot do)."""
+    from autoloop.ablate import ablate_run
+    from autoloop.store import Store
+
+    store = Store(repo / "experiments.db")
+    try:
+        run = store.get_run("k")
+    finally:
+        store.close()
+    return ablate_run(repo, run, verifier=None, **options)
 
 
 def cli(repo: Path, *args: str):
@@ -198,7 +228,7 @@ def test_ablate_finds_the_known_effects_and_finalize_drops_the_null_change(known
     repo = known_run
     before = {t["number"]: t for t in trials(repo)}
     best_commit = git(repo, "rev-parse", "autoloop/k").strip()
-    out = json.loads(cli(repo, "ablate", "--tag", "k", "--seeds", "3", "--json"))
+    out = ablate_known(repo, seeds=3).to_dict()
     assert out["best_trial"] == 5 and out["best_commit"] == best_commit and out["seeds"] == [1, 2, 3]
     rows = {r["trial"]: r for r in out["rows"]}
     assert list(rows) == [2, 3, 4, 5]  # the kept changes, in order

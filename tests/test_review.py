@@ -103,7 +103,9 @@ def test_log_text_lists_every_trial_with_its_reason(night):
         line = next(l for l in out.splitlines() if re.match(rf"\s*{t['number']} ", l))
         assert t["kind"] in line and t["status"] in line
         assert (t["description"] or "")[:20] in line
-        if t["metric"] is not None:
+        if t["metric"] is not None and (t["n_runs"] or 1) > 1:
+            assert f"{t['metric']:.4f} ± {t['metric_sd']:.4f} ({t['n_runs']})" in line
+        elif t["metric"] is not None:
             assert f"{t['metric']:.6f}" in line
     assert "CUDA out of memory (pretend)" in out
     assert "showing" not in out  # 9 trials: all of them

@@ -8,7 +8,7 @@ code), trains it for a fixed budget, and keeps the edit only if val_bpb improves
     AUTOLOOP_TIME_BUDGET=30 python train.py          # a 30-second run
     AUTOLOOP_MAX_STEPS=50 AUTOLOOP_SEED=1 python train.py   # step mode: deterministic
 
-Every AUTOLOOP_* variable is optional (ARCHITECTURE.md, "Train script <-> controller"):
+Every AUTOLOOP_* variable is optional (docs/architecture.md, "Contracts"):
 the result JSON, checkpoint and progress file are written only when their paths are set.
 Data, tokenizer, evaluation (val_bpb) and the clock come from the fixed harness
 (autoloop.harness) so no edit here can change how a trial is scored.

@@ -598,10 +598,6 @@ class Controller:
         Verifier._snapshot_sources(self, commit, relative, source_dir)
         return source_dir / relative
 
-    @staticmethod
-    def device_of(row: dict) -> str:
-        return "cpu"
-
     def best_metric(self) -> float | None:
         return self._best_metric()
 
@@ -722,7 +718,6 @@ class Controller:
             failed = self._measured(trial, last)
             if failed:
                 return failed
-            self._delete_checkpoints(trial, keep_last=True)
         self.update_noise()
         runs = self._runs(trial)
         outcome = TrialOutcome(Status.KEEP, "", self._trial_fields(trial, last))

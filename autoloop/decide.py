@@ -7,11 +7,12 @@ each paired measurement (docs/decisions.md has the reasoning and the simulation)
 
 * d_s = candidate(s) - incumbent(s) over the n seeds both have; mean d, se = pair_sd / sqrt(n)
   with pair_sd the run's pooled noise of one paired difference (`pool_noise`), t = mean / se.
-* keep when t <= -t_{df}(1 - alpha / max_runs): a Bonferroni bound over the at most
-  max_runs looks, so the chance that a proposal with no effect is ever kept is <= alpha.
-* discard when t >= futility (default 0: not better on average), or at max_runs; a
-  clearly worse candidate is therefore discarded after one run. Stopping for futility
-  never keeps anything, so it cannot raise the false-keep rate.
+* keep when t <= keep_bound: a group-sequential bound over the at most max_runs looks
+  (`sequential_bound`: with a known noise, the chance that a proposal with no effect is
+  ever kept is exactly alpha), carried to t with the pooled df.
+* discard when t >= futility (default -0.5), or at max_runs; a clearly worse candidate
+  is therefore discarded after one run. The bound is computed with this futility rule in
+  force (binding), which the rule always follows.
 * otherwise measure again: the incumbent first where the candidate has a seed it lacks
   (no look is taken on a half-measured pair), else the candidate on the next seed,
   preferring seeds the incumbent already has.
@@ -226,16 +227,16 @@ class DecisionConfig:
     baseline_seeds: seeds the baseline is measured at (its spread starts the noise estimate).
     max_runs: most runs of one candidate (= most looks of the test).
     alpha: the chance that a proposal with no true effect is kept (over all its looks).
-    futility: discard early when t >= futility (0: the candidate is not better on average).
+    futility: discard early when t >= futility (-0.5: not better by half a standard error).
     margin: the strict rule's margin, in metric units (0: any improvement).
     level: two-sided level of the interval reported in figures.
     """
 
     rule: str = "paired"
     baseline_seeds: int = 3
-    max_runs: int = 4
+    max_runs: int = 5
     alpha: float = 0.05
-    futility: float = 0.0
+    futility: float = -0.5
     margin: float = 0.0
     level: float = 0.95
 
@@ -245,7 +246,7 @@ class DecisionConfig:
         if self.baseline_seeds < 1:
             raise AutoloopError(f"baseline-seeds is {self.baseline_seeds}: set it to 1 or more (3 measures the noise)")
         if self.max_runs < 1:
-            raise AutoloopError(f"max-runs is {self.max_runs}: set it to 1 or more (default 4)")
+            raise AutoloopError(f"max-runs is {self.max_runs}: set it to 1 or more (default 5)")
         if not 0.0 < self.alpha < 0.5:
             raise AutoloopError(f"alpha is {self.alpha}: set it between 0 and 0.5 (default 0.05)")
         if not 0.0 < self.level < 1.0:
@@ -263,9 +264,53 @@ class Verdict:
     figures: dict = field(default_factory=dict)  # JSON-able: statistic, interval, n, bound, why it stopped
 
 
+@lru_cache(maxsize=64)
+def sequential_bound(alpha: float, looks: int, futility: float) -> float:
+    """The constant c of the group-sequential test, for a known noise.
+
+    With d_1, d_2, ... iid N(0, 1) under the null and Z_n = (d_1 + ... + d_n) / sqrt(n), the
+    test keeps at the first look n <= looks with Z_n <= -c and stops (discards) at the first
+    with Z_n >= futility. c is chosen so that P(keep) = alpha exactly (the futility bound is
+    binding: the rule always follows it). Computed by propagating the density of the
+    partial sum over the continuation region on a grid (Armitage, McPherson and Rowe 1969);
+    bisection on c. About 0.1 s once per (alpha, looks, futility).
+    """
+    import numpy as np  # here, not at the top: the CLI imports this module and starts faster without numpy
+
+    h = 0.02
+    span = 8.0 + 7.0 * math.sqrt(looks)
+    x = np.arange(-span, span + h / 2, h)
+    k = np.arange(-8.0, 8.0 + h / 2, h)
+    kernel = np.exp(-0.5 * k * k) / math.sqrt(2 * math.pi) * h
+    cdf = np.vectorize(_NORMAL.cdf)
+
+    def type_one(c: float) -> float:
+        total = _NORMAL.cdf(-c)
+        g = np.exp(-0.5 * x * x) / math.sqrt(2 * math.pi)  # density of S_1
+        for n in range(2, looks + 1):
+            g = np.where((x > -c * math.sqrt(n - 1)) & (x < futility * math.sqrt(n - 1)), g, 0.0)
+            total += float(np.sum(g * cdf(-c * math.sqrt(n) - x)) * h)
+            g = np.convolve(g, kernel, mode="same")
+        return total
+
+    lo, hi = 0.0, 8.0
+    for _ in range(40):
+        mid = 0.5 * (lo + hi)
+        if type_one(mid) > alpha:
+            lo = mid
+        else:
+            hi = mid
+    return 0.5 * (lo + hi)
+
+
 def keep_bound(cfg: DecisionConfig, df: float) -> float:
-    """The t a candidate's mean paired difference must reach (negative: lower is better)."""
-    return -t_quantile(1.0 - cfg.alpha / cfg.max_runs, df)
+    """The t a candidate's mean paired difference must reach (negative: lower is better).
+
+    The known-noise bound -c of `sequential_bound`, carried to the t distribution at the
+    same one-sided level (Jennison and Turnbull 2000, ch. 11): t_df(Phi(-c)).
+    """
+    c = sequential_bound(cfg.alpha, cfg.max_runs, cfg.futility)
+    return t_quantile(_NORMAL.cdf(-c), df)
 
 
 def estimate(values: list[float], noise: Noise | None) -> tuple[float, float | None]:
@@ -453,8 +498,8 @@ def _paired(candidate, incumbent, noise, cfg, seeds) -> Verdict:
                        f"(t = {t_text}, bound {bound:.1f})", figures)
     if t >= cfg.futility:
         figures.update(stopped="futility", near_miss=mean < 0)
-        return Verdict("discard", None, None,
-                       f"discard: {summary}, not better than the incumbent (t = {t_text} >= {cfg.futility:g})", figures)
+        why = "not better than the incumbent" if mean >= 0 else "too little better to measure again"
+        return Verdict("discard", None, None, f"discard: {summary}, {why} (t = {t_text} >= {cfg.futility:g})", figures)
     return _measure_candidate(candidate, incumbent, seeds, figures,
                               f"{summary} (t = {t_text}, bound {bound:.1f})")
 

@@ -291,8 +291,12 @@ def _number(result: dict, key: str) -> float | None:
 
 
 def budget_problem(config: Config, outcome: RunOutcome, *, data_fingerprint: str | None = None,
-                   harness_fingerprint: str | None = None) -> str | None:
-    """Why a finished trial's report breaks its budget or contradicts the run, or None."""
+                   harness_fingerprint: str | None = None, measured_by_feed: bool = False) -> str | None:
+    """Why a finished trial's report breaks its budget or contradicts the run, or None.
+
+    `measured_by_feed`: the run drew its batches from the harness's data feed, whose own
+    figures (autoloop.budget) judge its time; the time rules on the trial's report and on
+    the wall clock below are then not applied (they fail honest runs on a busy machine)."""
     result = outcome.result or {}
     steps = _number(result, "num_steps")
     tokens = _number(result, "total_tokens")
@@ -315,6 +319,8 @@ def budget_problem(config: Config, outcome: RunOutcome, *, data_fingerprint: str
         if steps is not None and steps > config.max_steps + STEP_SLACK:
             return (f"trained {steps:.0f} steps, over its budget of {config.max_steps} "
                     f"(+{STEP_SLACK} allowed)")
+        return None
+    if measured_by_feed:
         return None
 
     from autoloop.harness.constants import UNTIMED_WARMUP_STEPS

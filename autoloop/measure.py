@@ -134,21 +134,25 @@ class Measurer:
         feed = None
         seal = None
         if self.harness_mode:
-            from autoloop.harness.feed import FeedServer, make_meta_only_view
+            from autoloop.evaluation import pycache_env
+            from autoloop.harness.contract import cache_root
+            from autoloop.harness.data import make_meta_only_view
+            from autoloop.harness.feed import FeedServer
             from autoloop.tamper import StoreSeal
 
             seal = StoreSeal.capture(store, c.run_row["id"])
             view = make_meta_only_view(c.data_dir(), run_dir / "data")
             feed = FeedServer(c.data_dir(), run_dir / "feed.sock", seed=seed)
             env.update({"AUTOLOOP_DATA_DIR": str(view), "AUTOLOOP_FEED": None, "AUTOLOOP_EVAL": "external"})
+            # Training's bytecode goes to its own prefix, never read by the evaluator.
+            env.update(pycache_env("train", cache_root()))
         before = c.verifier.snapshot(c) if c.verifier is not None else None
         if c.display is not None:
             c.display.trial_started(running, c.best_metric(), c.config)
 
-        spawned = [time.monotonic()]
-
         def on_start(pid: int, pgid: int, start_time: int | None) -> None:
-            spawned[0] = time.monotonic()
+            if feed is not None:
+                feed.mark_spawn()
             store.update_trial(running["id"], pid=pid, pgid=pgid, pid_start_time=start_time)
             faults.fault_point("during_training")
             if c.scheduler is not None:
@@ -164,8 +168,20 @@ class Measurer:
                 store.update_trial(running["id"], heartbeat_at=_now())
             return c.abort_requested
 
-        sandbox_paths = {"writable": [run_dir, *c.compile_cache_dirs()], "readonly": [],
-                         "hidden": self._hidden() + ([c.data_dir()] if self.harness_mode else [])}
+        from autoloop.sandbox import SandboxPaths
+
+        writable = [run_dir, *c.compile_cache_dirs()]
+        if self.harness_mode:
+            from autoloop.evaluation import pycache_dir
+            from autoloop.harness.contract import cache_root
+
+            writable.append(pycache_dir("train", cache_root()))
+            writable[-1].mkdir(parents=True, exist_ok=True)
+        sandbox_paths = SandboxPaths(
+            writable=tuple(writable), readonly=(c.repo_dir,),
+            # The data splits stay out of reach: batches come from the feed only.
+            hidden=tuple(self._hidden()) + ((c.data_dir(),) if self.harness_mode else ()),
+        )
         if feed is not None:
             feed.start()
             env["AUTOLOOP_FEED"] = str(feed.address)
@@ -178,6 +194,7 @@ class Measurer:
             )
         finally:
             if feed is not None:
+                feed.mark_exit()
                 feed.close()
         faults.fault_point("after_training")
         m = Measurement(None, seed, role, outcome.status, outcome.reason, outcome.metric,
@@ -207,7 +224,7 @@ class Measurer:
 
             problem, figures = check_budget(
                 feed.summary(), outcome.result or {}, time_budget=c.config.time_budget,
-                max_steps=c.config.max_steps, spawned_at=spawned[0],
+                max_steps=c.config.max_steps,
             )
             m.fields["budget"] = figures
             if problem:
@@ -228,7 +245,7 @@ class Measurer:
             return self._record(owner, running, m, "invalid", (
                 "wrote a result JSON but no checkpoint, so the harness cannot evaluate it: save the trained model "
                 "to $AUTOLOOP_CHECKPOINT with autoloop.harness.save_checkpoint"))
-        evaluated = self._evaluate(owner, running, m.run_dir, m.checkpoint, m.result or {}, verify=verify)
+        evaluated = self._evaluate(owner, running, m.run_dir, m.checkpoint, m.result or {}, verify=verify, seed=m.seed)
         m.fields["eval_seconds"] = evaluated.seconds
         if not evaluated.ok:
             if c.abort_requested:
@@ -239,11 +256,13 @@ class Measurer:
         m.heldout = evaluated.heldout_bpb
         return None
 
-    def _evaluate(self, owner: dict, running: dict, run_dir: Path, checkpoint: Path, result: dict, *, verify: bool):
+    def _evaluate(self, owner: dict, running: dict, run_dir: Path, checkpoint: Path, result: dict, *, verify: bool,
+                  seed: int = 0):
         from autoloop.evaluation import evaluate_checkpoint
 
         c = self.c
-        source_dir = c.snapshot_sources(owner["trial_commit"] or c.run_row["base_commit"], run_dir / "source")
+        script = c.snapshot_sources(owner["trial_commit"] or c.run_row["base_commit"], run_dir / "source")
+        source_dir = run_dir / "source"
         device = "cpu" if str(result.get("device", "cpu")).lower() == "cpu" else "cuda"
 
         def on_start(pid: int, pgid: int, start_time: int | None) -> None:
@@ -255,7 +274,8 @@ class Measurer:
             data_dir=c.data_dir(), device=device, splits=splits, causality=verify,
             out_dir=run_dir / ("verify" if verify else "eval"), sandbox=self.sandbox,
             deadline_seconds=max(EVAL_DEADLINE_FLOOR_SECONDS, c.config.grace_seconds), on_start=on_start,
-            hidden=self._hidden(),
+            script=script.relative_to(source_dir).as_posix(), seed=seed, db_path=c.db_path(),
+            should_abort=lambda: c.abort_requested,
         )
 
     def verify(self, owner: dict, running: dict, row: dict) -> tuple[bool, str | None, float | None]:
@@ -264,8 +284,8 @@ class Measurer:
         run_dir = Path(row["log_path"]).parent if row.get("log_path") else None
         if run_dir is None or not (run_dir / "checkpoint.pt").exists():
             return False, f"the checkpoint of its run at seed {row.get('seed')} is gone, so it cannot be verified", None
-        evaluated = self._evaluate(owner, running, run_dir, run_dir / "checkpoint.pt", {"device": self.c.device_of(row)},
-                                   verify=True)
+        evaluated = self._evaluate(owner, running, run_dir, run_dir / "checkpoint.pt", _result_of(run_dir),
+                                   verify=True, seed=int(row.get("seed") or 0))
         if not evaluated.ok:
             return False, f"failed verification: {evaluated.reason}", None
         from autoloop.evaluation import suspicious_identity
@@ -298,6 +318,15 @@ class Measurer:
         if m.outcome is not None and m.outcome.result and m.outcome.result.get("curve") and status == "ok":
             m.fields["curve"] = m.outcome.result["curve"]
         return m
+
+
+def _result_of(run_dir: Path) -> dict:
+    import json
+
+    try:
+        return json.loads((run_dir / "result.json").read_text())
+    except (OSError, ValueError):
+        return {}
 
 
 def _fields(outcome: RunOutcome) -> dict:

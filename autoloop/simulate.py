@@ -39,8 +39,8 @@ class Mix:
 
     null: float = 0.25  # no effect, same init stream (a refactor, a no-op constant)
     redraw: float = 0.10  # no effect, new init stream (re-seeding, reordering parameter creation)
-    harmful: float = 0.40
-    helpful: float = 0.25
+    harmful: float = 0.55  # most edits to a tuned script hurt, from barely to badly
+    helpful: float = 0.10  # about one in ten helps, mostly by less than the noise
     harmful_range: tuple[float, float] = (0.1, 10.0)
     helpful_range: tuple[float, float] = (0.1, 5.0)
 
@@ -92,6 +92,12 @@ class Summary:
     @property
     def big_kept_share(self) -> float:
         return self.big_kept / self.big if self.big else float("nan")
+
+    @property
+    def real_keep_share(self) -> float:
+        """Of the proposals kept, the share that truly helped."""
+        kept = self.null_kept + self.harmful_kept + self.helpful_kept
+        return self.helpful_kept / kept if kept else float("nan")
 
     @property
     def runs_per_proposal(self) -> float:
@@ -233,3 +239,16 @@ def _night(cfg, world, kinds, effects, own, lineage_noise, n_seeds, out: Summary
     reported, _ = estimate(list(inc_runs.values()), None)
     out.final_true.append(mu[inc])
     out.curse.append(reported - mu[inc])
+
+
+def targets(strict: Summary, ours: Summary) -> dict[str, tuple[str, bool]]:
+    """The issue's targets for `ours` against the strict rule: name -> (figures, met)."""
+    curse_ratio = abs(ours.winners_curse) / abs(strict.winners_curse) if strict.winners_curse else float("inf")
+    return {
+        "false keeps <= 5% per null proposal": (f"{ours.false_keep_rate:.1%}", ours.false_keep_rate <= 0.05),
+        ">= 80% of improvements of 2 sigma or more kept": (f"{ours.big_kept_share:.0%}", ours.big_kept_share >= 0.80),
+        "final true quality better than strict's": (
+            f"{ours.quality:+.2f} vs {strict.quality:+.2f} sigma", ours.quality > strict.quality),
+        "winner's curse <= 1/3 of strict's": (
+            f"{ours.winners_curse:+.2f} vs {strict.winners_curse:+.2f} sigma ({curse_ratio:.2f})", curse_ratio <= 1 / 3),
+    }

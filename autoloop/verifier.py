@@ -116,8 +116,13 @@ class Verifier:
         found = integrity.changes(self._reference, now)
         return integrity.describe_pause(found, controller.tag) if found else None
 
-    def check_trial(self, controller, trial: dict, outcome: RunOutcome, before: integrity.Snapshot | None) -> str | None:
-        """Why the trial is invalid whatever its metric (tampering, a broken budget), or None."""
+    def check_trial(self, controller, trial: dict, outcome: RunOutcome, before: integrity.Snapshot | None,
+                    feed: dict | None = None) -> str | None:
+        """Why the trial is invalid whatever its metric (tampering, a broken budget), or None.
+
+        `feed`: the data feed's summary when the run drew its batches from it; then the
+        feed's own measurements (autoloop.budget) judge the time spent, not the trial's
+        report or the wall clock."""
         if before is not None:
             found = integrity.changes(before, self.snapshot(controller))
             if found:
@@ -127,6 +132,7 @@ class Verifier:
         return integrity.budget_problem(
             controller.config, outcome, data_fingerprint=(controller.run_row or {}).get("data_fingerprint"),
             harness_fingerprint=self._harness_fingerprint,
+            measured_by_feed=bool(feed and feed.get("batches")),
         )
 
     # ------------------------------------------------------------------ verification

@@ -4,18 +4,19 @@ from __future__ import annotations
 
 import json
 import math
+from statistics import NormalDist
 
 import numpy as np
 import pytest
 
 from autoloop.decide import (
     DecisionConfig, Noise, NoiseSums, Verdict, decide, decide_by_margin, estimate, keep_bound, noise_sums,
-    paired_effect, pool_noise, t_cdf, t_quantile,
+    paired_effect, pool_noise, sequential_bound, t_cdf, t_quantile,
 )
 from autoloop.errors import AutoloopError
 
 SEEDS = [0, 1, 2, 3, 4, 5, 6]
-CFG = DecisionConfig()  # paired, baseline 3, max 4 runs, alpha 0.05, futility 0
+CFG = DecisionConfig(max_runs=4)  # paired, baseline 3, alpha 0.05, futility -0.5
 NOISE = Noise(run_sd=0.01, pair_sd=0.01, df=20)
 INC = {0: 2.50, 1: 2.52, 2: 2.48}
 
@@ -45,9 +46,38 @@ def test_t_cdf_known_values_and_limits():
             assert t_cdf(t_quantile(p, df), df) == pytest.approx(p, abs=1e-12)
 
 
-def test_keep_bound_is_bonferroni_over_the_looks():
-    assert keep_bound(CFG, 20) == pytest.approx(-t_quantile(1 - 0.05 / 4, 20))
-    assert keep_bound(DecisionConfig(max_runs=1), math.inf) == pytest.approx(-1.644854, abs=1e-6)
+@pytest.mark.parametrize("looks, pocock", [(2, 1.875), (3, 1.992), (4, 2.068), (5, 2.122)])
+def test_sequential_bound_matches_pocock_tables(looks, pocock):
+    # Without futility the bound is Pocock's constant (one-sided 0.05 = two-sided 0.10;
+    # the two differ by paths crossing both ways, < 0.005 here).
+    assert sequential_bound(0.05, looks, 100.0) == pytest.approx(pocock, abs=0.006)
+
+
+def test_sequential_bound_with_futility_and_one_look():
+    assert sequential_bound(0.05, 1, -0.5) == pytest.approx(1.644854, abs=1e-6)
+    # A binding futility bound removes paths that could later cross: the bound can drop.
+    assert sequential_bound(0.05, 4, -0.5) < sequential_bound(0.05, 4, 100.0)
+    # Futility below the keep bound: only the first look ever decides.
+    assert sequential_bound(0.05, 4, -3.0) == pytest.approx(1.644854, abs=1e-6)
+
+
+def test_sequential_bound_type_one_by_simulation():
+    rng = np.random.default_rng(2)
+    c, f, looks = sequential_bound(0.05, 4, -0.5), -0.5, 4
+    z = np.cumsum(rng.standard_normal((200_000, looks)), axis=1) / np.sqrt(np.arange(1, looks + 1))
+    alive = np.ones(len(z), bool)
+    kept = 0
+    for n in range(looks):
+        kept += int(np.sum(alive & (z[:, n] <= -c)))
+        alive &= (z[:, n] > -c) & (z[:, n] < f)
+    assert kept / len(z) == pytest.approx(0.05, abs=0.0025)
+
+
+def test_keep_bound_is_the_sequential_level_in_t():
+    c = sequential_bound(CFG.alpha, CFG.max_runs, CFG.futility)
+    assert keep_bound(CFG, math.inf) == pytest.approx(-c, abs=1e-9)
+    assert keep_bound(CFG, 5) == pytest.approx(t_quantile(NormalDist().cdf(-c), 5))
+    assert keep_bound(CFG, 5) < keep_bound(CFG, 50) < -c + 1e-12
 
 
 # ---------------------------------------------------------------------------------------
@@ -172,6 +202,12 @@ def test_discard_after_one_clearly_worse_run():
     assert _json(v)["near_miss"] is False
 
 
+def test_discard_when_better_by_less_than_the_futility_bound():
+    v = decide({0: 2.497}, INC, NOISE, CFG, SEEDS)  # t = -0.3: better, but by too little to chase
+    assert v.action == "discard" and _json(v)["stopped"] == "futility" and _json(v)["near_miss"] is True
+    assert v.reason.startswith("discard: -0.0030 ± 0.0100 bpb over 1 paired seed, too little better to measure again (t = -0.3 >= -0.5)")
+
+
 def test_measure_the_candidate_again_when_promising_but_unproven():
     v = decide({0: 2.49}, INC, NOISE, CFG, SEEDS)  # t = -1: better, not yet proven
     assert (v.action, v.side, v.seed) == ("measure", "candidate", 1)
@@ -254,6 +290,13 @@ def test_decide_by_margin():
     assert decide_by_margin(1.9, 2.0).keep and not decide_by_margin(2.0, 2.0).keep
     assert not decide_by_margin(1.95, 2.0, margin=0.1).keep
     assert "by more than 0.1" in decide_by_margin(1.95, 2.0, margin=0.1).reason
+
+
+def test_defaults_are_the_documented_ones():
+    d = DecisionConfig()
+    assert (d.rule, d.baseline_seeds, d.max_runs, d.alpha, d.futility, d.margin, d.level) == (
+        "paired", 3, 5, 0.05, -0.5, 0.0, 0.95)
+    assert sequential_bound(0.05, 5, -0.5) == pytest.approx(2.04, abs=0.01)
 
 
 @pytest.mark.parametrize("kwargs", [

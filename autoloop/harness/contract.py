@@ -1,4 +1,4 @@
-"""The environment half of the train-script contract (see ARCHITECTURE.md).
+"""The environment half of the train-script contract (see docs/architecture.md).
 
 Every variable is optional: unset means the harness default, so `python train.py` works
 by hand. The controller sets all of them for a trial.

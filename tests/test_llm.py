@@ -45,7 +45,8 @@ def repo(tmp_path, monkeypatch) -> Path:
 def run_llm(repo: Path, server: FakeOpenAI, **flags):
     flags = {"tag": "t", "time_budget": 5, "grace_seconds": 20, "verify": False, "proposers": "llm",
              "llm_model": "fake-model", "llm_base_url": server.base_url, "llm_retries": 0, **flags}
-    return Controller(resolve(repo, flags), repo).run()
+    # verifier=None: the fake script has no model for the harness to evaluate or verify.
+    return Controller(resolve(repo, flags), repo, verifier=None).run()
 
 
 def db(repo: Path) -> Store:

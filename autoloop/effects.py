@@ -91,7 +91,7 @@ class Effect:
     diff_se: float | None  # standard error of diff (None without a noise-aware decision)
     low: float | None  # 95% interval of diff
     high: float | None
-    distinguishable: bool | None  # the interval excludes 0; None: no claim (old trial)
+    distinguishable: bool | None  # the interval excludes 0; None: no claim (old trial, no decision)
     near_miss: bool  # a discard within the noise of the incumbent
 
     @property
@@ -110,9 +110,15 @@ def trial_effect(trial: dict) -> Effect:
         if diff is None and metric is not None and _number(trial.get("best_before")) is not None:
             diff = metric - trial["best_before"]
     low, high = _number(decision.get("low")), _number(decision.get("high"))
-    distinguishable = decision.get("distinguishable")
-    if not isinstance(distinguishable, bool):
-        distinguishable = (not low <= 0.0 <= high) if low is not None and high is not None else None
+    # The interval is the evidence: a stored flag is read only where there is none (one
+    # pair before any noise was measured), so a clearly worse trial never reads as
+    # "not distinguishable" because it was discarded.
+    if low is not None and high is not None:
+        distinguishable = not low <= 0.0 <= high
+    else:
+        distinguishable = decision.get("distinguishable")
+        if not isinstance(distinguishable, bool):
+            distinguishable = None
     return Effect(metric=metric, se=se, n=int(n), diff=diff, diff_se=_number(decision.get("se")), low=low,
                   high=high, distinguishable=distinguishable, near_miss=bool(decision.get("near_miss")))
 

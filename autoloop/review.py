@@ -459,10 +459,9 @@ def _decision_lines(d: dict) -> list[str]:
         if value not in (None, ""):
             lines.append(f"  {label:<16} {value}")
 
-    low, high = _float(decision.get("low")), _float(decision.get("high"))
-    interval = format_interval(low, high)
-    if "distinguishable" not in decision and "mean_diff" in decision and interval:
-        decision["distinguishable"] = not low <= 0.0 <= high
+    interval = format_interval(_float(decision.get("low")), _float(decision.get("high")))
+    if "mean_diff" in decision:
+        decision["distinguishable"] = trial_effect(d).distinguishable  # as log and the proposers read it
     for key, label in _DECISION_FIELDS:
         add(label, decision.get(key))
         if key == "se" and interval:

@@ -679,7 +679,7 @@ def test_log_json_has_the_uncertainty(noisy):
         decision = json.loads(t["decision"]) if t["decision"] else {}
         if "mean_diff" in decision:
             low, high = decision.get("interval") or (decision["low"], decision["high"])
-            assert row["distinguishable"] == decision.get("distinguishable", not low <= 0 <= high)
+            assert row["distinguishable"] == (not low <= 0 <= high)  # the interval decides
     assert out[3]["near_miss"] is True and out[3]["distinguishable"] is False
     assert out[2]["near_miss"] is False and out[2]["distinguishable"] is True
     assert out[5]["near_miss"] is None and out[5]["distinguishable"] is None  # a drift check: no decision
@@ -814,3 +814,27 @@ def test_report_shows_intervals_noise_drift_and_the_ablation(noisy, tmp_path):
         (x0, y0), (x1, y1) = seg
         assert x0 == x1 == t["number"]
         assert (y0, y1) == (pytest.approx(t["metric"] - Z95 * t["metric_sd"]), pytest.approx(t["metric"] + Z95 * t["metric_sd"]))
+
+
+def test_how_a_trial_reads_against_the_incumbent():
+    from autoloop.effects import comparison_text, format_estimate, sensitivity, trial_effect
+
+    assert format_estimate(2.54312, 0.00401, 3) == "2.5431 ± 0.0040 (3)"
+    assert format_estimate(2.54312, None, 1) == format_estimate(2.54312) == "2.543120"
+    assert format_estimate(None, 0.1, 3) == "-"
+    # A clearly worse discard: the interval excludes 0, whatever flag the controller stored with it.
+    worse = trial_effect({"metric": 2.7, "n_runs": 1, "delta": 0.15, "decision": json.dumps(
+        {"mean_diff": 0.15, "se": 0.01, "interval": [0.12, 0.18], "distinguishable": False, "near_miss": False})})
+    assert worse.distinguishable is True and worse.diff == 0.15 and worse.se is None
+    assert comparison_text(worse) == "+0.1500 ± 0.0100 vs the incumbent (95% CI +0.1200..+0.1800, 1 run)"
+    # One pair before any noise was measured: no interval, the stored flag stands.
+    early = trial_effect({"metric": 2.5, "n_runs": 1, "decision": {"mean_diff": -0.01, "distinguishable": False}})
+    assert early.distinguishable is False and sensitivity(early) == 0.0
+    near = trial_effect({"metric": 2.54, "metric_sd": 0.002, "n_runs": 4, "decision": {
+        "mean_diff": -0.002, "se": 0.002, "low": -0.006, "high": 0.002, "near_miss": True}})
+    assert (near.distinguishable, near.near_miss, near.se, near.n) == (False, True, 0.002, 4)
+    assert comparison_text(near).endswith(": near miss, not distinguishable from the incumbent")
+    # A trial from an old database: its delta, and no claim either way.
+    old = trial_effect({"metric": 1.1, "best_before": 1.0, "delta": None})
+    assert old.distinguishable is None and old.diff == pytest.approx(0.1) and comparison_text(old) == "+0.1000"
+    assert sensitivity(old) == pytest.approx(0.1)

@@ -341,19 +341,33 @@ def ablate_run(repo: Path, run: dict, *, db: str | None = None, seeds: int = DEF
     the run's lock, so this is refused while `autoloop run` is going), ablate, and leave
     the run's status as it was. `controller_options` go to Controller (e.g.
     `verifier=None` for a fake training script)."""
+    import signal
+
     from autoloop.controller import Controller
 
+    if seeds < 1:
+        raise AutoloopError(f"--seeds {seeds} measures nothing: give 1 or more (3 by default)")
     controller = Controller(run_config(repo, run, db), repo, display=display, **controller_options)
-    controller.open()
+    previous_handlers = {}
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:  # Ctrl-C stops the current measurement cleanly, as in `autoloop run`
+            previous_handlers[sig] = signal.signal(sig, controller._on_signal)
+        except ValueError:  # not the main thread
+            pass
     try:
-        previous = run.get("status")
+        controller.open()
         try:
-            return ablate(controller, seeds=seeds, say=say)
+            previous = run.get("status")
+            try:
+                return ablate(controller, seeds=seeds, say=say)
+            finally:
+                if previous is not None:  # ablating is not running: a finished run stays finished
+                    controller.store.update_run(controller.run_row["id"], status=previous)
         finally:
-            if previous is not None:  # ablating is not running: a finished run stays finished
-                controller.store.update_run(controller.run_row["id"], status=previous)
+            controller.close()
     finally:
-        controller.close()
+        for sig, handler in previous_handlers.items():
+            signal.signal(sig, handler)
 
 
 def run_config(repo: Path, run: dict, db: str | None = None):

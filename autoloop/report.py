@@ -45,6 +45,7 @@ REPORT_HTML = "report.html"
 COLOURS = {
     "keep": "#1a9850", "discard": "#9e9e9e", "crash": "#d73027", "timeout": "#f46d43", "invalid": "#984ea3",
     "interrupted": "#e6ab02", "running": "#2c7fb8", "baseline": "#2c7fb8", "best": "#1a9850",
+    "drift": "#8c6d31", "ablation": "#7b3294",
 }
 _APART = (Status.CRASH.value, Status.TIMEOUT.value, Status.INVALID.value, Status.INTERRUPTED.value, Status.RUNNING.value)
 
@@ -144,7 +145,12 @@ def progress_figure(data: dict):
         span = (high - low) or abs(high) * 0.01 or 0.01
         top, bottom = high + 0.12 * span, low - 0.12 * span
         ax.set_ylim(bottom, top)
-        discards = [p for p in scored if p["status"] != Status.KEEP.value]
+        # Drift checks and ablations measure the incumbent and its parts: they are not
+        # proposals that failed, so they get markers of their own.
+        measured = {kind: [p for p in scored if p["kind"] == kind and p["status"] != Status.KEEP.value and p["metric"] <= top]
+                    for kind in (Kind.DRIFT.value, Kind.ABLATION.value)}
+        discards = [p for p in scored if p["status"] != Status.KEEP.value
+                    and not any(p in group for group in measured.values())]
         kept_all = [p for p in scored if p["status"] == Status.KEEP.value]
         kept = [p for p in kept_all if p["kind"] != Kind.BASELINE.value]
         baselines = [p for p in kept_all if p["kind"] == Kind.BASELINE.value]
@@ -158,6 +164,10 @@ def progress_figure(data: dict):
             ax.scatter(_xy(above)[0], _arr([top - 0.02 * (top - bottom)] * len(above)), marker="^",
                        s=size + 10, c=COLOURS["discard"], alpha=0.8, zorder=2,
                        label=f"discarded, above the chart ({len(above)})")
+        for kind, marker, label in ((Kind.DRIFT.value, "s", "drift check"), (Kind.ABLATION.value, "v", "ablation")):
+            if measured[kind]:
+                ax.scatter(*_xy(measured[kind]), s=size + 6, marker=marker, facecolors="none",
+                           edgecolors=COLOURS[kind], linewidths=1.2, zorder=2, label=f"{label} ({len(measured[kind])})")
         if baselines:
             ax.scatter(*_xy(baselines), s=80, marker="D", c=COLOURS["baseline"], edgecolors="black", linewidths=0.6,
                        zorder=4, label="baseline trial")

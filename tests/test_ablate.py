@@ -299,3 +299,22 @@ def test_drop_null_needs_a_current_ablation(known_run):
     assert result.exit_code == 1
     assert result.output.strip() == ("error: run 'k' has no ablation yet, so nothing is known to be null: run "
                                      "`autoloop ablate --tag k` first, or finalize without --drop-null")
+
+
+def test_ablate_says_in_one_line_when_there_is_nothing_to_ablate(fake_repo):
+    from autoloop.config import resolve
+    from autoloop.controller import Controller
+
+    Controller(resolve(fake_repo, {"tag": "b", "max_trials": 1, "time_budget": 5}), fake_repo, verifier=None).run()
+    for args, message in (
+        (["--seeds", "3"], "error: run 'b' kept no change over its baseline: there is nothing to ablate"),
+        (["--seeds", "0"], "error: --seeds 0 measures nothing: give 1 or more (3 by default)"),
+    ):
+        result = runner.invoke(app, ["ablate", "--tag", "b", *args, "--repo", str(fake_repo)])
+        assert result.exit_code == 1 and result.output.strip() == message, result.output
+    assert [t["kind"] for t in trials(fake_repo)] == ["baseline"]  # nothing was recorded
+    assert git(fake_repo, "status", "--porcelain") == ""
+    from autoloop.store import Store
+
+    with Store(fake_repo / "experiments.db") as store:
+        assert store.get_run("b")["status"] == "finished"  # ablating did not make it look active

@@ -115,13 +115,16 @@ def status(repo: RepoOpt = Path("."), tag: TagOpt = None, db: DbOpt = None,
 def seed(
     description: Annotated[str, typer.Argument(help="What the idea is, in a sentence; it becomes the trial's description.")],
     set_: Annotated[Optional[list[str]], typer.Option("--set", help="NAME=VALUE: set an UPPER_CASE constant of train.py (repeatable).")] = None,
-    patch: Annotated[Optional[Path], typer.Option(help="A unified diff (git diff format) against train.py to apply.")] = None,
+    patch: Annotated[Optional[Path], typer.Option(help="A unified diff (git diff format, UTF-8, at most 1 MB) against train.py at the current best.")] = None,
     priority: Annotated[int, typer.Option(help="Higher priorities are tried first; ties go oldest first.")] = 0,
     repo: RepoOpt = Path("."),
     tag: Annotated[Optional[str], typer.Option(help="Only this run may take the idea; any run by default.")] = None,
     db: DbOpt = None,
 ):
-    """Queue an idea for the loop; a running loop picks it up at its next proposal."""
+    """Queue an idea for the loop; a running loop picks it up at its next proposal.
+
+    It is checked now, with the loop's own rules, against the current best commit (of the --tag run, else the most recent run, else HEAD): a bad idea is refused in one line instead of failing at night.
+    """
     from autoloop.seeding import seed_idea
 
     config = _config(repo, db=db)

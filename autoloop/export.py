@@ -1,18 +1,32 @@
 """Trials out of experiments.db: `autoloop export` (TSV, CSV, JSON) and
 `autoloop.load_trials` (a typed pandas DataFrame for notebooks).
 
-The TSV starts with autoresearch's `results.tsv` columns - commit (7 characters),
-val_bpb, memory_gb (peak memory in GB, one decimal), status, description - so
-autoresearch's analysis notebook reads it as is; autoloop's own columns follow. Rules
-that keep it readable by that notebook and by line-oriented tools:
+The TSV is autoresearch's `results.tsv`, so its analysis notebook and its other tools
+read it unchanged. Its first five columns are exactly autoresearch's - commit (7
+characters), val_bpb (6 decimals), memory_gb (peak memory in GB, 1 decimal), status,
+description - with autoresearch's rules, which its notebook relies on:
 
-* one trial per line: tabs and newlines inside text fields become spaces (TSV only; the
-  CSV and JSON keep text verbatim);
-* a missing value is an empty field (pandas reads NaN), never autoresearch's 0.000000
-  placeholder for a crash, so a crash cannot be mistaken for a perfect score;
-* statuses are autoloop's own (keep, discard, crash, timeout, invalid, interrupted,
-  running): the notebook counts keep/discard/crash and skips the rest;
-* floats are written with full precision (`repr`), so the values read back equal the db.
+* status is one of autoresearch's three: keep, discard, crash. autoloop's other
+  outcomes are crashes there: timeout, invalid (a rejected proposal or a failed
+  verification) and interrupted become `crash`, written as val_bpb `0.000000` and
+  memory_gb `0.0` (the notebook drops crashes before it plots; a first row without a
+  number stopped it with "Axis limits cannot be NaN or Inf");
+* a re-measurement of the incumbent (kind rerun or drift) is never an improvement: it
+  is `discard` (the row stays, so the line count is the number of finished trials and
+  the time spent on re-runs shows; filter on `kind` for the keep rate of changes only);
+* a trial still `running` has no outcome yet and is left out;
+* the first row is the measured baseline (earlier baseline attempts that crashed or were
+  interrupted follow it), since the notebook takes row 0 as the baseline;
+* a keep or discard without a memory figure (e.g. on a CPU) has memory_gb `0.0`.
+
+autoloop's precise figures follow in later columns: `autoloop_status` (keep, discard,
+crash, timeout, invalid, interrupted), `kind`, `metric` (val_bpb at full precision,
+empty when there is none), then run, trial, reason, timings, commits and the rest.
+Tabs and line breaks in text fields become spaces, so each trial is one line.
+
+The CSV and JSON exports are autoloop's own record: every trial, running ones
+included, with autoloop's statuses, full-precision floats and empty fields (JSON null)
+for missing values.
 """
 
 from __future__ import annotations
@@ -40,6 +54,11 @@ EXTRA_COLUMNS = (
     ("started_at", "started_at"), ("finished_at", "finished_at"),
 )
 TABLE_COLUMNS = AUTORESEARCH_COLUMNS + tuple(name for name, _ in EXTRA_COLUMNS)
+# The TSV: autoresearch's five, then autoloop's precise status, kind and metric, then the rest.
+TSV_COLUMNS = AUTORESEARCH_COLUMNS + ("autoloop_status", "kind", "metric") + tuple(
+    name for name, _ in EXTRA_COLUMNS if name != "kind")
+# Re-measurements of the incumbent: never an improvement in autoresearch's terms.
+_REMEASUREMENTS = (Kind.RERUN.value, Kind.DRIFT.value)
 # Process bookkeeping is nobody's data.
 _INTERNAL = ("pgid", "pid", "pid_start_time", "heartbeat_at")
 
@@ -99,10 +118,48 @@ def export_text(store, run: dict, fmt: str) -> str:
             lines.append(json.dumps(dict(zip(names, row))))
         return "[\n" + ",\n".join(lines) + "\n]\n"
     buffer = io.StringIO()
-    writer = csv.writer(buffer, delimiter="\t" if fmt == "tsv" else ",", lineterminator="\n")
-    writer.writerow(TABLE_COLUMNS)
-    writer.writerows(_table_rows(store, run, flatten=fmt == "tsv"))
+    if fmt == "tsv":
+        writer = csv.writer(buffer, delimiter="\t", lineterminator="\n")
+        writer.writerow(TSV_COLUMNS)
+        writer.writerows(_tsv_rows(_table_rows(store, run, flatten=True)))
+    else:
+        writer = csv.writer(buffer, delimiter=",", lineterminator="\n")
+        writer.writerow(TABLE_COLUMNS)
+        writer.writerows(_table_rows(store, run, flatten=False))
     return buffer.getvalue()
+
+
+def autoresearch_status(status: str, kind: str, metric: float | None) -> str | None:
+    """autoloop's status -> autoresearch's keep | discard | crash; None: not exported
+    (still running). See the module docstring."""
+    if status == Status.RUNNING.value:
+        return None
+    if status in (Status.KEEP.value, Status.DISCARD.value) and metric is not None:
+        return Status.DISCARD.value if kind in _REMEASUREMENTS else status
+    return Status.CRASH.value
+
+
+def _tsv_rows(table: list[list]) -> list[list]:
+    """TABLE_COLUMNS rows -> TSV_COLUMNS rows in autoresearch's terms, measured baseline first."""
+    at = {name: i for i, name in enumerate(TABLE_COLUMNS)}
+    rest = [at[name] for name in TSV_COLUMNS[8:]]
+    rows, baseline = [], None
+    for row in table:
+        status, kind, metric, memory_gb = row[at["status"]], row[at["kind"]], row[at["val_bpb"]], row[at["memory_gb"]]
+        mapped = autoresearch_status(status, kind, metric)
+        if mapped is None:
+            continue
+        if mapped == Status.CRASH.value:
+            val_bpb, memory = "0.000000", "0.0"
+        else:
+            val_bpb, memory = f"{metric:.6f}", f"{memory_gb if memory_gb is not None else 0.0:.1f}"
+        if baseline is None and kind == Kind.BASELINE.value and mapped == Status.KEEP.value:
+            baseline = len(rows)
+        rows.append([row[at["commit"]] or "", val_bpb, memory, mapped, row[at["description"]], status, kind, metric,
+                     *(row[i] for i in rest)])
+    if baseline:  # earlier baseline attempts (crashed, interrupted) follow the measured one
+        rows.insert(0, rows.pop(baseline))
+    return rows
 
 
 def write_export(store, run: dict, fmt: str, out: Path | None) -> str:

@@ -353,25 +353,30 @@ def test_report_without_matplotlib_is_one_line(repo, tmp_path):
 def test_export_tsv_reads_back_with_pandas(night, tmp_path):
     import pandas as pd
 
+    from autoloop.export import autoresearch_status
+
     out = tmp_path / "results.tsv"
     cli(night, "export", "--format", "tsv", "--out", str(out))
     df = pd.read_csv(out, sep="\t")
     assert list(df.columns[:5]) == ["commit", "val_bpb", "memory_gb", "status", "description"]
     db = trials(night)
-    assert list(df["trial"]) == [t["number"] for t in db]
+    assert list(df["trial"]) == [t["number"] for t in db]  # the baseline is trial 1; none is running
     for (_, row), t in zip(df.iterrows(), db):
-        assert row["status"] == t["status"] and row["description"] == t["description"]
+        status = autoresearch_status(t["status"], t["kind"], t["metric"])
+        assert row["status"] == status and row["autoloop_status"] == t["status"]
+        assert row["description"] == t["description"] and row["kind"] == t["kind"] and row["run"] == TAG
         assert (row["commit"] if isinstance(row["commit"], str) else None) == (t["trial_commit"][:7] if t["trial_commit"] else None)
+        if status == "crash":  # autoresearch's placeholders
+            assert row["val_bpb"] == 0.0 and row["memory_gb"] == 0.0
+        else:
+            assert row["val_bpb"] == pytest.approx(t["metric"], abs=5e-7)  # 6 decimals
+            assert row["memory_gb"] == pytest.approx(t["peak_memory_mb"] / 1024, abs=0.05)
         if t["metric"] is None:
-            assert pd.isna(row["val_bpb"])
+            assert pd.isna(row["metric"])
         else:
-            assert row["val_bpb"] == t["metric"]  # exact: written with full precision
-        if t["peak_memory_mb"] is None:
-            assert pd.isna(row["memory_gb"])
-        else:
-            assert row["memory_gb"] == round(t["peak_memory_mb"] / 1024, 1)
+            assert row["metric"] == t["metric"]  # exact: written with full precision
         assert (None if pd.isna(row["delta"]) else row["delta"]) == t["delta"]
-        assert row["kind"] == t["kind"] and row["run"] == TAG
+    assert set(df["status"]) == {"keep", "discard", "crash"}
     # stdout gives the same text
     assert cli(night, "export").stdout == out.read_text()
 

@@ -23,18 +23,23 @@ class IdeasProposer:
         idea = ctx.store.next_idea(ctx.run["id"], actionable_only=True)
         if idea is None:
             return None
-        edits = []
-        if idea.get("sets"):
-            # Values are stored as the text the human typed ("2**18", "0.02", "'adamw'").
-            values = {name: _value(str(text)) for name, text in idea["sets"].items()}
-            edits.append(Edit(path=self.config.editable[0], sets=values))
-        return Proposal(
-            description=idea["text"],
-            edits=edits,
-            patch=idea.get("patch") or None,
-            source="human",
-            idea_id=idea["id"],
-        )
+        return idea_proposal(idea, self.config)
+
+
+def idea_proposal(idea: dict, config: Config) -> Proposal:
+    """The proposal an idea row becomes; `autoloop seed` checks this same proposal."""
+    edits = []
+    if idea.get("sets"):
+        # Values are stored as the text the human typed ("2**18", "0.02", "'adamw'").
+        values = {name: _value(str(text)) for name, text in idea["sets"].items()}
+        edits.append(Edit(path=config.editable[0], sets=values))
+    return Proposal(
+        description=idea["text"],
+        edits=edits,
+        patch=idea.get("patch") or None,
+        source="human",
+        idea_id=idea.get("id"),
+    )
 
 
 def _value(text: str):

@@ -1,0 +1,228 @@
+"""`autoloop seed` checks an idea when it is seeded, with the controller's own rules,
+against the current best commit: a bad idea fails now, in one line, not at 3 a.m.
+
+Real git repositories and SQLite files in tmp_path; the CLI through typer's CliRunner.
+"""
+
+from __future__ import annotations
+
+import difflib
+import subprocess
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from autoloop.cli import app
+from autoloop.config import resolve
+from autoloop.errors import AutoloopError
+from autoloop.seeding import MAX_PATCH_BYTES, seed_idea
+from autoloop.store import Store
+from conftest import FAKE_TRAIN, make_repo
+
+runner = CliRunner()
+GIT_ID = ["-c", "user.name=t", "-c", "user.email=t@example.com"]
+
+
+def seed(repo, text="idea", *sets, patch=None, tag=None):
+    return seed_idea(resolve(repo, {}), repo, text, sets=list(sets), patch=patch, tag=tag)
+
+
+def cli_seed(repo, *args):
+    return runner.invoke(app, ["seed", "--repo", str(repo), *args])
+
+
+def git(repo, *args) -> str:
+    return subprocess.run(["git", *GIT_ID, *args], cwd=repo, check=True, capture_output=True, text=True).stdout.strip()
+
+
+def ideas(repo) -> list[dict]:
+    db = repo / "experiments.db"
+    if not db.exists():
+        return []
+    with Store(db) as store:
+        return store.ideas()
+
+
+def diff(old: str, new: str, path: str = "train.py") -> str:
+    return "".join(difflib.unified_diff(old.splitlines(True), new.splitlines(True), f"a/{path}", f"b/{path}"))
+
+
+def new_file_diff(path: str) -> str:
+    return f"diff --git a/{path} b/{path}\nnew file mode 100644\n--- /dev/null\n+++ b/{path}\n@@ -0,0 +1 @@\n+x = 1\n"
+
+
+def write_patch(tmp_path: Path, text: str | bytes, name: str = "idea.diff") -> Path:
+    path = tmp_path / name
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    return path
+
+
+def assert_refused(repo, args: list[str], *fragments: str) -> str:
+    """The CLI refuses in exactly one line, exit 1, no traceback, nothing stored."""
+    before = len(ideas(repo))
+    result = cli_seed(repo, *args)
+    assert result.exit_code == 1, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.output
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+    assert "Traceback" not in result.output
+    assert len(ideas(repo)) == before
+    return lines[0]
+
+
+# ---------------------------------------------------------------------------- patches
+
+
+@pytest.mark.parametrize("path, fragment", [
+    ("../outside.py", "invalid path '../outside.py'"),
+    (".git/hooks/pre-commit", ".git/hooks/pre-commit"),
+    ("autoloop/harness/evaluate.py", "protected file autoloop/harness/evaluate.py"),
+    ("notes.py", "not editable"),
+])
+def test_a_patch_to_a_file_proposals_may_not_change_is_refused(fake_repo, tmp_path, path, fragment):
+    patch = write_patch(tmp_path, new_file_diff(path))
+    assert_refused(fake_repo, ["x", "--patch", str(patch)], fragment)
+    assert not (fake_repo / ".git" / "hooks" / "pre-commit").exists()
+    assert not (tmp_path / "outside.py").exists()
+
+
+def test_a_patch_that_is_not_utf8_is_one_line(fake_repo, tmp_path):
+    source = (fake_repo / "train.py").read_text()
+    text = diff(source, source.replace("LR = 0.02", "LR = 0.01  # caf\xe9")).encode("latin-1")
+    line = assert_refused(fake_repo, ["latin-1", "--patch", str(write_patch(tmp_path, text))], "not UTF-8")
+    assert "byte 0xe9" in line
+
+
+def test_a_patch_over_the_size_limit_is_refused_before_the_db_grows(fake_repo, tmp_path):
+    source = (fake_repo / "train.py").read_text()
+    filler = "".join(f"# {'x' * 70} {i}\n" for i in range(MAX_PATCH_BYTES // 70 + 10))
+    patch = write_patch(tmp_path, diff(source, source + filler))
+    assert patch.stat().st_size > MAX_PATCH_BYTES
+    assert_refused(fake_repo, ["huge", "--patch", str(patch)], "1 MB", "MAX_PATCH_BYTES")
+    assert not (fake_repo / "experiments.db").exists()
+
+
+def test_a_patch_is_checked_against_the_current_best_not_head(fake_repo, tmp_path):
+    """The run's best commit differs from HEAD: a patch made against HEAD's train.py that
+    no longer applies to the best is refused; one made against the best is accepted."""
+    head = git(fake_repo, "rev-parse", "HEAD")
+    source = (fake_repo / "train.py").read_text()
+    best_source = source.replace("LR = 0.02", "LR = 0.015")
+    git(fake_repo, "checkout", "-qb", "autoloop/t")
+    (fake_repo / "train.py").write_text(best_source)
+    git(fake_repo, "commit", "-qam", "kept: lr 0.015")
+    best = git(fake_repo, "rev-parse", "HEAD")
+    git(fake_repo, "checkout", "-q", "main")
+    with Store(fake_repo / "experiments.db") as store:
+        store.create_run("t", base_commit=head, best_commit=best)
+    stale = write_patch(tmp_path, diff(source, source.replace("LR = 0.02", "LR = 0.01")), "stale.diff")
+    assert_refused(fake_repo, ["lr", "--patch", str(stale)], "does not apply", best[:7], "run 't'")
+    fresh = write_patch(tmp_path, diff(best_source, best_source.replace("LR = 0.015", "LR = 0.01")), "fresh.diff")
+    idea = seed(fake_repo, "lr from the best", patch=fresh)
+    assert idea["patch"] == fresh.read_text()
+    # --set is checked against the best too: LR=0.015 changes nothing there.
+    assert_refused(fake_repo, ["same", "--set", "LR=0.015"], "changes nothing")
+
+
+def test_the_tagged_run_is_the_one_checked(fake_repo, tmp_path):
+    head = git(fake_repo, "rev-parse", "HEAD")
+    source = (fake_repo / "train.py").read_text()
+    git(fake_repo, "checkout", "-qb", "other")
+    (fake_repo / "train.py").write_text(source.replace("WIDTH = 64", "WIDTH = 128"))
+    git(fake_repo, "commit", "-qam", "wider")
+    wider = git(fake_repo, "rev-parse", "HEAD")
+    git(fake_repo, "checkout", "-q", "main")
+    with Store(fake_repo / "experiments.db") as store:
+        store.create_run("a", base_commit=head, best_commit=None)  # no baseline yet: its base commit
+        store.create_run("b", base_commit=head, best_commit=wider)
+    # The most recent run (b) has WIDTH=128; run a has WIDTH=64.
+    assert_refused(fake_repo, ["w", "--set", "WIDTH=128"], "changes nothing")
+    assert seed(fake_repo, "w", "WIDTH=128", tag="a")["sets"] == {"WIDTH": "128"}
+
+
+def test_a_good_patch_is_stored_verbatim(fake_repo, tmp_path):
+    source = (fake_repo / "train.py").read_text()
+    patch = write_patch(tmp_path, diff(source, source.replace("LR = 0.02", "LR = 0.01")))
+    result = cli_seed(fake_repo, "lower lr", "--patch", str(patch))
+    assert result.exit_code == 0, result.output
+    (idea,) = ideas(fake_repo)
+    assert idea["patch"] == patch.read_text() and idea["text"] == "lower lr"
+
+
+def test_a_patch_that_does_not_compile_is_refused(fake_repo, tmp_path):
+    source = (fake_repo / "train.py").read_text()
+    patch = write_patch(tmp_path, diff(source, source.replace("LR = 0.02", "LR = = 0.02")))
+    assert_refused(fake_repo, ["typo", "--patch", str(patch)], "syntax error in train.py")
+
+
+# ---------------------------------------------------------------------------- --set values
+
+
+@pytest.mark.parametrize("pair, fragment", [
+    ("LR=1e400", "not a finite number"),
+    ("LR=float('nan')", "float"),
+    ("LR=-1e999", "not a finite number"),
+    ("WIDTH=2.5", "WIDTH is an int"),
+    ("WIDTH=abc", "abc"),
+    ("WIDTH=[1,2]", "WIDTH is an int"),
+    ("WIDTH=True", "WIDTH is an int"),
+    ("WIDTH='64'", "WIDTH is an int"),
+    ("MODE=crash", "quote"),
+    ("MODE=3", "MODE is a str"),
+    ("LR='0.01'", "LR is a float"),
+    ("WIDTH=(64", "not a Python value"),
+])
+def test_a_value_that_does_not_fit_the_constant_is_refused(fake_repo, pair, fragment):
+    assert_refused(fake_repo, ["x", "--set", pair], fragment)
+
+
+@pytest.mark.parametrize("pairs, stored", [
+    (["LR=0.01"], {"LR": "0.01"}),
+    (["LR=1"], {"LR": "1"}),  # an int is a fine float
+    (["LR=3e-3"], {"LR": "3e-3"}),
+    (["WIDTH=2**5"], {"WIDTH": "2**5"}),  # arithmetic of literals, as written
+    (["MODE='crash'"], {"MODE": "'crash'"}),
+    (["SLEEP=2", "LR=0.01"], {"SLEEP": "2", "LR": "0.01"}),
+])
+def test_a_value_that_fits_is_stored_as_typed(fake_repo, pairs, stored):
+    assert seed(fake_repo, "ok", *pairs)["sets"] == stored
+
+
+def test_a_value_may_name_another_constant(tmp_path):
+    repo = make_repo(tmp_path / "r", FAKE_TRAIN.read_text().replace("SLEEP = 0.0", "SLEEP = 0.0\nBASE_LR = 0.01"))
+    assert seed(repo, "lr from base", "LR=BASE_LR / 2")["sets"] == {"LR": "BASE_LR / 2"}
+
+
+def test_the_value_check_reads_the_committed_best_not_the_worktree(fake_repo):
+    # An uncommitted edit of train.py is not what the loop will train from.
+    source = (fake_repo / "train.py").read_text()
+    (fake_repo / "train.py").write_text(source.replace("WIDTH = 64", "WIDTH = 64.0"))
+    assert_refused(fake_repo, ["x", "--set", "WIDTH=2.5"], "WIDTH is an int")
+
+
+def test_an_accepted_idea_runs_as_a_valid_trial(fake_repo, tmp_path):
+    """What seed accepts, the controller accepts: the same materialize and validate."""
+    from autoloop.controller import Controller
+
+    source = (fake_repo / "train.py").read_text()
+    # The patch's context includes the LR line, so it goes first (ideas are taken oldest first).
+    seed(fake_repo, "wider by patch", patch=write_patch(tmp_path, diff(source, source.replace("WIDTH = 64", "WIDTH = 128"))))
+    seed(fake_repo, "lr by constant", "LR=0.015")
+    config = resolve(fake_repo, {"tag": "t", "time_budget": 5, "grace_seconds": 20, "proposers": "ideas", "max_trials": 3})
+    Controller(config, fake_repo, verifier=None).run()
+    with Store(fake_repo / "experiments.db") as store:
+        rows = store.trials(store.get_run("t")["id"])
+    assert [r["status"] for r in rows] == ["keep", "discard", "keep"], [r["reason"] for r in rows]
+
+
+def test_missing_patch_and_empty_description_are_one_line(fake_repo, tmp_path):
+    assert_refused(fake_repo, ["x", "--patch", str(tmp_path / "nope.diff")], "does not exist")
+    assert_refused(fake_repo, ["  ", "--set", "LR=0.01"], "description")
+
+
+def test_library_errors_are_autoloop_errors(fake_repo):
+    with pytest.raises(AutoloopError, match="WIDTH is an int"):
+        seed(fake_repo, "x", "WIDTH=2.5")

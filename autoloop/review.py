@@ -445,7 +445,7 @@ _DECISION_FIELDS = (("action", "action"), ("rule", "rule"), ("n", "pairs (n)"), 
 
 def _decision_lines(d: dict) -> list[str]:
     decision = decision_figures(d)
-    if not decision or d.get("kind") == Kind.ABLATION.value and "effect" in decision:
+    if not decision or (d.get("kind") == Kind.ABLATION.value and "effect" in decision):
         return []
     lines = ["decision"]
 

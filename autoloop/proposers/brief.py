@@ -240,7 +240,9 @@ def _outcome(trial: dict) -> str:
     if trial["status"] in (Status.KEEP.value, Status.DISCARD.value):
         versus = versus_incumbent(trial)
         if versus:
-            return f"{trial['status']} {versus}"
+            # An ablation took a kept change out of the best commit: it was never a proposal.
+            label = "ablation of the best" if trial.get("kind") == Kind.ABLATION.value else trial["status"]
+            return f"{label} {versus}"
     return trial["status"]
 
 

@@ -13,21 +13,26 @@ Rules, in order:
     * batches drawn but no clock tick at all: the trial never reported a step, so nothing
       it did can be placed against the budget.
     * time mode. Warm-up ends when the feed gets the UNTIMED_WARMUP_STEPS-th tick.
-        - The window from then to the last batch request must fit in budget + the last
-          step as the feed measured it (between its last two ticks) + a tolerance of
-          max(TIME_TOLERANCE x budget, MIN_TOLERANCE_SECONDS) for the bookkeeping between
-          steps that the trial's own clock does not count (~1 ms a step measured) and for
-          timestamp jitter. The harness clock stops after the step that crosses the
-          budget, so an honest trial draws its last batch within budget + its last step
-          however slow any step was; a trial that trains past its budget by any means (a
-          clock fed half of each step's time, training outside the timed step, steps
-          not reported) draws batches for longer. A slow machine slows the feed's view
-          and the trial's clock alike and never fails a trial.
+        - The window from then to the last batch request or tick (whichever is later)
+          must fit in budget + the last
+          step as the feed measured it (between its last two ticks) + a tolerance:
+          max(TIME_TOLERANCE x budget, MIN_TOLERANCE_SECONDS) for timestamp jitter, plus
+          STEP_BOOKKEEPING_SECONDS per timed step for the loop's work between steps that
+          the trial's own clock does not count (train.py spends ~0.5 ms). The harness
+          clock stops after the step that crosses the budget, so an honest trial draws
+          its last batch within budget + its last step however slow any step was; a
+          trial that trains past its budget by any means (a clock fed half of each
+          step's time, training outside the timed step, steps not reported) draws
+          batches for longer. A slow machine slows the feed's view and the trial's clock
+          alike and never fails a trial.
         - The untimed warm-up steps may draw what that many steps need: warm-up steps x
           the batches per step measured in the timed phase (median over ticks) + 1 for
           the loader's prefetch. More means training in the untimed warm-up.
-        - The last step is granted whatever time it took, but not extra data: it may draw
-          at most 2 x the batches of a timed step + 1.
+        - The last step is granted whatever time it took, but no step, the last included
+          (with what was drawn after the last tick), may draw more than STEP_BATCH_FACTOR
+          x the median step's batches + 1: that would be data hoarded to train on later.
+        - From the end of that window to the process's exit (when the caller gives it):
+          at most max(TAIL_FRACTION x budget, TAIL_MIN_SECONDS) for saving the results.
     * step mode. The clock may be told at most max_steps steps; the tokens served may
       exceed the tokens the trial reports by at most one step's worth (the prefetched
       batch); the steps reported must be the steps the clock was told. So a trial that
@@ -36,8 +41,8 @@ Start-up (spawn -> the trial's first request) is measured, reported, and not a r
 window starts at the feed's own warm-up tick, so no start-up allowance can hide training.
 
 Out of reach of these rules: training on data already drawn (extra optimizer steps on the
-same batch) in step mode, or inside a last step that is slow on purpose; the runner's
-kill deadline bounds those. See docs/verification.md.
+same batch) in step mode, inside a last step that is slow on purpose, or in the tail
+allowance after the last tick; the runner's kill deadline bounds those.
 """
 
 from __future__ import annotations
@@ -47,9 +52,18 @@ import statistics
 
 from autoloop.harness.constants import UNTIMED_WARMUP_STEPS
 
-TIME_TOLERANCE = 0.02  # of the budget: bookkeeping between steps (~0.1-1%) and timestamp jitter
+TIME_TOLERANCE = 0.02  # of the budget: timestamp jitter and the trial's work between steps
 MIN_TOLERANCE_SECONDS = 0.5  # the same, for short budgets (tests, quick runs)
-LAST_STEP_BATCH_FACTOR = 2  # the last step may draw this many times a timed step's batches (+1)
+# Per timed step: the loop's bookkeeping outside the timed step (LR setting, logging, the
+# tick itself), which the trial's clock rightly does not count; train.py spends ~0.5 ms
+# (CPU, measured) and well under 1 ms on CUDA, so a proposal with tiny steps is not failed.
+STEP_BOOKKEEPING_SECONDS = 0.002
+STEP_BATCH_FACTOR = 2  # a step may draw this many times the median step's batches (+1)
+# After the last batch or tick, until the process exits: saving the checkpoint and the
+# result (and evaluating, when train.py evaluates in-process). Generous: it only bounds a
+# trial that hoards batches, stops ticking and trains on after.
+TAIL_FRACTION = 0.5
+TAIL_MIN_SECONDS = 60.0
 
 
 def _number(result: dict, key: str) -> float | None:
@@ -78,6 +92,16 @@ def _batches_per_step(times: list[float], batches: list[int], warmup: int) -> fl
     return float(statistics.median(diffs)) if diffs else None
 
 
+def refusal_problem(summary: dict) -> str | None:
+    """The trial asked the feed for a split training may not read (also for a trial that then crashed)."""
+    count = int(summary.get("refused_count") or 0)
+    if not count:
+        return None
+    splits = sorted({str(r.get("split")) for r in summary.get("refused") or []}) or ["val"]
+    return (f"asked the harness's data feed for the {' and '.join(splits)} split ({count} refused request(s)): "
+            "training may not read val or heldout")
+
+
 def check_budget(summary: dict, result: dict | None, *, time_budget: float | None, max_steps: int | None,
                  warmup_steps: int = UNTIMED_WARMUP_STEPS, spawned_at: float | None = None,
                  exited_at: float | None = None, tolerance: float = TIME_TOLERANCE,
@@ -90,6 +114,8 @@ def check_budget(summary: dict, result: dict | None, *, time_budget: float | Non
     """
     result = result or {}
     step_mode = max_steps is not None
+    if not step_mode and time_budget is None:
+        raise ValueError("check_budget needs a time budget or a step budget")
     batches = int(summary.get("batches") or 0)
     tokens = int(summary.get("tokens") or 0)
     n_ticks = int(summary.get("ticks") or 0)
@@ -132,11 +158,9 @@ def check_budget(summary: dict, result: dict | None, *, time_budget: float | Non
     bps = _batches_per_step(times, tick_batches, warmup_steps)
     figures["batches_per_step"] = _r(bps)
 
-    refused = summary.get("refused") or []
-    if figures["refused"]:
-        splits = sorted({str(r.get("split")) for r in refused}) or ["val"]
-        return (f"asked the harness's data feed for the {' and '.join(splits)} split ({figures['refused']} refused "
-                "request(s)): training may not read val or heldout", figures)
+    refused = refusal_problem(summary)
+    if refused:
+        return refused, figures
     if batches and not n_ticks:
         return (f"drew {batches} training batches ({tokens:,} tokens) but never reported a step to the harness clock: "
                 "its training cannot be checked against the budget", figures)
@@ -144,7 +168,8 @@ def check_budget(summary: dict, result: dict | None, *, time_budget: float | Non
     if step_mode:
         return _step_rules(figures, summary, max_steps, batches, tokens, n_ticks, reported_steps, reported_tokens), figures
     return _time_rules(figures, float(time_budget), warmup_steps, batches, n_ticks, times, tick_batches, last_ticks,
-                       summary.get("first_batch"), last_batch, last_step, bps, tolerance, min_tolerance_seconds), figures
+                       summary.get("first_batch"), last_batch, exited, last_step, bps, tolerance,
+                       min_tolerance_seconds), figures
 
 
 def _step_rules(figures, summary, max_steps, batches, tokens, n_ticks, reported_steps, reported_tokens) -> str | None:
@@ -161,7 +186,7 @@ def _step_rules(figures, summary, max_steps, batches, tokens, n_ticks, reported_
     allowed = reported_tokens + max(step_tokens, batch_tokens)
     figures["tokens_allowed"] = int(allowed)
     if tokens > allowed:
-        worth = f" (enough for ~{tokens / step_tokens:.0f} steps)" if step_tokens > 0 else ""
+        worth = f", enough for ~{tokens / step_tokens:.0f} steps" if step_tokens > 0 else ""
         return (f"drew {batches} batches ({tokens:,} tokens{worth}) from the data feed but reports "
                 f"{reported_steps:.0f} steps and {reported_tokens:,.0f} tokens (allowed {allowed:,.0f} with one step of "
                 "prefetch): it trained on more data than it reports")
@@ -172,7 +197,7 @@ def _step_rules(figures, summary, max_steps, batches, tokens, n_ticks, reported_
 
 
 def _time_rules(figures, budget, warmup, batches, n_ticks, times, tick_batches, last_ticks, first_batch, last_batch,
-                last_step, bps, tolerance, min_tolerance_seconds) -> str | None:
+                exited, last_step, bps, tolerance, min_tolerance_seconds) -> str | None:
     if not batches:
         return None
     if n_ticks <= warmup or len(times) < max(warmup, 1):
@@ -182,8 +207,12 @@ def _time_rules(figures, budget, warmup, batches, n_ticks, times, tick_batches, 
         warm_end, warm_batches = times[warmup - 1], tick_batches[warmup - 1]
     else:
         warm_end, warm_batches = float(first_batch), 0
-    window = max(0.0, float(last_batch) - warm_end) if last_batch is not None and batches > warm_batches else 0.0
-    slack = max(tolerance * budget, min_tolerance_seconds)
+    # Training ends with the last batch drawn or the last step reported, whichever is later.
+    window_end = max(float(last_batch) if last_batch is not None else warm_end,
+                     last_ticks[-1][0] if last_ticks else warm_end)
+    window = max(0.0, window_end - warm_end)
+    timed_steps = n_ticks - warmup
+    slack = max(tolerance * budget, min_tolerance_seconds) + STEP_BOOKKEEPING_SECONDS * timed_steps
     allowed = budget + last_step + slack
     figures.update({
         "warmup_end_seconds": _r(warm_end),
@@ -207,11 +236,23 @@ def _time_rules(figures, budget, warmup, batches, n_ticks, times, tick_batches, 
     if window > allowed:
         return (f"drew training batches for {window:.1f} s after warm-up, over its {budget:g} s budget (last step "
                 f"{last_step:.1f} s, allowed {allowed:.1f} s): the trial trained past its budget")
-    if bps is not None and len(last_ticks) >= 2:
-        last_batches = batches - last_ticks[-2][1]
-        last_allowed = LAST_STEP_BATCH_FACTOR * math.ceil(bps) + 1
-        figures["last_step_batches"] = last_batches
-        if last_batches > last_allowed:
-            return (f"drew {last_batches} training batches in its last step, more than a step takes ({bps:g}; allowed "
-                    f"{last_allowed}): it trained past its budget in the last step")
+    if bps is not None:
+        step_allowed = STEP_BATCH_FACTOR * math.ceil(bps) + 1
+        # Batches per timed step; the last one also holds whatever was drawn after the last tick.
+        per_step = [tick_batches[k] - tick_batches[k - 1] for k in range(max(warmup, 1), len(tick_batches))]
+        if len(last_ticks) >= 2:
+            per_step.append(batches - last_ticks[-2][1])
+        figures["max_step_batches"] = max(per_step, default=None)
+        figures["last_step_batches"] = per_step[-1] if per_step else None
+        if per_step and max(per_step) > step_allowed:
+            where = "its last step" if per_step[-1] > step_allowed else "one step"
+            return (f"drew {max(per_step)} training batches in {where}, more than a step takes ({bps:g} a step; allowed "
+                    f"{step_allowed}): it took data to train on outside the steps the budget counts")
+    if exited is not None:
+        tail = exited - window_end
+        tail_allowed = max(TAIL_FRACTION * budget, TAIL_MIN_SECONDS)
+        figures["tail_seconds"], figures["tail_allowed_seconds"] = _r(tail), _r(tail_allowed)
+        if tail > tail_allowed:
+            return (f"ran {tail:.0f} s after its last training batch and step, more than the {tail_allowed:.0f} s "
+                    "allowed for saving its results: it trained on without the harness clock")
     return None

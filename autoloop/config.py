@@ -51,15 +51,14 @@ class Config:
     max_consecutive_failures: int = 3  # circuit breaker: crashes/timeouts in a row before re-running the incumbent
     allow_env_change: bool = False  # resume on another GPU / torch / data / harness anyway (recorded)
     verify: bool = True  # verify keep candidates in a fresh process before keeping them
-    # Trials run under bubblewrap where it works (docs/verification.md): auto | on | off.
-    sandbox: str = "auto"
     # Noise-aware decisions (docs/decisions.md). "paired": a candidate is compared with the
     # incumbent on the same seeds, run again while the answer is unclear; "strict": one run,
     # kept when it beats the best by more than keep_margin (autoresearch's rule).
     decision_rule: str = "paired"
     baseline_seeds: int = 3  # the baseline's runs: the first measure of the noise
-    max_runs: int = 4  # most runs of one candidate before it is discarded as not distinguishable
+    max_runs: int = 5  # most runs of one candidate before it is discarded as not distinguishable
     alpha: float = 0.05  # false keeps allowed per proposal that changes nothing
+    futility: float = -0.5  # discard as soon as the paired t statistic is above this (a worse run costs one run)
     drift_every: int = 10  # re-measure the incumbent every N trials (0: never)
     drift_event_sigmas: float = 3.0  # a shift beyond this many paired-noise sds is an event
     drift_pause_sigmas: float = 8.0  # ... and beyond this many, the run pauses
@@ -99,7 +98,7 @@ class Config:
 _FIELDS = {f.name: f for f in fields(Config)}
 _HINTS = get_type_hints(Config)
 # Fields with a fixed vocabulary; TOML's true/false mean on/off.
-_CHOICES = {"sandbox": ("auto", "on", "off")}
+_CHOICES = {"sandbox": ("auto", "on", "off"), "decision_rule": ("paired", "strict")}
 
 
 def _coerce(name: str, raw: Any, source: str) -> Any:
@@ -184,10 +183,4 @@ def resolve(repo: Path | str = ".", flags: dict[str, Any] | None = None, environ
             raise AutoloopError(f"unknown setting {name!r}")
         if value is not None:
             merged[name] = _coerce(name, value, f"--{name.replace('_', '-')}")
-    for name, allowed in _CHOICES.items():
-        if name in merged and merged[name] not in allowed:
-            raise AutoloopError(f"{name} = {merged[name]!r} is not one of {', '.join(allowed)}: fix the value")
     return dataclasses.replace(Config(), **merged).with_defaults()
-
-
-_CHOICES = {"decision_rule": ("paired", "strict"), "sandbox": ("auto", "on", "off")}

@@ -618,7 +618,7 @@ class Controller:
     def decision_config(self) -> DecisionConfig:
         cfg = self.config
         return DecisionConfig(rule=cfg.decision_rule, baseline_seeds=cfg.baseline_seeds, max_runs=cfg.max_runs,
-                              alpha=cfg.alpha, margin=cfg.keep_margin)
+                              alpha=cfg.alpha, futility=cfg.futility, margin=cfg.keep_margin)
 
     def _runs(self, trial: dict, roles: tuple[str, ...] | None = None) -> dict[int, float]:
         """{seed: metric} of a trial's successful runs (the first run per seed)."""

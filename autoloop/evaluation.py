@@ -15,8 +15,9 @@ Bytecode (why every child gets PYTHONPYCACHEPREFIX, `pycache_env`)
     with the real file's mtime and size would change every later evaluation. With
     PYTHONPYCACHEPREFIX set, Python neither reads nor writes `__pycache__` beside the
     sources: it uses the prefix folder. Training and evaluation get separate prefixes
-    under the controller's cache: training's is writable by training (its own cache);
-    the evaluator's is written only by `warm_eval_cache` (a trusted process that imports
+    under the controller's cache: training's is writable by training (its own cache; its
+    harness part is written first by `warm_pycache` and then watched by the integrity
+    snapshot); the evaluator's is written only by `warm_pycache` (a trusted process that imports
     the harness and torch, no trial code) and is read-only for the evaluator
     (PYTHONDONTWRITEBYTECODE=1, read-only in the sandbox) and never visible writable to a
     training run. Unsandboxed, the evaluator's prefix is watched: a change while the
@@ -49,7 +50,6 @@ import json
 import math
 import os
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -67,7 +67,7 @@ PYCACHE_KINDS = ("train", "eval")
 ENV_PYCACHE_PREFIX = "PYTHONPYCACHEPREFIX"
 ENV_DONT_WRITE_BYTECODE = "PYTHONDONTWRITEBYTECODE"
 
-_warmed: set[tuple[str, str, str]] = set()
+_warmed: set[tuple[str, str, str, str]] = set()
 
 
 # ---------------------------------------------------------------------------------------
@@ -96,11 +96,20 @@ def pycache_env(kind: str, cache_root: Path | str) -> dict[str, str | None]:
 
 
 def warm_eval_cache(python: str, cache_root: Path | str, *, env: dict[str, str] | None = None) -> float:
-    """Fill the evaluator's bytecode prefix from a trusted process (harness + torch, no trial
-    code); once per (python, prefix, PYTHONPATH) in this process. Returns the seconds spent."""
-    prefix = pycache_dir("eval", cache_root)
+    """Fill the evaluator's bytecode prefix (see `warm_pycache`)."""
+    return warm_pycache("eval", python, cache_root, env=env)
+
+
+def warm_pycache(kind: str, python: str, cache_root: Path | str, *, env: dict[str, str] | None = None) -> float:
+    """Fill a bytecode prefix from a trusted process (the harness + torch, no trial code);
+    once per (kind, python, prefix, PYTHONPATH) in this process. Returns the seconds spent.
+
+    For "eval" this is the only writer. For "train" it makes the harness's bytecode there
+    current before any trial runs, so an honest trial writes none of it and the integrity
+    snapshot can treat any harness .pyc a trial adds or changes there as tampering."""
+    prefix = pycache_dir(kind, cache_root)
     base = dict(env if env is not None else os.environ)
-    key = (python, str(prefix), base.get("PYTHONPATH", ""))
+    key = (kind, python, str(prefix), base.get("PYTHONPATH", ""))
     if key in _warmed:
         return 0.0
     prefix.mkdir(parents=True, exist_ok=True)

@@ -21,12 +21,17 @@ PYTHONUNBUFFERED=1, plus the AUTOLOOP_* contract variables the caller passes, pl
 per-trial marker (AUTOLOOP_TRIAL_MARKER).
 
 With a `SandboxPolicy` of kind "bwrap" the command runs inside bubblewrap
-(autoloop/sandbox.py); the group signalled is bubblewrap's, and killing it ends the trial's
-PID namespace and every process in it. Without one, a process that left the group (a
-`setsid` daemon) could outlive the trial, so for the length of a trial this process is a
-child subreaper (orphans of the trial become its children, not init's) and after the trial
-every process whose /proc/<pid>/environ carries the trial's marker is SIGKILLed, and those
-that became our children are reaped.
+(autoloop/sandbox.py). The group recorded and signalled is bubblewrap's: killing it kills
+bubblewrap's inner process (PID 1 of the trial's namespace, through --die-with-parent),
+and with it the kernel kills every process in the namespace, `setsid` daemons included. A
+SIGTERM therefore ends a sandboxed trial at once, without a grace period inside.
+
+Unsandboxed, a process that left the group (a `setsid` daemon) could outlive the trial, so
+for the length of the trial this process is a child subreaper (orphans of the trial become
+its children, not init's). After every trial, sandboxed or not, each process whose
+/proc/<pid>/environ carries the trial's marker is SIGKILLed (until none is left), and the
+zombies of the trial that became our children are reaped; a process that exec'd itself
+with a scrubbed environment escapes this sweep, which is why the sandbox is the default.
 
 The result comes from the result JSON (`AUTOLOOP_RESULT`, metric source "harness") if the
 script wrote one, else from the final `---` block of `key: value` lines in the log (metric
@@ -43,10 +48,10 @@ import json
 import math
 import os
 import re
+import secrets
 import select
 import shlex
 import signal
-import secrets
 import subprocess
 import sys
 import threading
@@ -246,11 +251,18 @@ def _set_child_subreaper(on: bool) -> bool:
 
 
 class _ChildSubreaper:
-    """This process is a child subreaper while at least one trial runs (trials may run in
-    threads side by side); afterwards orphans go to init again, as for any program."""
+    """This process is a child subreaper while at least one unsandboxed trial runs (trials
+    may run in threads side by side); afterwards orphans go to init again, as for any
+    program. A sandboxed trial needs none: its PID namespace dies with it, and bubblewrap's
+    inner process, orphaned at the end, would only become our zombie."""
+
+    def __init__(self, enabled: bool = True):
+        self.enabled = enabled
 
     def __enter__(self) -> "_ChildSubreaper":
         global _subreaper_users
+        if not self.enabled:
+            return self
         with _subreaper_lock:
             if _subreaper_users == 0:
                 _set_child_subreaper(True)
@@ -259,6 +271,8 @@ class _ChildSubreaper:
 
     def __exit__(self, *exc: object) -> None:
         global _subreaper_users
+        if not self.enabled:
+            return
         with _subreaper_lock:
             _subreaper_users -= 1
             if _subreaper_users == 0:
@@ -376,6 +390,7 @@ def run_training(
     poll_interval: float = 0.2,
     sandbox: SandboxPolicy | None = None,
     sandbox_paths: SandboxPaths | None = None,
+    marker: str | None = None,
 ) -> RunOutcome:
     """Run `command` until it exits, the deadline passes or `should_abort()` is true.
 
@@ -390,6 +405,10 @@ def run_training(
     without paths, the working folder is read-only and the folders of AUTOLOOP_RESULT,
     AUTOLOOP_CHECKPOINT and AUTOLOOP_PROGRESS are writable. pid and pgid are then
     bubblewrap's. Kinds "none" and "off" (and None) run the command as it is.
+
+    `marker` (default: a random one) is the value of AUTOLOOP_TRIAL_MARKER in the child's
+    environment; a caller that records it can sweep the trial's processes after a crash of
+    its own (`sweep_trial_processes`).
     """
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -397,7 +416,7 @@ def run_training(
     if result_path is not None:
         result_path.unlink(missing_ok=True)
 
-    marker = secrets.token_hex(12)
+    marker = marker or secrets.token_hex(12)
     argv = [str(part) for part in command]
     child_env = allowed_environment({**env, TRIAL_MARKER: marker})
     sandboxed = sandbox is not None and sandbox.kind == "bwrap"
@@ -413,7 +432,7 @@ def run_training(
         log.flush()
         offset = log.tell()
         started = time.monotonic()
-        reaper = _ChildSubreaper().__enter__()
+        reaper = _ChildSubreaper(enabled=not sandboxed).__enter__()
         try:
             proc = subprocess.Popen(
                 argv,

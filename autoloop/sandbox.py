@@ -47,14 +47,17 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from autoloop.errors import AutoloopError
 
 MODES = ("auto", "on", "off")
+ENV_COMPILE_CACHE = "AUTOLOOP_COMPILE_CACHE"  # as in autoloop/harness/contract.py
+COMPILE_CACHE_VARS = (ENV_COMPILE_CACHE, "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
 PROBE_TIMEOUT_SECONDS = 20
 # HOME inside the sandbox: an empty folder in the private /tmp, so tools that write to
 # ~/.cache or ~/.nv write somewhere that vanishes with the trial.
@@ -150,7 +153,6 @@ class SandboxPolicy:
     reason: str = ""
     bwrap: str | None = None
     version: str | None = None
-    gpu_nodes: tuple[str, ...] = field(default=())
 
     def describe(self) -> str:
         """One line for runs.sandbox and the console."""
@@ -170,17 +172,27 @@ class SandboxPolicy:
     ) -> tuple[list[str], dict[str, str]]:
         """The command line and environment that run `argv` in `cwd` inside the sandbox
         (see the module docstring for the layout); unchanged for kinds "none" and "off".
-        Writable folders that do not exist yet are created."""
+
+        Added to what the caller asks: read-only, what any Python child needs (its working
+        folder, the interpreter, autoloop, PYTHONPATH, LD_LIBRARY_PATH, CUDA_HOME);
+        writable, the compile caches the environment names (AUTOLOOP_COMPILE_CACHE, set
+        here to the controller's when missing, TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR),
+        so that compiled kernels are reused across trials. Writable folders that do not
+        exist yet are created. GPU device nodes are looked up now, not at detection: the
+        driver creates some (nvidia-uvm) on first use."""
         env = dict(env)
         argv = [str(part) for part in argv]
         if self.kind != "bwrap":
             return argv, env
-        for path in writable:
-            Path(path).mkdir(parents=True, exist_ok=True)
+        env.setdefault(ENV_COMPILE_CACHE, str(_controller_cache_root(env) / "compile"))
+        writable = [*writable, *(Path(env[name]) for name in COMPILE_CACHE_VARS if env.get(name))]
+        for path in map(Path, writable):
+            if not path.exists():
+                path.mkdir(parents=True)
         readonly = [*readonly, *_default_readonly(cwd, env)]
         args = bwrap_arguments(
             cwd=cwd, writable=writable, readonly=readonly, hidden=hidden,
-            gpu_nodes=self.gpu_nodes, homes=_home_folders(),
+            gpu_nodes=gpu_device_nodes(), homes=_home_folders(),
         )
         env["HOME"] = SANDBOX_HOME
         env["TMPDIR"] = "/tmp"
@@ -203,14 +215,24 @@ def _home_folders() -> list[Path]:
     return [p for p in {_resolve(h) for h in homes} if p.is_dir() and p != Path("/")]
 
 
+def _controller_cache_root(env: Mapping[str, str]) -> Path:
+    """The harness's cache_root() as the controller sees it (with its real HOME); not
+    imported from autoloop.harness, which would import torch."""
+    if env.get("AUTOLOOP_CACHE_DIR"):
+        return Path(env["AUTOLOOP_CACHE_DIR"]).expanduser()
+    base = env.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "autoloop"
+
+
 def _default_readonly(cwd: Path | str, env: Mapping[str, str]) -> list[Path]:
-    """What any Python child needs to see even when it lives in a home folder: its working
-    folder, the interpreter and its environment, autoloop itself, PYTHONPATH."""
+    """What any Python child needs to see even when it lives in a home folder."""
     import autoloop
 
     paths = [Path(cwd), Path(sys.prefix), Path(sys.base_prefix), Path(sys.exec_prefix),
              _resolve(sys.executable).parent, Path(autoloop.__file__).resolve().parent]
-    paths += [Path(p) for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    for name in ("PYTHONPATH", "LD_LIBRARY_PATH"):
+        paths += [Path(p) for p in env.get(name, "").split(os.pathsep) if p]
+    paths += [Path(env[name]) for name in ("CUDA_HOME", "CUDA_PATH", "VIRTUAL_ENV", "CONDA_PREFIX") if env.get(name)]
     return paths
 
 
@@ -230,14 +252,15 @@ def bwrap_arguments(
     args += ["--proc", "/proc", "--tmpfs", "/tmp", "--dir", SANDBOX_HOME]
 
     # Every mount after the base, keyed by path: the most specific request wins, and a
-    # path asked for twice keeps the strongest meaning (writable > hidden > read-only).
+    # path asked for twice keeps the strongest meaning (writable > hidden > read-only >
+    # covered: a repository that is someone's whole home folder stays visible).
     wanted: dict[Path, str] = {}
     for path in [Path("/run"), *(_resolve(h) for h in homes)]:
         if path.is_dir():
             wanted[path] = "cover"
     for path in map(_resolve, readonly):
         if path.exists():
-            wanted.setdefault(path, "ro")
+            wanted[path] = "ro"
     for path in map(_resolve, hidden):
         if path.exists():
             wanted[path] = "hide-dir" if path.is_dir() else "hide-file"
@@ -246,12 +269,17 @@ def bwrap_arguments(
             raise AutoloopError(f"sandbox: {path} is asked to be both hidden and writable: pick one")
         wanted[path] = "rw"
 
-    # A read-only bind is only needed under something that is not the read-only root.
-    masking = [p for p, kind in wanted.items() if kind != "ro"] + [Path("/tmp")]
-    plan = [
-        (path, kind) for path, kind in wanted.items()
-        if kind != "ro" or any(_under(path, m) and path != m for m in masking)
-    ]
+    # A read-only bind is only needed where the nearest mount above the path is not
+    # read-only already (the root, or another read-only bind).
+    wanted_with_tmp = {Path("/tmp"): "cover", **wanted}
+
+    def needed(path: Path, kind: str) -> bool:
+        if kind != "ro":
+            return True
+        above = [p for p in wanted_with_tmp if p != path and _under(path, p)]
+        return bool(above) and wanted_with_tmp[max(above, key=lambda p: len(p.parts))] != "ro"
+
+    plan = [(path, kind) for path, kind in wanted.items() if needed(path, kind)]
     plan.sort(key=lambda item: (len(item[0].parts), str(item[0])))
     read_only_folders = []
     for path, kind in plan:
@@ -291,11 +319,14 @@ def _probe(bwrap: str) -> tuple[bool, str, str | None]:
     try:
         version = subprocess.run([bwrap, "--version"], capture_output=True, text=True, timeout=PROBE_TIMEOUT_SECONDS)
         number = version.stdout.split()[-1] if version.stdout.split() else None
-        policy = SandboxPolicy("bwrap", bwrap=bwrap, version=number, gpu_nodes=gpu_device_nodes())
+        policy = SandboxPolicy("bwrap", bwrap=bwrap, version=number)
         true = shutil.which("true") or "/bin/true"
-        argv, env = policy.wrap([true], env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")}, cwd="/")
-        ran = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=PROBE_TIMEOUT_SECONDS,
-                             stdin=subprocess.DEVNULL)
+        # The real layout, a private compile cache aside: the probe writes nothing of ours.
+        with tempfile.TemporaryDirectory(prefix="autoloop-probe-") as scratch:
+            argv, env = policy.wrap([true], env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+                                                 ENV_COMPILE_CACHE: scratch}, cwd="/")
+            ran = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=PROBE_TIMEOUT_SECONDS,
+                                 stdin=subprocess.DEVNULL)
     except (OSError, subprocess.SubprocessError) as error:
         return False, f"bwrap cannot run here ({error})", None
     if ran.returncode != 0:
@@ -322,7 +353,7 @@ def detect(mode: str = "auto") -> SandboxPolicy:
         else:
             works, reason, version = _probe(bwrap)
     if works:
-        return SandboxPolicy("bwrap", bwrap=bwrap, version=version, gpu_nodes=gpu_device_nodes())
+        return SandboxPolicy("bwrap", bwrap=bwrap, version=version)
     if mode == "on":
         raise AutoloopError(f"sandbox = \"on\" but {reason}: install bubblewrap where user namespaces work, "
                             "or set sandbox = \"auto\"")

@@ -80,17 +80,19 @@ class Verifier:
 
     # ------------------------------------------------------------------ integrity
 
+    def pycache_root(self) -> Path:
+        """The cache holding the bytecode prefixes (autoloop.evaluation.pycache_env)."""
+        if self.cache_root is not None:
+            return self.cache_root
+        from autoloop.harness.contract import cache_root
+
+        return cache_root()
+
     def pycache_prefixes(self) -> list[Path]:
-        """The bytecode prefixes autoloop's children use (autoloop.evaluation.pycache_env)."""
+        """The bytecode prefixes autoloop's children use (training's and the evaluator's)."""
         from autoloop.evaluation import PYCACHE_KINDS, pycache_dir
 
-        if self.cache_root is None:
-            from autoloop.harness.contract import cache_root
-
-            root = cache_root()
-        else:
-            root = self.cache_root
-        return [pycache_dir(kind, root) for kind in PYCACHE_KINDS]
+        return [pycache_dir(kind, self.pycache_root()) for kind in PYCACHE_KINDS]
 
     def snapshot(self, controller) -> integrity.Snapshot:
         return integrity.take_snapshot(self.harness_dir, controller.data_dir(), pycache_prefixes=self.pycache_prefixes())
@@ -102,12 +104,18 @@ class Verifier:
             problems = integrity.dataset_problems(controller.data_dir()) + integrity.bytecode_problems(self.harness_dir)
             if problems:
                 return integrity.describe_pause(problems, controller.tag)
+            from autoloop.evaluation import PYCACHE_KINDS, warm_pycache
+
+            for kind in PYCACHE_KINDS:
+                # The harness's bytecode in both prefixes, written by a trusted process now, so
+                # an honest trial adds none and the snapshot below treats any change as tampering.
+                warm_pycache(kind, self.python, self.pycache_root())
             if not sys.dont_write_bytecode:
                 # Current bytecode now, so a training process that writes bytecode beside the
                 # sources (no PYTHONPYCACHEPREFIX) finds nothing to write: an honest trial never
                 # shows up as "harness bytecode added".
                 integrity.precompile_harness(self.harness_dir)
-                now = self.snapshot(controller)
+            now = self.snapshot(controller)
             self._reference = now
             from autoloop.harness import compute_harness_fingerprint
 
@@ -200,7 +208,7 @@ class Verifier:
             python=self.python, repo_dir=controller.repo_dir, source_dir=source_dir, checkpoint=checkpoint,
             data_dir=controller.data_dir(), device=device, splits=("val", "heldout"), causality=True,
             out_dir=trial_dir, sandbox=self.sandbox, deadline_seconds=deadline, on_start=on_start,
-            script=relative, seed=number, reported=float(outcome.metric), cache_root=self.cache_root,
+            script=relative, seed=number, reported=float(outcome.metric), cache_root=self.pycache_root(),
             should_abort=lambda: controller.abort_requested, db_path=getattr(controller.store, "path", None),
             verdict_file=VERDICT_FILE, log_file=VERIFY_LOG,
         )

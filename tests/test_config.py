@@ -59,3 +59,16 @@ def test_train_command_python_means_this_interpreter(tmp_path):
 
     config = resolve(tmp_path, {"train_command": "python my_train.py --fast"}, environ={})
     assert config.train_argv() == [sys.executable, "my_train.py", "--fast"]
+
+
+def test_sandbox_setting(tmp_path):
+    assert resolve(tmp_path, {}, environ={}).sandbox == "auto"
+    write_pyproject(tmp_path, "sandbox = 'on'\n")
+    assert resolve(tmp_path, {}, environ={}).sandbox == "on"
+    assert resolve(tmp_path, {}, environ={"AUTOLOOP_SANDBOX": "Off"}).sandbox == "off"
+    assert resolve(tmp_path, {"sandbox": "auto"}, environ={"AUTOLOOP_SANDBOX": "off"}).sandbox == "auto"
+    write_pyproject(tmp_path, "sandbox = false\n")  # TOML's booleans mean on/off
+    assert resolve(tmp_path, {}, environ={}).sandbox == "off"
+    write_pyproject(tmp_path, "sandbox = 'bwrap'\n")
+    with pytest.raises(AutoloopError, match=r"sandbox = 'bwrap' is not one of auto, on, off: fix the value"):
+        resolve(tmp_path, {}, environ={})

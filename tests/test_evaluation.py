@@ -190,6 +190,22 @@ def trained(tmp_path_factory, embedded_dataset):
             "data_dir": embedded_dataset.path, "cache": folder / "cache"}
 
 
+@pytest.fixture(scope="module")
+def fresh(tmp_path_factory, embedded_dataset):
+    """A checkpoint of the real (tiny) train.py's freshly initialised model, and its val_bpb
+    evaluated here, in-process, as train.py evaluates: seconds instead of a training run."""
+    from autoloop import harness as H
+
+    folder = tmp_path_factory.mktemp("fresh")
+    (folder / "train.py").write_text(tiny_train_source())
+    module = H.import_train_module(folder / "train.py")
+    config = module.model_config(vocab_size=embedded_dataset.vocab_size, seq_len=H.seq_len("cpu"))
+    model = module.build_model(config, device="cpu")
+    H.save_checkpoint(folder / "checkpoint.pt", model, config)
+    val = H.evaluate_bpb(model, embedded_dataset, "val", device="cpu", batch_size=module.EVAL_BATCH_SIZE)
+    return {"folder": folder, "val_bpb": val, "data_dir": embedded_dataset.path, "cache": folder / "cache"}
+
+
 def _evaluate(trained, tmp_path, source: str | None = None, **kwargs):
     """evaluate_checkpoint on the trained checkpoint with `source` as the trial's train.py."""
     source_dir = tmp_path / "source"
@@ -203,7 +219,36 @@ def _evaluate(trained, tmp_path, source: str | None = None, **kwargs):
     )
 
 
-def test_worker_gives_the_in_process_val_bpb(trained, tmp_path):
+class RecordingSandbox:
+    """A real sandbox policy of kind "none" (argv unchanged) that records what it was asked."""
+
+    kind = "none"
+
+    def __init__(self):
+        self.calls = []
+
+    def wrap(self, argv, *, env, cwd, writable, readonly, hidden):
+        self.calls.append({"argv": list(argv), "env": dict(env), "cwd": cwd, "writable": list(writable),
+                           "readonly": list(readonly), "hidden": list(hidden)})
+        return argv, env
+
+
+def test_worker_matches_in_process_evaluation(fresh, tmp_path):
+    sandbox = RecordingSandbox()
+    result = _evaluate(fresh, tmp_path, reported=fresh["val_bpb"], sandbox=sandbox)
+    assert result.ok and result.status == "ok", result.reason
+    assert result.val_bpb == pytest.approx(fresh["val_bpb"], abs=1e-6)
+    assert result.fields["pycache_prefix"] == str(pycache_dir("eval", fresh["cache"]))  # never __pycache__ beside sources
+    (call,) = sandbox.calls
+    assert call["writable"] == [tmp_path / "out"]
+    assert tmp_path / ".git" in call["hidden"] and tmp_path / ".autoloop" in call["hidden"]
+    assert tmp_path / "experiments.db" in call["hidden"] and tmp_path / "experiments.db-wal" in call["hidden"]
+    assert pycache_dir("eval", fresh["cache"]) in call["readonly"]
+    assert call["env"]["PYTHONDONTWRITEBYTECODE"] == "1" and call["env"]["AUTOLOOP_EVAL"] is None
+
+
+@pytest.mark.slow
+def test_worker_gives_the_in_process_val_bpb_of_a_trained_checkpoint(trained, tmp_path):
     result = _evaluate(trained, tmp_path, splits=("val", "heldout"), causality=True, reported=trained["val_bpb"])
     assert result.ok and result.status == "ok", result.reason
     assert result.val_bpb == pytest.approx(trained["val_bpb"], abs=1e-6)
@@ -216,12 +261,12 @@ def test_worker_gives_the_in_process_val_bpb(trained, tmp_path):
     assert result.seconds > 0 and (tmp_path / "out" / "eval.log").exists()
 
 
-def test_replacing_evaluate_bpb_at_import_fails(trained, tmp_path):
+def test_replacing_evaluate_bpb_at_import_fails(fresh, tmp_path):
     attack = edited(tiny_train_source(), "from autoloop import harness as H\n",
                     "from autoloop import harness as H\n"
                     "import autoloop.harness.metric\n"
                     "H.evaluate_bpb = autoloop.harness.metric.evaluate_bpb = lambda *args, **kwargs: 1.2345\n")
-    result = _evaluate(trained, tmp_path, attack, splits=("val", "heldout"), causality=True)
+    result = _evaluate(fresh, tmp_path, attack, splits=("val", "heldout"), causality=True)
     assert not result.ok and result.status == "failed" and result.val_bpb is None
     assert result.fields["stage"] == "import"
     assert result.reason == ("importing train.py replaced the harness's evaluate_bpb: autoloop.harness.evaluate_bpb, "

@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import socket
-import stat
 import subprocess
 import sys
 import textwrap
@@ -138,6 +136,16 @@ def test_mount_order_most_specific_last_and_folders_read_only_at_the_end(tmp_pat
     for flag in ("--unshare-net", "--unshare-pid", "--unshare-ipc", "--die-with-parent", "--new-session"):
         assert flag in args
     assert args[-2:] == ["--chdir", r]
+
+
+def test_a_repository_that_is_a_whole_home_folder_stays_visible(tmp_path):
+    home = tmp_path / "home"
+    home.mkdir()
+    h = str(home.resolve())
+    args = bwrap_arguments(cwd=home, readonly=[home], homes=[home])
+    assert args[args.index(h) - 1:args.index(h) + 2] == ["--ro-bind", h, h] and args.count(h) == 3  # + --chdir
+    args = bwrap_arguments(cwd="/", homes=[home])  # otherwise: covered
+    assert args[args.index(h) - 1] == "--tmpfs" and args[args.index(h, args.index(h) + 1) - 1] == "--remount-ro"
 
 
 def test_hidden_and_writable_at_once_is_refused(tmp_path):
@@ -345,11 +353,15 @@ def processes_with_argument(tag: str) -> list[int]:
 
 @needs_bwrap
 def test_a_setsid_daemon_dies_with_the_trial(layout):
+    from tests.test_runner import our_zombies
+
     tag = f"daemon-{os.getpid()}-{time.monotonic_ns()}"
+    zombies = our_zombies()
     outcome = run_inside(layout, DAEMON, env={"DAEMON_TAG": tag})
     assert outcome.status == "ok", outcome.error_tail
     assert outcome.result["seen"]["pid"] <= 3  # a private PID namespace (bubblewrap is pid 1)
     assert processes_with_argument(tag) == []
+    assert our_zombies() <= zombies
 
 
 @needs_bwrap
@@ -445,9 +457,6 @@ def test_no_sandbox_flag_sets_the_config(fake_repo, monkeypatch):
 
     seen = []
 
-    class Stop(Exception):
-        pass
-
     class FakeController:
         def __init__(self, config, repo, display=None):
             seen.append(config)
@@ -458,3 +467,77 @@ def test_no_sandbox_flag_sets_the_config(fake_repo, monkeypatch):
         result = CliRunner().invoke(app, ["run", "--repo", str(fake_repo), "--tag", "x", *flags])
         assert "stopped by the test" in result.output
         assert seen[-1].sandbox == expected
+
+
+# ---------------------------------------------------------------------------- stopping
+
+
+@needs_bwrap
+def test_abort_stops_the_sandbox(layout):
+    tag = f"daemon-{os.getpid()}-{time.monotonic_ns()}"
+    source = DAEMON.replace("report(pid", "time.sleep(60)\nreport(pid")
+    asked = time.monotonic() + 2
+    outcome = run_inside(layout, source, env={"DAEMON_TAG": tag}, should_abort=lambda: time.monotonic() > asked)
+    assert outcome.status == "aborted" and outcome.wall_seconds < 15
+    assert processes_with_argument(tag) == []
+
+
+def _wait_for(condition, timeout: float = 20) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@needs_bwrap
+def test_killing_bubblewraps_group_ends_the_namespace(layout):
+    """What crash recovery does with a recorded pgid: kill_process_group alone, no sweep."""
+    from autoloop.runner import kill_process_group
+
+    tag = f"daemon-{os.getpid()}-{time.monotonic_ns()}"
+    script = layout["run_dir"] / "probe.py"
+    script.write_text(DAEMON.replace("report(pid", "time.sleep(60)\nreport(pid"))
+    argv, env = POLICY.wrap([sys.executable, str(script)], env=allowed_environment(
+        {"DAEMON_TAG": tag, "AUTOLOOP_RESULT": str(layout["run_dir"] / "r.json"), "PYTHONPATH": str(REPO_ROOT)}),
+        cwd=layout["repo"], writable=layout["paths"].writable, readonly=layout["paths"].readonly,
+        hidden=layout["paths"].hidden)
+    proc = subprocess.Popen(argv, env=env, start_new_session=True, stdin=subprocess.DEVNULL)
+    try:
+        assert _wait_for(lambda: processes_with_argument(tag)), "the daemon did not start"
+        assert kill_process_group(proc.pid, expected_pid=proc.pid, grace=0.5)
+        assert _wait_for(lambda: not processes_with_argument(tag), timeout=10)
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+CONTROLLER = """
+import sys
+from pathlib import Path
+from autoloop.runner import run_training
+from autoloop.sandbox import SandboxPaths, detect
+run_dir = Path(sys.argv[1])
+run_training([sys.executable, str(run_dir / "probe.py")], cwd=sys.argv[2], env={"DAEMON_TAG": sys.argv[3],
+             "AUTOLOOP_RESULT": str(run_dir / "r.json")}, log_path=run_dir / "train.log", deadline_seconds=120,
+             sandbox=detect("on"), sandbox_paths=SandboxPaths(writable=(run_dir,)))
+"""
+
+
+@needs_bwrap
+def test_the_trial_dies_with_a_killed_controller(layout):
+    tag = f"daemon-{os.getpid()}-{time.monotonic_ns()}"
+    (layout["run_dir"] / "probe.py").write_text(DAEMON.replace("report(pid", "time.sleep(60)\nreport(pid"))
+    controller = subprocess.Popen(
+        [sys.executable, "-c", CONTROLLER, str(layout["run_dir"]), str(layout["repo"]), tag],
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, start_new_session=True,
+    )
+    try:
+        assert _wait_for(lambda: processes_with_argument(tag)), "the daemon did not start"
+        controller.kill()  # SIGKILL: nothing of the controller gets to clean up
+        controller.wait()
+        assert _wait_for(lambda: not processes_with_argument(tag), timeout=10)
+    finally:
+        controller.kill()
+        controller.wait()

@@ -193,6 +193,36 @@ def test_snapshot_names_changed_harness_and_data_files(tmp_path, embedded_datase
     assert integrity.dataset_problems(data) == ["data split val.bin no longer matches its prepared hash"]
 
 
+def test_snapshot_covers_harness_bytecode_and_its_prefixes(tmp_path, embedded_dataset):
+    import sys
+
+    harness = tmp_path / "harness"
+    shutil.copytree(REPO_ROOT / "autoloop" / "harness", harness, ignore=shutil.ignore_patterns("__pycache__"))
+    prefix = tmp_path / "pycache-eval"
+    tag = sys.implementation.cache_tag
+    integrity.precompile_harness(harness)
+    assert (harness / "__pycache__" / f"metric.{tag}.pyc").exists()
+    assert integrity.bytecode_problems(harness) == []  # what precompile wrote is the sources' code
+    before = integrity.take_snapshot(harness, embedded_dataset.path, pycache_prefixes=[prefix])
+    integrity.precompile_harness(harness)  # current bytecode is left alone: an honest import adds nothing
+    assert integrity.changes(before, integrity.take_snapshot(harness, embedded_dataset.path,
+                                                             pycache_prefixes=[prefix])) == []
+
+    # Another module's code under metric's name, and a file in the evaluator's prefix.
+    data = (harness / "__pycache__" / f"clock.{tag}.pyc").read_bytes()
+    (harness / "__pycache__" / f"metric.{tag}.pyc").write_bytes(data)
+    # PYTHONPYCACHEPREFIX mirrors the source folder's absolute path (no __pycache__ level).
+    mirrored = prefix / harness.resolve().relative_to(harness.resolve().anchor)
+    mirrored.mkdir(parents=True)
+    (mirrored / f"metric.{tag}.pyc").write_bytes(data)
+    (harness / "__pycache__" / f"clock.{tag}.pyc").unlink()  # deleting bytecode is harmless
+    found = integrity.changes(before, integrity.take_snapshot(harness, embedded_dataset.path, pycache_prefixes=[prefix]))
+    assert sorted(found) == [f"harness bytecode {prefix}:metric.{tag}.pyc added",
+                             f"harness bytecode __pycache__/metric.{tag}.pyc modified"]
+    assert integrity.bytecode_problems(harness) == [f"harness bytecode __pycache__/metric.{tag}.pyc does not match metric.py"]
+    assert "delete the named files" in integrity.describe_pause(found, "t")
+
+
 def test_large_splits_are_watched_by_size_and_mtime(tmp_path, embedded_dataset, monkeypatch):
     data = tmp_path / "data"
     shutil.copytree(embedded_dataset.path, data)

@@ -18,14 +18,18 @@ One trial, in the order that keeps every crash recoverable:
    refs/autoloop/<tag>/trials/<n> and the branch is reset to the best commit.
 
 On start-up (`recover`) the controller kills a training process group left by a dead
-controller, marks its row `interrupted`, archives commits of finished trials that lack
-their ref, and resets the branch and worktree to the db's best commit. Each window is
+controller (and, for any tag, a coding agent's process group, deleting its temporary
+clone: `_reap_helpers`), marks its row `interrupted`, archives commits of finished
+trials that lack their ref, and resets the branch and worktree to the db's best commit. Each window is
 reachable by fault injection (`autoloop.faults`).
+
+A full disk, wherever it surfaces in a trial (the training log, git, the db, our own
+writes), is not the proposal's fault: the trial becomes `interrupted` and the run pauses
+with that diagnosis, leaving no `running` row (`execute`, `_pause_for_full_disk`).
 """
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import os
@@ -40,7 +44,7 @@ from typing import Callable
 from autoloop import faults
 from autoloop.config import Config
 from autoloop.decide import DecisionConfig, Noise, decide, estimate, pool_noise
-from autoloop.errors import AutoloopError
+from autoloop.errors import AutoloopError, DiskFull, disk_full_what, is_disk_full
 from autoloop.gitops import GitRepo
 from autoloop.lock import RunLock
 from autoloop.proposers.proposal import InvalidProposal, Proposal, materialize, matches, validate
@@ -90,6 +94,7 @@ class Controller:
         self._chain = chain
         self.scheduler: Scheduler | None = None  # set by run(); prepares proposals while trials train
         self.abort_requested = False
+        self._pending_pause: str | None = None  # a pause decided inside a trial (a full disk), taken next
         self.repo: GitRepo | None = None
         self.store: Store | None = None
         self.run_row: dict | None = None
@@ -97,8 +102,6 @@ class Controller:
         self.measurer = Measurer(self)
         self._noise_cache: Noise | None = None
         self._curves: dict[int, list] = {}  # a trial's curve (of its last run), stored when it ends
-        self._pause_reason: str | None = None  # set by a drift check that found a large shift
-        self._disk_full: str | None = None
 
     # ------------------------------------------------------------------ paths and setup
 
@@ -129,7 +132,8 @@ class Controller:
         exclude = Path(self.repo.repo.git_dir) / "info" / "exclude"
         exclude.parent.mkdir(parents=True, exist_ok=True)
         current = exclude.read_text() if exclude.exists() else ""
-        wanted = [f"/{STATE_DIR}/", f"/{Path(self.config.db).name}*"]
+        prefix = self.repo.prefix  # the project folder may be a subfolder of the repository
+        wanted = [f"/{prefix}{STATE_DIR}/", f"/{prefix}{Path(self.config.db).name}*"]
         missing = [line for line in wanted if line not in current.splitlines()]
         if missing:
             with open(exclude, "a") as handle:
@@ -197,11 +201,18 @@ class Controller:
             raise AutoloopError(
                 f"training script {self._train_script()} does not exist: create it or set train_command in [tool.autoloop]"
             )
+        script = self._train_script()
+        if script is not None and not script.resolve().is_relative_to(self.repo_dir):
+            raise AutoloopError(
+                f"the training script {script} is outside the project folder {self.repo_dir}: run autoloop in the "
+                "folder that holds it (edits, training and .autoloop/ all refer to that folder)"
+            )
         self.repo = GitRepo.open(self.repo_dir)
         self.state_dir.mkdir(exist_ok=True)
         self.store = Store(self.db_path())
-        self._lock = RunLock(self.state_dir / f"{self.tag}.lock").acquire(self.tag)
+        self._lock = RunLock.for_folder(self.repo_dir).acquire(self.tag, self.repo_dir)  # one loop per working tree
         try:
+            self._reap_helpers()
             self._exclude_runtime_files()
             env = self._environment()
             existing = self.store.get_run(self.tag)
@@ -254,8 +265,25 @@ class Controller:
         self.store.update_run(self.run_row["id"], **fields)
         self.run_row = self.store.get_run(self.tag)
 
+    def _reap_helpers(self) -> None:
+        """End helper processes (coding agents) of this folder's runs that a dead controller
+        left running, and delete their temporary clones (autoloop.proposers.agent). Part of
+        recovery, for a new tag too: it runs holding the working tree's lock, so no live
+        controller owns them."""
+        from autoloop.proposers.agent import reap_helpers
+
+        for run in self.store.runs():
+            if run.get("repo") in (None, str(self.repo_dir)):  # a db shared with other folders: only ours
+                for line in reap_helpers(self.store, [run["id"]]):
+                    self.store.add_event(run["id"], "recovered", f"helper process left by a dead controller: {line}")
+
     def close(self) -> None:
         lock = getattr(self, "_lock", None)
+        if lock is not None and lock.held and self.store is not None and self.run_row is not None:
+            try:  # an agent still preparing a proposal when the run stops must not outlive it
+                self._reap_helpers()
+            except Exception as exc:  # never mask the error that is closing the run
+                self._say(f"could not end helper processes ({exc}): the next start does it", "yellow")
         if lock is not None:
             lock.release()
         if self.store is not None:
@@ -329,6 +357,8 @@ class Controller:
 
     def _stop_reason(self, started: float, trials_run: int) -> str | None:
         cfg = self.config
+        if self._pending_pause:
+            return None  # the pause (a full disk) is recorded first, whatever else would stop the run
         if self.abort_requested:
             return "interrupted (Ctrl-C)"
         if cfg.max_trials is not None and trials_run >= cfg.max_trials:
@@ -401,7 +431,7 @@ class Controller:
                 if self.scheduler is not None:
                     self.scheduler.close()  # hands back a proposal prepared for a trial that will not run
                 if self.repo is not None and self.store is not None and self.run_row is not None:
-                    self._converge_git()
+                    self._converge_git_at_exit()
             finally:
                 self._fill_summary(summary)
                 self.close()
@@ -470,13 +500,89 @@ class Controller:
         return hashlib.sha256(path.read_bytes()).hexdigest()[:16] if path.exists() else None
 
     def execute(self, item: WorkItem) -> dict:
-        if item.kind == "resume":
-            trial = self.store.trial_by_id(item.derived_from)
-            self._say(f"trial {trial['number']} resumes: {trial.get('description') or trial['kind']}", "yellow")
-            return self._train_and_decide(trial)
-        if item.kind == "proposal":
-            return self._execute_proposal(item.proposal, item.parent, derived_from=item.derived_from, kind=item.trial_kind)
-        return self._execute_rerun(item)
+        before = self.store.trials(self.run_row["id"], last=1)
+        try:
+            if item.kind == "resume":
+                trial = self.store.trial_by_id(item.derived_from)
+                self._say(f"trial {trial['number']} resumes: {trial.get('description') or trial['kind']}", "yellow")
+                trial = self._train_and_decide(trial)
+            elif item.kind == "proposal":
+                trial = self._execute_proposal(item.proposal, item.parent, derived_from=item.derived_from,
+                                               kind=item.trial_kind)
+            else:
+                trial = self._execute_rerun(item)
+        except Exception as exc:  # a full disk, wherever it surfaced in the trial's handling
+            if not is_disk_full(exc):
+                raise
+            latest = self.store.trials(self.run_row["id"], last=1)
+            ours = bool(latest) and (not before or latest[0]["id"] != before[0]["id"])  # this item's trial
+            return self._pause_for_full_disk(
+                disk_full_what(exc), latest[0] if ours and self._failed_for_full_disk(latest[0]) else None)
+        line = self._failed_for_full_disk(trial)
+        if line is not None:  # training itself ran out of space (e.g. saving its checkpoint)
+            return self._pause_for_full_disk(f"trial {trial['number']}: {line}", trial)
+        return trial
+
+    @staticmethod
+    def _failed_for_full_disk(trial: dict) -> str | None:
+        """The log line saying the disk is full, for a trial that crashed, timed out or failed
+        its checks (the verifier's evaluation can run out of space too)."""
+        if trial.get("status") not in (Status.CRASH.value, Status.TIMEOUT.value, Status.INVALID.value):
+            return None
+        return _disk_full_line(trial.get("error_tail"), trial.get("reason"))
+
+    def _pause_for_full_disk(self, what: str, trial: dict | None = None) -> dict:
+        """A full disk is nobody's proposal's fault: the trial it hit is `interrupted` (its
+        idea goes back to the queue), the db is left with no `running` row, and the run
+        pauses with that diagnosis (see `_integrity_pause`). Returns the trial row."""
+        try:
+            free = f", {shutil.disk_usage(self.state_dir).free >> 20} MB free"
+        except OSError:
+            free = ""
+        reason = (f"the disk is full ({what}{free}): free some space, then resume with "
+                  f"`autoloop run --tag {self.tag}`")
+        run_id = self.run_row["id"]
+        try:
+            hit = {t["id"]: t for t in self.store.running_trials(run_id)}
+            if trial is not None:
+                hit[trial["id"]] = trial
+            for row in hit.values():
+                if row.get("pgid"):
+                    kill_process_group(row["pgid"], expected_pid=row.get("pid"),
+                                       expected_start_time=row.get("pid_start_time"))
+                self.store.update_trial(row["id"], status=Status.INTERRUPTED, reason=reason)
+                if row.get("idea_id"):
+                    self.store.set_idea_status(row["idea_id"], IdeaStatus.PENDING)
+                self._archive_quietly(row)
+            self._event("disk_full", reason, trial_id=next(iter(hit), None))
+        except Exception as exc:
+            if is_disk_full(exc):  # not even the db can be written: the next start recovers it
+                raise DiskFull(f"{reason}; experiments.db could not be updated either (the next start recovers it)") from exc
+            raise
+        self._say(reason, "red")
+        self._pending_pause = reason
+        latest = self.store.trials(run_id, last=1)
+        return self.store.trial_by_id(trial["id"]) if trial is not None else (latest[0] if latest else {})
+
+    def _archive_quietly(self, trial: dict) -> None:
+        """Archive a non-kept trial's commit now if the disk allows; else recovery does it."""
+        sha = trial.get("trial_commit")
+        if not sha or trial["kind"] in (Kind.BASELINE.value, Kind.RERUN.value) or sha == self.best_commit():
+            return
+        try:
+            self.repo.archive(self.tag, trial["number"], sha)
+        except Exception as exc:
+            if not is_disk_full(exc):
+                raise
+
+    def _converge_git_at_exit(self) -> None:
+        """Leave git on the best commit; on a full disk say so: the next start does it."""
+        try:
+            self._converge_git()
+        except Exception as exc:
+            if not is_disk_full(exc):
+                raise
+            self._say(f"git is not reset to the best commit ({disk_full_what(exc)}): the next start does it", "yellow")
 
     def _common_fields(self, proposal: Proposal | None = None) -> dict:
         # An LLM/agent proposal carries the hash of the program.md it was written from.
@@ -516,8 +622,10 @@ class Controller:
         try:
             files = materialize(proposal, str(self.repo_dir), parent, ctx.read_parent_file)
             changed = validate(files, ctx.read_parent_file, editable=self.config.editable, protected=self.config.protected)
-        except InvalidProposal as exc:
-            return self._record_invalid(proposal, parent, str(exc), kind, derived_from)
+        except Exception as exc:  # whatever the cause, an unusable proposal is one invalid trial
+            if is_disk_full(exc):
+                raise
+            return self._record_invalid(proposal, parent, _invalid_reason(exc), kind, derived_from)
         trial = self.store.new_trial(
             self.run_row["id"], kind, description=proposal.description, proposer=proposal.source,
             idea_id=proposal.idea_id, parent_commit=parent, edits=json.loads(proposal.to_json()), model=proposal.model,
@@ -677,19 +785,13 @@ class Controller:
             self._say(message, "yellow")
         if self._noise_cache is None:
             self.update_noise()
-        try:
-            kind = trial["kind"]
-            if kind == Kind.BASELINE.value:
-                outcome = self._measure_baseline(trial)
-            elif kind in (Kind.RERUN.value, Kind.DRIFT.value):
-                outcome = self._measure_incumbent_again(trial)
-            else:
-                outcome = self._compare(trial)
-        except OSError as exc:
-            if exc.errno != errno.ENOSPC:
-                raise
-            outcome = TrialOutcome(Status.CRASH, f"the disk is full ({exc}): free some space and resume", {})
-            self._disk_full = str(exc)
+        kind = trial["kind"]
+        if kind == Kind.BASELINE.value:
+            outcome = self._measure_baseline(trial)
+        elif kind in (Kind.RERUN.value, Kind.DRIFT.value):
+            outcome = self._measure_incumbent_again(trial)
+        else:
+            outcome = self._compare(trial)
         return self._finish(trial, outcome)
 
     def _measured(self, trial: dict, m: Measurement) -> TrialOutcome | None:
@@ -761,7 +863,7 @@ class Controller:
         if sigmas > self.config.drift_pause_sigmas:
             fields["decision"]["pause"] = True
             self._event("drift", what + ": a large shift", trial_id=trial["id"])
-            self._pause_reason = (
+            self._pending_pause = (
                 f"{what}: the machine or software changed under the run (a throttled GPU, another process, a new "
                 "driver?); check it and resume with `autoloop run --tag " + self.tag + "`")
         elif sigmas > self.config.drift_event_sigmas:
@@ -950,15 +1052,11 @@ class Controller:
         return final
 
     def _integrity_pause(self) -> WorkItem | None:
-        """A pause when the harness or the data changed under the run (autoloop.verifier),
-        when a drift check found a large shift, or when the disk filled up."""
-        if self._pause_reason:
-            reason, self._pause_reason = self._pause_reason, None
+        """A pause when the disk filled up, a drift check found a large shift, or the harness
+        or the data changed under the run (autoloop.verifier)."""
+        if self._pending_pause:
+            reason, self._pending_pause = self._pending_pause, None
             return WorkItem("pause", reason=reason)
-        if self._disk_full:
-            reason, self._disk_full = self._disk_full, None
-            return WorkItem("pause", reason=f"the disk is full ({reason}): free some space and resume with "
-                                              f"`autoloop run --tag {self.tag}`")
         check = getattr(self.verifier, "check_run", None)
         reason = check(self) if check is not None else None
         return WorkItem("pause", reason=reason) if reason else None
@@ -983,6 +1081,23 @@ def _pm(mean: float | None, se: float | None) -> str:
     if mean is None:
         return "-"
     return f"{mean:.6f}" if not se else f"{mean:.6f} ± {se:.6f}"
+
+
+def _disk_full_line(*texts: str | None) -> str | None:
+    """The last line of a training log tail (or reason) that says the disk is full."""
+    for text in texts:
+        for line in reversed((text or "").splitlines()):
+            if is_disk_full(line):
+                return line.strip()[:200]
+    return None
+
+
+def _invalid_reason(exc: Exception) -> str:
+    """One line for a proposal that could not be materialized or validated."""
+    if isinstance(exc, InvalidProposal):
+        return str(exc)
+    text = " ".join(str(exc).split())[:300]
+    return f"the proposal cannot be applied: {type(exc).__name__}" + (f": {text}" if text else "")
 
 
 def _now() -> str:

@@ -30,7 +30,6 @@ checked out here, so finalizing works while the run is still going. Instead:
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import shutil
@@ -129,18 +128,11 @@ def trial_message(run: dict, trial: dict) -> str:
 
 
 def run_lock_held(repo_root: Path, tag: str) -> bool:
-    """True while a controller holds the run's lock (see autoloop.lock)."""
-    path = repo_root / STATE_DIR / f"{tag}.lock"
-    if not path.exists():
-        return False
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)  # closing releases the shared lock we may have taken
-    return False
+    """True while a controller runs in this working tree (see autoloop.lock): `tag`, or any
+    other run, since a checkout would pull the tree from under it either way."""
+    from autoloop.lock import holder
+
+    return holder(repo_root) is not None
 
 
 def finalize(store, run: dict, repo_dir: Path, *, branch: str | None = None, per_trial: bool = False,

@@ -30,6 +30,17 @@ runs `git clean`, because `.autoloop/` (logs, checkpoints, the run lock) and
 `experiments.db` are git-ignored and must survive, and untracked files belong to the user.
 Every file a proposal adds is tracked in its commit, so moving off that commit removes it.
 
+A project in a subfolder
+------------------------
+The project folder is the folder autoloop runs in, the one holding train.py; it may be a
+subfolder of a bigger repository. `GitRepo.open(folder)` remembers it as `root`, and the
+worktree's top level as `toplevel`; `prefix` is the folder relative to the top ("" or
+"sub/"). Every path the controller and proposals use (edits, `file_reader`, `diff`,
+`changed_paths`, `dirty_files`) is relative to the project folder, and GitRepo adds the
+prefix where git wants a path relative to the top (the temporary index, tree lookups), so
+an edit of `train.py` run from `sub/` commits `sub/train.py`. Branches, refs and checkouts
+are the whole worktree's: one loop per working tree (`autoloop.lock`).
+
 Identity
 --------
 Commits use the repository's configured identity (`user.name`/`user.email`, or the
@@ -48,7 +59,7 @@ from pathlib import Path
 
 import git
 
-from autoloop.errors import AutoloopError
+from autoloop.errors import AutoloopError, DiskFull, is_disk_full
 
 BRANCH_PREFIX = "autoloop/"
 REF_PREFIX = "refs/autoloop/"
@@ -75,13 +86,24 @@ def validate_tag(tag: str) -> str:
 class GitRepo:
     """A git working copy, seen through the operations the controller needs."""
 
-    def __init__(self, repo: git.Repo):
+    def __init__(self, repo: git.Repo, project: str | Path | None = None):
         self.repo = repo
-        self.root = Path(repo.working_tree_dir)  # type: ignore[arg-type]
+        self.toplevel = Path(repo.working_tree_dir)  # type: ignore[arg-type]
+        self.root = Path(project) if project is not None else self.toplevel  # the project folder
+        self.prefix = ""  # the project folder relative to the top level: "" or "sub/"
+        if project is not None:
+            try:
+                rel = self.root.resolve().relative_to(self.toplevel.resolve()).as_posix()
+            except ValueError:
+                raise AutoloopError(f"{project} is not inside the working tree {self.toplevel}: run autoloop in it") from None
+            if rel.split("/")[0] == ".git":
+                raise AutoloopError(f"{project} is inside .git: run autoloop in the project folder")
+            self.prefix = "" if rel == "." else rel + "/"
 
     @classmethod
     def open(cls, path: str | Path) -> GitRepo:
-        """Open the repository containing `path` (it may be a subdirectory)."""
+        """Open the repository containing `path`; `path` is the project folder (it may be a
+        subfolder of the repository: see "A project in a subfolder")."""
         try:
             repo = git.Repo(path, search_parent_directories=True)
         except (git.InvalidGitRepositoryError, git.NoSuchPathError):
@@ -90,15 +112,25 @@ class GitRepo:
             ) from None
         if repo.bare:
             raise AutoloopError(f"{path} is a bare git repository: run autoloop in a clone with a working tree")
-        return cls(repo)
+        return cls(repo, Path(path).resolve())
+
+    def top_path(self, path: str) -> str:
+        """A project-relative path as git's trees and index name it (relative to the top level)."""
+        return self.prefix + _normalise_path(path)
+
+    def _relative(self) -> list[str]:
+        """`git diff` options that show paths relative to the project folder."""
+        return [f"--relative={self.prefix}"] if self.prefix else []
 
     # -- low level ------------------------------------------------------------------------
 
     def _git(self, *args: str, env: dict[str, str] | None = None, strip: bool = True, **kwargs) -> str:
         """Run `git args...` in the repository and return stdout.
 
-        A stale `index.lock` (left by a git process that was killed) is turned into an
-        AutoloopError naming the file, since every later git command would fail on it.
+        A full disk is a DiskFull error saying so (git's message for it names
+        `index.lock` too, as the file it could not create). A stale `index.lock` (left by
+        a git process that was killed: "File exists") is turned into an AutoloopError
+        naming the file, since every later git command would fail on it.
         """
         try:
             return self.repo.git.execute(
@@ -106,8 +138,11 @@ class GitRepo:
             )  # type: ignore[return-value]
         except git.GitCommandError as error:
             stderr = str(error.stderr or "")
+            if is_disk_full(stderr):
+                # git names index.lock as the file it could not create: not a lock problem.
+                raise DiskFull(f"git {args[0]} could not write: No space left on device") from error
             match = re.search(r"'([^']*index\.lock)'", stderr)
-            if match:
+            if match and "exists" in stderr:
                 raise AutoloopError(
                     f"git is locked by {match.group(1)}: if no git command is running, delete that file and retry"
                 ) from error
@@ -157,9 +192,19 @@ class GitRepo:
         return out[1].strip() if out[0] == 0 else None
 
     def dirty_files(self) -> list[str]:
-        """Tracked files with uncommitted changes (staged or not). Untracked files are ignored:
-        they are not part of any commit autoloop makes."""
+        """Tracked files with uncommitted changes (staged or not), anywhere in the worktree,
+        relative to the project folder. Untracked files are ignored: they are not part of
+        any commit autoloop makes."""
         out = self._git("status", "--porcelain=v1", "-z", "--untracked-files=no", strip=False)
+        files = self._porcelain_paths(out)
+        if not self.prefix:
+            return files
+        # Relative to the project folder ("../x" outside it), like every other path here.
+        top, root = self.toplevel.resolve(), self.root.resolve()
+        return [os.path.relpath(top / path, root) for path in files]
+
+    @staticmethod
+    def _porcelain_paths(out: str) -> list[str]:
         entries = out.split("\0")
         files: list[str] = []
         i = 0
@@ -225,7 +270,7 @@ class GitRepo:
         """Create a commit on top of `parent` with `files` replaced, without touching the
         working tree, the index or any ref; return its sha.
 
-        `files` maps repo-relative paths to new contents (str is written as UTF-8) or to
+        `files` maps project-relative paths to new contents (str is written as UTF-8) or to
         None to delete the file. Existing files keep their mode (e.g. executable).
         Content is stored as `git add` would store it at that path (clean filters and
         .gitattributes apply).
@@ -237,7 +282,7 @@ class GitRepo:
             env = {"GIT_INDEX_FILE": os.path.join(tmpdir, "index")}
             self._git("read-tree", parent_commit.hexsha, env=env)
             for number, (path, content) in enumerate(sorted(files.items())):
-                rel = _normalise_path(path)
+                rel = self.top_path(path)
                 if content is None:
                     self._git("update-index", "--force-remove", "--", rel, env=env)
                     continue
@@ -312,12 +357,12 @@ class GitRepo:
     def diff(self, parent: str, sha: str) -> str:
         """The unified diff from `parent` to `sha`, applicable with `git apply`."""
         return self._git(
-            "diff", "--no-color", "--no-ext-diff", "--binary", parent, sha, "--", strip=False
+            "diff", "--no-color", "--no-ext-diff", "--binary", *self._relative(), parent, sha, "--", strip=False
         )
 
     def changed_paths(self, parent: str, sha: str) -> list[str]:
         """Paths that differ between the two commits (a rename lists both paths)."""
-        out = self._git("diff", "--name-only", "--no-renames", "-z", parent, sha, "--", strip=False)
+        out = self._git("diff", "--name-only", "--no-renames", "-z", *self._relative(), parent, sha, "--", strip=False)
         return [path for path in out.split("\0") if path]
 
     def file_reader(self, sha: str):
@@ -335,7 +380,7 @@ class GitRepo:
     def show_file(self, sha: str, path: str) -> str:
         """The content of `path` at commit `sha`."""
         try:
-            blob = self.repo.commit(sha).tree[_normalise_path(path)]
+            blob = self.repo.commit(sha).tree[self.top_path(path)]
         except KeyError:
             raise AutoloopError(f"{path} does not exist in commit {sha[:12]}: check the path") from None
         return blob.data_stream.read().decode("utf-8", errors="replace")

@@ -733,6 +733,10 @@ def run_status(store, run: dict, repo: Path) -> dict:
     info["best_metric_sd"] = best.get("metric_sd") if best else None
     info["best_n_runs"] = best.get("n_runs") if best else None
     info.update(noise_info(store, run))
+    # Which controller holds this working tree's run lock (autoloop.lock), whatever its tag.
+    from autoloop.lock import holder
+
+    info["controller"] = holder(repo)
     info["overfitting"] = (current_signal(store, run["id"]) or {}).get("message")
     running = [t for t in trials if t["status"] == "running"]
     if running:
@@ -768,6 +772,11 @@ def format_status(info: dict) -> str:
     if info.get("overfitting"):
         lines.append(info["overfitting"])
     lines.extend(format_noise(info))
+    held = info.get("controller")
+    if held:
+        folder = f" (project {held['folder']})" if held.get("folder") else ""
+        lines.append(f"controller: pid {held['pid']} runs '{held.get('tag')}' in this working tree since "
+                     f"{held.get('since', '?')}{folder}")
     r = info.get("running")
     if r:
         parts = [f"running: trial {r['number']} [{r['kind']}] {r.get('description') or ''}"]

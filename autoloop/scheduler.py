@@ -187,9 +187,12 @@ class Scheduler:
         return list(reversed(tail))
 
     def _diagnose(self, what: str) -> str:
+        from autoloop.errors import is_disk_full
         from autoloop.runner import gpu_busy_report
 
         free = shutil.disk_usage(self.controller.repo_dir).free
+        if is_disk_full(what):  # the failure itself says so ("No space left on device"), whatever is free now
+            return f"{what}; the disk is full ({free >> 20} MB free now): free some space and resume"
         if free < _LOW_DISK_BYTES:
             return f"{what}; the disk is almost full ({free >> 20} MB free): free some space and resume"
         busy = gpu_busy_report()

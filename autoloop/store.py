@@ -871,6 +871,9 @@ class Store:
     def add_process(self, run_id: int | None, what: str, **fields: Any) -> int:
         return self._insert("processes", {"run_id": run_id, "what": what, "created_at": utcnow(), **fields})
 
+    def update_process(self, process_id: int, **fields: Any) -> None:
+        self._update("processes", process_id, fields)
+
     def end_process(self, process_id: int) -> None:
         self._update("processes", process_id, {"ended_at": utcnow()})
 

@@ -149,3 +149,54 @@ def test_an_agent_crash_gets_one_repair_started_from_the_crashed_commit(repo, mo
     assert (repaired["kind"], repaired["derived_from"], repaired["status"]) == ("repair", crashed["id"], "keep")
     assert repaired["description"] == f"repair of trial {crashed['number']}: restore the mode"
     assert repaired["metric"] == pytest.approx(1.0)  # LR from the crashed change survived
+
+
+def test_an_agent_outliving_a_killed_controller_is_ended_and_its_clone_deleted_at_restart(repo, tmp_path):
+    import os
+    import signal
+
+    from autoloop.runner import process_group_alive
+
+    env = {**os.environ, "FAKE_AGENT_MODE": "sleep", "FAKE_AGENT_OUT": str(tmp_path / "prompt.txt")}
+    argv = ["autoloop", "run", "--tag", "t", "--time-budget", "5", "--no-verify", "--proposers", "agent",
+            "--agent-command", AGENT]
+    proc = subprocess.Popen(argv, cwd=repo, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        live = []
+        while time.monotonic() < deadline and not (live and (tmp_path / "prompt.txt.pid").exists()):
+            time.sleep(0.2)
+            if (repo / "experiments.db").exists():
+                with Store(repo / "experiments.db") as store:
+                    live = [p for p in store.live_processes() if p["pid"]]
+        assert live, "the agent was never recorded"
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    (agent,) = live
+    child = int((tmp_path / "prompt.txt.pid").read_text())
+    clone = Path(agent["path"])
+    assert agent["what"] == "agent" and agent["pgid"] == agent["pid"] and agent["pid_start_time"]
+    assert process_group_alive(agent["pgid"]) and _alive(child), "the agent outlives its controller"
+    assert (clone / "work" / "train.py").exists()
+
+    restarted = subprocess.run([*argv, "--max-trials", "0"], cwd=repo, env=env, capture_output=True, text=True,
+                               timeout=120)
+    assert restarted.returncode == 0, restarted.stderr
+    assert not process_group_alive(agent["pgid"]) and not _alive(child)
+    assert not clone.exists()
+    with Store(repo / "experiments.db") as store:
+        assert store.live_processes() == []
+        assert any("agent" in e["message"] for e in store.events(kind="recovered"))
+
+
+def test_an_agent_works_in_the_project_folder_of_its_clone(tmp_path, monkeypatch):
+    fake = FAKE_TRAIN.read_text()
+    top = make_repo(tmp_path / "big", fake.replace("LR = 0.02", "LR = 0.5"), {"sub/train.py": fake, "sub/program.md": PROGRAM})
+    sub = top / "sub"
+    monkeypatch.setenv("FAKE_AGENT_MODE", "edit")
+    run_agent(sub, max_trials=2)
+    trial = rows(sub)[1]
+    assert trial["status"] == "keep" and trial["metric"] == pytest.approx(1.0), trial["reason"]
+    assert git(top, "diff", "--name-only", trial["parent_commit"], trial["trial_commit"]) == "sub/train.py"
+    assert "LR = 0.5" in (top / "train.py").read_text()

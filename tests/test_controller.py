@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import subprocess
 import time
 
@@ -307,7 +308,7 @@ def test_missing_training_script_is_one_clear_line(fake_repo):
         run_loop(fake_repo, train_command="python nope.py")
 
 
-def test_second_controller_on_the_same_run_is_refused(fake_repo):
+def test_one_running_loop_per_working_tree_whatever_the_tag(fake_repo):
     seed(fake_repo, "slow", "SLEEP=20", "LR=0.01")
     proc = subprocess.Popen(["autoloop", "run", "--no-verify", "--proposers", "ideas", "--tag", "t"], cwd=fake_repo,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -315,12 +316,38 @@ def test_second_controller_on_the_same_run_is_refused(fake_repo):
         deadline = time.time() + 60
         while time.time() < deadline and len(trials_or_empty(fake_repo)) < 2:
             time.sleep(0.2)
-        with pytest.raises(AutoloopError, match="another autoloop controller .* is already running tag 't'"):
-            run_loop(fake_repo)
+        for tag in ("t", "other"):  # the same run, and a second run in the same folder
+            with pytest.raises(AutoloopError) as caught:
+                run_loop(fake_repo, tag=tag)
+            message = str(caught.value)
+            assert "\n" not in message
+            assert f"run 't' (pid {proc.pid}," in message and "`autoloop status`" in message, message
+        out = subprocess.run(["autoloop", "run", "--tag", "other", "--proposers", "ideas"], cwd=fake_repo,
+                             capture_output=True, text=True)
+        assert out.returncode == 1 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+        assert f"run 't' (pid {proc.pid}," in out.stderr
+        status = subprocess.run(["autoloop", "status"], cwd=fake_repo, capture_output=True, text=True)
+        assert f"controller: pid {proc.pid} runs 't' in this working tree" in status.stdout, status.stdout
     finally:
         proc.send_signal(2)
         proc.wait(timeout=60)
     assert_consistent(fake_repo)
+    # Nothing of the refused runs was recorded, and the lock is free again.
+    with Store(fake_repo / "experiments.db") as store:
+        assert [r["tag"] for r in store.runs()] == ["t"]
+    status = subprocess.run(["autoloop", "status"], cwd=fake_repo, capture_output=True, text=True)
+    assert "controller:" not in status.stdout and "nothing running" in status.stdout
+
+
+def test_a_new_tag_after_a_run_ended_continues_from_its_best(fake_repo):
+    seed(fake_repo, "better lr", "LR=0.01")
+    run_loop(fake_repo, tag="night1")
+    best = trials(fake_repo, "night1")[-1]
+    assert best["status"] == "keep"
+    run_loop(fake_repo, tag="night2", max_trials=1)
+    with Store(fake_repo / "experiments.db") as store:
+        assert store.get_run("night2")["base_commit"] == best["trial_commit"]
+    assert trials(fake_repo, "night2")[0]["metric"] == pytest.approx(best["metric"])
 
 
 def test_db_from_a_newer_schema_is_refused(fake_repo):
@@ -415,3 +442,108 @@ def test_readers_in_other_processes_never_see_database_locked(fake_repo):
     run_loop(fake_repo)
     output, _ = reader.communicate(timeout=60)
     assert "BAD 0" in output, output
+
+
+# ---------------------------------------------------------------------- issue 11: edges
+
+
+def _binary_patch_to_latin1(repo) -> str:
+    """An agent-style `git diff --binary` that leaves train.py as latin-1 bytes (not UTF-8)."""
+    source = (repo / "train.py").read_bytes()
+    (repo / "train.py").write_bytes(source.replace(b"# learning rate", b"# taux d'apprentissage \xe9"))
+    git(repo, "add", "train.py")
+    (repo / ".gitattributes").write_text("train.py binary\n")
+    patch = subprocess.run(["git", "diff", "--cached", "--binary"], cwd=repo, check=True, capture_output=True).stdout
+    git(repo, "reset", "-q", "--hard")
+    (repo / ".gitattributes").unlink()
+    return patch.decode("ascii")
+
+
+def test_a_proposal_that_cannot_be_applied_for_any_reason_is_invalid_not_a_crash(fake_repo):
+    source = (fake_repo / "train.py").read_text()
+    latin1 = unified_diff(source, source.replace("# learning rate", "# taux d'apprentissage é")).encode("latin-1")
+    store = Store(fake_repo / "experiments.db")
+    store.add_idea("latin-1 patch", patch=latin1)  # stored as a BLOB, read back as bytes
+    store.add_idea("binary diff", patch=_binary_patch_to_latin1(fake_repo))
+    store.close()
+    seed(fake_repo, "a good one", "LR=0.01", priority=-1)
+
+    class Weird:  # a value the constants editor cannot write
+        def __repr__(self):
+            raise RuntimeError("no repr")
+
+    class OddProposer:  # a proposer whose edit raises something unforeseen in materialize
+        name = "odd"
+        done = False
+
+        def propose(self, ctx):
+            if OddProposer.done:
+                return None
+            OddProposer.done = True
+            return Proposal("odd value", [Edit("train.py", sets={"LR": Weird()})])
+
+    from autoloop.config import resolve as resolve_config
+    from autoloop.proposers.base import ProposerChain
+    from autoloop.proposers.proposal import Edit, Proposal
+    from autoloop.proposers.seeded import IdeasProposer
+
+    config = resolve_config(fake_repo, {"tag": "t", "time_budget": 5, "grace_seconds": 20})
+    chain = ProposerChain([IdeasProposer(config), OddProposer()])
+    summary = Controller(config, fake_repo, verifier=None, chain=chain).run()
+    rows = assert_consistent(fake_repo)
+    by_desc = {r["description"]: r for r in rows}
+    for name in ("latin-1 patch", "binary diff", "odd value"):
+        row = by_desc[name]
+        assert row["status"] == "invalid" and row["trial_commit"] is None, row
+        assert "\n" not in row["reason"]
+    assert "not be UTF-8" in by_desc["latin-1 patch"]["reason"] and "train.py" in by_desc["latin-1 patch"]["reason"]
+    assert "not be UTF-8" in by_desc["binary diff"]["reason"]
+    assert "RuntimeError: no repr" in by_desc["odd value"]["reason"]
+    assert by_desc["a good one"]["status"] == "keep"
+    assert "no more proposals" in summary.stop_reason
+
+
+def test_a_project_in_a_subfolder_edits_trains_and_records_there(tmp_path):
+    from conftest import FAKE_TRAIN, make_repo
+
+    fake = FAKE_TRAIN.read_text()
+    top = make_repo(tmp_path / "big", fake.replace("LR = 0.02", "LR = 0.5"), {"sub/train.py": fake})
+    sub = top / "sub"
+    seed(sub, "lower lr", "LR=0.01")
+    source = (sub / "train.py").read_text()
+    seed_patch = tmp_path / "wider.patch"
+    seed_patch.write_text(unified_diff(source, source.replace("WIDTH = 64", "WIDTH = 128")))
+    seed(sub, "wider (a patch)", patch=seed_patch, priority=1)
+    # `git diff` run in sub/ names the file sub/train.py, relative to the top: applies too.
+    (sub / "train.py").write_text(source.replace("SLEEP = 0.0", "SLEEP = 0.01"))
+    top_patch = tmp_path / "sleep.patch"
+    top_patch.write_bytes(subprocess.run(["git", "diff"], cwd=sub, check=True, capture_output=True).stdout)
+    git(sub, "checkout", "train.py")
+    assert "+++ b/sub/train.py" in top_patch.read_text()
+    seed(sub, "sleep (git diff)", patch=top_patch, priority=2)
+    run_loop(sub)
+    rows = assert_consistent(sub)
+    assert [(r["description"], r["status"]) for r in rows[1:]] == [
+        ("sleep (git diff)", "discard"), ("wider (a patch)", "discard"), ("lower lr", "keep")]
+    baseline = 1.0 + (math.log10(0.02) + 2) ** 2
+    assert rows[0]["metric"] == pytest.approx(baseline)  # sub/train.py trained, not ../train.py
+    assert rows[1]["metric"] == pytest.approx(baseline)
+    assert rows[2]["metric"] == pytest.approx(baseline + 0.1)  # and it trained the edits
+    assert rows[3]["metric"] == pytest.approx(1.0)
+    for row in rows[1:]:
+        assert git(top, "diff", "--name-only", row["parent_commit"], row["trial_commit"]) == "sub/train.py"
+        assert row["diff"].startswith("diff --git a/train.py b/train.py")  # paths as in the project folder
+    assert git(top, "show", f"{rows[3]['trial_commit']}:train.py") == (top / "train.py").read_text().rstrip("\n")
+    assert "LR = 0.01" in (sub / "train.py").read_text() and "LR = 0.5" in (top / "train.py").read_text()
+    assert (sub / ".autoloop" / "t" / "trials" / "2" / "train.log").exists() and (sub / "experiments.db").exists()
+    assert not (top / ".autoloop").exists() and not (top / "experiments.db").exists()
+    assert git(top, "status", "--porcelain", "--untracked-files=all") == ""
+
+
+def test_a_train_script_outside_the_project_folder_is_refused_in_one_line(tmp_path):
+    from conftest import FAKE_TRAIN, make_repo
+
+    top = make_repo(tmp_path / "big", FAKE_TRAIN.read_text(), {"sub/README": "x\n"})
+    with pytest.raises(AutoloopError) as caught:
+        run_loop(top / "sub", train_command="python ../train.py")
+    assert "\n" not in str(caught.value) and "outside the project folder" in str(caught.value)

@@ -20,7 +20,7 @@ from autoloop.faults import POINTS
 from autoloop.runner import process_group_alive
 from autoloop.store import Store
 
-from test_controller import assert_consistent, seed
+from test_controller import assert_consistent, run_loop, seed, trials
 
 
 def autoloop_run(repo, *args, fault: str | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -128,3 +128,80 @@ def test_soak_random_kills(fake_repo):
     assert all(i["status"] == "done" for i in ideas), "every idea evaluated exactly once to completion"
     done_trials = [r for r in rows if r["status"] != "interrupted" and r["kind"] == "proposal"]
     assert len(done_trials) == len(ideas) == len({r["idea_id"] for r in done_trials})
+
+
+# ---------------------------------------------------------------------- a full disk
+
+
+def fake_git_on_path(tmp_path, monkeypatch, repo):
+    """`git` on PATH that fails `git reset` as git does on a full disk once a trial has left
+    a DISK_FULL file in its folder (fake_train.py's enospc mode); real git otherwise."""
+    import shutil
+
+    real = shutil.which("git")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    script = bin_dir / "git"
+    script.write_text(
+        "#!/bin/sh\n"
+        f"if [ \"$1\" = reset ] && ls {repo}/.autoloop/*/trials/*/DISK_FULL >/dev/null 2>&1; then\n"
+        f"  echo \"fatal: Unable to create '$({real} rev-parse --absolute-git-dir)/index.lock': No space left on device\" >&2\n"
+        "  exit 128\n"
+        "fi\n"
+        f"exec {real} \"$@\"\n"
+    )
+    script.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+
+
+def assert_paused_for_a_full_disk(repo, summary):
+    assert summary.paused, summary.stop_reason
+    assert "disk is full" in summary.stop_reason and "index.lock" not in summary.stop_reason, summary.stop_reason
+    store = Store(repo / "experiments.db")
+    try:
+        run = store.get_run("t")
+        assert run["status"] == "paused" and "disk is full" in run["pause_reason"]
+        assert store.running_trials(run["id"]) == []  # consistent now, not after a restart
+        return store.trials(run["id"])
+    finally:
+        store.close()
+
+
+def test_a_training_run_that_fills_the_disk_pauses_the_run_as_a_full_disk(fake_repo):
+    seed(fake_repo, "bigger checkpoints", "LR=0.01", "MODE='enospc'")
+    seed(fake_repo, "next idea", "LR=0.012", priority=-1)
+    rows = assert_paused_for_a_full_disk(fake_repo, run_loop(fake_repo))
+    assert [r["status"] for r in rows] == ["keep", "interrupted"]  # nothing ran after the pause
+    assert "No space left on device" in rows[1]["reason"] and "disk is full" in rows[1]["reason"]
+    assert_consistent(fake_repo)
+    with Store(fake_repo / "experiments.db") as store:
+        assert store.ideas()[0]["status"] == "pending"  # not the idea's fault: it runs again after the pause
+
+
+def test_git_failing_on_a_full_disk_is_not_reported_as_a_lock(fake_repo, tmp_path, monkeypatch):
+    fake_git_on_path(tmp_path, monkeypatch, fake_repo)
+    seed(fake_repo, "bigger checkpoints", "LR=0.01", "MODE='enospc'")
+    rows = assert_paused_for_a_full_disk(fake_repo, run_loop(fake_repo))
+    assert rows[1]["status"] == "interrupted" and "disk is full" in rows[1]["reason"]
+    # Space freed: the next start converges git and the run goes on.
+    for marker in (fake_repo / ".autoloop").glob("*/trials/*/DISK_FULL"):
+        marker.unlink()
+    summary = run_loop(fake_repo, max_trials=0)
+    assert not summary.paused
+    assert_consistent(fake_repo)
+
+
+@pytest.mark.parametrize("point", POINTS)
+def test_no_space_left_at_any_point_of_a_trial_pauses_with_a_consistent_db(fake_repo, monkeypatch, point):
+    from autoloop import faults
+
+    monkeypatch.setattr(faults, "_hits", {})
+    # The baseline passes every point but after_commit once: fail in the proposal's trial.
+    monkeypatch.setenv("AUTOLOOP_FAULT", f"enospc@{point}" + ("" if point == "after_commit" else ":2"))
+    seed(fake_repo, "better idea", "LR=0.01")
+    rows = assert_paused_for_a_full_disk(fake_repo, run_loop(fake_repo))
+    assert [r["number"] for r in rows] == [1, 2]
+    assert rows[1]["status"] == ("keep" if point == "during_reset" else "interrupted")
+    monkeypatch.delenv("AUTOLOOP_FAULT")
+    run_loop(fake_repo, max_trials=0)
+    assert_consistent(fake_repo)

@@ -183,6 +183,24 @@ def test_stale_index_lock_is_a_clear_error(repo: GitRepo, repo_dir: Path):
         repo.clean_worktree_to(repo.head())
 
 
+def test_git_on_a_full_disk_is_a_full_disk_not_a_lock(repo: GitRepo, repo_dir: Path, tmp_path, monkeypatch):
+    import shutil
+
+    from autoloop.errors import DiskFull
+
+    real = shutil.which("git")
+    (tmp_path / "bin").mkdir()
+    fake = tmp_path / "bin" / "git"  # git as it fails when it cannot create index.lock on a full disk
+    fake.write_text("#!/bin/sh\nif [ \"$1\" = reset ]; then\n"
+                    f"  echo \"fatal: Unable to create '{repo_dir}/.git/index.lock': No space left on device\" >&2; exit 128\n"
+                    f"fi\nexec {real} \"$@\"\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
+    with pytest.raises(DiskFull) as caught:
+        repo.clean_worktree_to(repo.head())
+    assert str(caught.value) == "git reset could not write: No space left on device"
+
+
 def test_show_file_missing_path(repo: GitRepo):
     with pytest.raises(AutoloopError, match="does not exist in commit"):
         repo.show_file(repo.head(), "nope.py")

@@ -79,3 +79,41 @@ def test_materialize_failures(edit, message):
 def test_validation_failures(files, message):
     with pytest.raises(InvalidProposal, match=message):
         validate(files, parent({"train.py": SOURCE}), editable=["train.py"], protected=["autoloop/**"])
+
+
+def test_patches_reach_git_as_the_exact_bytes_and_results_must_be_utf8(tmp_path):
+    import json
+    import subprocess
+
+    from conftest import make_repo
+    from autoloop.proposers.proposal import patch_bytes, patch_text
+
+    repo = make_repo(tmp_path / "r", "# caf\u00e9\nLR = 0.04\n")
+    parent = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True).stdout.strip()
+    read = lambda path: (repo / path).read_text() if path == "train.py" else None  # noqa: E731
+    diff = "--- a/train.py\n+++ b/train.py\n@@ -1,2 +1,2 @@\n # caf\u00e9\n-LR = 0.04\n+LR = 0.02\n"
+    for patch in (diff, diff.encode()):  # text, or bytes read back from a BLOB
+        files = materialize(Proposal("lr", patch=patch), str(repo), parent, read)
+        assert files == {"train.py": "# caf\u00e9\nLR = 0.02\n"}
+    latin1 = diff.replace("+LR = 0.02", "+LR = 0.02  # d\u00e9j\u00e0").encode("utf-8").replace("d\u00e9j\u00e0".encode(), b"d\xe9j\xe0")
+    assert patch_bytes(patch_text(latin1)) == latin1  # undecodable bytes survive as surrogates
+    with pytest.raises(InvalidProposal, match=r"train.py would not be UTF-8 text after the patch \(byte 0xe9"):
+        materialize(Proposal("latin-1", patch=patch_text(latin1)), str(repo), parent, read)
+    stored = json.loads(Proposal("latin-1", patch=latin1).to_json())["patch"]  # storable, and exact
+    assert patch_bytes(stored) == latin1
+
+
+def test_anything_raising_in_materialize_or_validate_is_an_invalid_proposal():
+    class Odd:
+        def __repr__(self):
+            raise RuntimeError("no repr")
+
+    with pytest.raises(InvalidProposal, match="^the proposal cannot be applied: RuntimeError: no repr$"):
+        materialize(Proposal("odd", [Edit("train.py", sets={"LR": Odd()})]), ".", "HEAD", lambda p: "LR = 1\n")
+    with pytest.raises(InvalidProposal, match=r"the new content of train.py is not text \(int\)"):
+        validate({"train.py": 3}, lambda p: "", editable=["train.py"], protected=[])
+    with pytest.raises(OSError):  # a full disk is not the proposal's fault: it propagates
+        def full(path):
+            raise OSError(28, "No space left on device")
+
+        materialize(Proposal("x", [Edit("train.py", search="a", replace="b")]), ".", "HEAD", full)

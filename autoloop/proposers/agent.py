@@ -18,9 +18,14 @@ The proposal is the clone's diff against the parent (`git add -A` then `git diff
 autoloop's runtime files are excluded. The controller validates it like any other
 proposal: an edit to a protected or non-editable file makes the trial `invalid`.
 
-The agent runs in its own process group with stdin closed, is killed as a group at
-`agent_timeout`, and its stdout and stderr are the transcript, saved under
-`.autoloop/<tag>/transcripts/`. A command that is not installed is a one-line error when
+The agent runs in its own process group (a new session) with stdin closed, is killed as
+a group at `agent_timeout`, and its stdout and stderr are the transcript, saved under
+`.autoloop/<tag>/transcripts/`. The temporary folder and then the process (pid, group,
+start time) are recorded in the store's `processes` table before anything else happens
+to them, and the row is ended once both are gone: a controller killed meanwhile leaves an
+agent that keeps running on its own, and the next controller in this working tree ends
+it and deletes the folder (`reap_helpers`). The agent usually runs on the prefetch
+thread; the Store is shared with it safely (one connection behind an RLock). A command that is not installed is a one-line error when
 the chain is built, before the baseline trains; a failure or timeout at run time makes
 the chain fall through to the next proposer.
 """
@@ -39,11 +44,13 @@ from pathlib import Path
 
 from autoloop.config import Config
 from autoloop.errors import AutoloopError
-from autoloop.proposers.proposal import Proposal
+from autoloop.proposers.proposal import Proposal, patch_text
+from autoloop.runner import process_start_time
 from autoloop.proposers import brief
 from autoloop.proposers.base import ProposerUnavailable
 
 KILL_GRACE_SECONDS = 10.0
+TEMP_PREFIX = "autoloop-agent-"  # the temporary clone's folder; recovery deletes only such folders
 IGNORED = ("__pycache__/", "*.pyc", ".autoloop/", "experiments.db*")
 # Contract variables of the training process; the agent must not inherit a trial's.
 _CONTRACT_PREFIX = "AUTOLOOP_"
@@ -146,10 +153,12 @@ class AgentProposer:
         diff against the parent commit."""
         started = time.monotonic()
         transcript = self._transcript_path(ctx)
-        tmp = Path(tempfile.mkdtemp(prefix="autoloop-agent-"))
+        tmp = Path(tempfile.mkdtemp(prefix=TEMP_PREFIX))
+        record = ctx.store.add_process(ctx.run["id"], "agent", path=str(tmp),
+                                       info={"command": self.config.agent_command})
         try:
             clone = tmp / "work"
-            _git(tmp, "clone", "--quiet", "--shared", "--no-checkout", str(ctx.repo.root), str(clone))
+            _git(tmp, "clone", "--quiet", "--shared", "--no-checkout", str(ctx.repo.toplevel), str(clone))
             _git(clone, "remote", "remove", "origin")
             _git(clone, "checkout", "--quiet", "--detach", start)
             exclude = clone / ".git" / "info" / "exclude"
@@ -159,7 +168,12 @@ class AgentProposer:
             prompt_file = tmp / "prompt.md"
             prompt_file.write_text(prompt)
             transcript.with_suffix(".prompt.md").write_text(prompt)
-            returncode, timed_out = self._execute(self._command(prompt, prompt_file), clone, transcript)
+            # The agent works in the project folder of its clone (a subfolder when the
+            # project is one); its diff is relative to that folder, as every proposal is.
+            prefix = getattr(ctx.repo, "prefix", "")
+            returncode, timed_out = self._execute(
+                self._command(prompt, prompt_file), clone / prefix if prefix else clone, transcript,
+                on_start=lambda pid, start: ctx.store.update_process(record, pid=pid, pgid=pid, pid_start_time=start))
             latency = time.monotonic() - started
             call = {"proposer": self.name, "model": self.model, "latency_seconds": latency}
             text = transcript.read_text(errors="replace") if transcript.exists() else ""
@@ -169,7 +183,11 @@ class AgentProposer:
                 ctx.store.add_proposal_record(run_id=ctx.run["id"], error=f"agent {what}"[:500], **call)
                 raise ProposerUnavailable(f"the agent ({self.config.agent_command}) {what}; transcript: {transcript}")
             _git(clone, "add", "-A")
-            diff = _git(clone, "diff", "--cached", "--binary", "--no-color", "--no-ext-diff", ctx.parent_commit, "--")
+            # Bytes, not text: a file the agent left in another encoding must reach validation
+            # (which names it), not fail decoding here.
+            relative = [f"--relative={prefix}"] if prefix else []
+            diff = patch_text(_git_bytes(clone, "diff", "--cached", "--binary", "--no-color", "--no-ext-diff",
+                                         *relative, ctx.parent_commit, "--"))
             if not diff.strip():
                 ctx.store.add_proposal_record(run_id=ctx.run["id"], error="the agent changed nothing", **call)
                 raise ProposerUnavailable(f"the agent ({self.config.agent_command}) changed nothing; transcript: {transcript}")
@@ -184,8 +202,9 @@ class AgentProposer:
             return proposal
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+            ctx.store.end_process(record)
 
-    def _execute(self, argv: list[str], cwd: Path, transcript: Path) -> tuple[int | None, bool]:
+    def _execute(self, argv: list[str], cwd: Path, transcript: Path, on_start=None) -> tuple[int | None, bool]:
         env = {k: v for k, v in os.environ.items() if not k.startswith(_CONTRACT_PREFIX)}
         # Commits the agent makes stay in the clone; give git an identity so they never fail.
         for variable, value in (("GIT_AUTHOR_NAME", "autoloop agent"), ("GIT_AUTHOR_EMAIL", "agent@autoloop.invalid"),
@@ -201,6 +220,8 @@ class AgentProposer:
             except OSError as exc:
                 raise ProposerUnavailable(f"cannot start the agent ({self.config.agent_command}): {exc}") from None
             try:
+                if on_start is not None:
+                    on_start(proc.pid, process_start_time(proc.pid))
                 return proc.wait(timeout=self.config.agent_timeout), False
             except subprocess.TimeoutExpired:
                 _kill_group(proc)
@@ -216,6 +237,41 @@ class AgentProposer:
         folder.mkdir(parents=True, exist_ok=True)
         stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime()) + f"-{time.monotonic_ns() % 10**6:06d}"
         return folder / f"{stamp}-agent.log"
+
+
+def reap_helpers(store, run_ids) -> list[str]:
+    """End agents (and delete their temporary clones) that a dead controller left behind.
+
+    For every live `processes` row of the runs `run_ids`: the process group is killed when
+    its recorded leader is provably the same process (pid and start time), the folder is
+    deleted when it is one of ours (a temporary `autoloop-agent-*` folder), and the row is
+    ended. Only call it holding the working tree's run lock: then no live controller owns
+    these rows. Returns one line per process, for the event log."""
+    from autoloop.runner import kill_process_group
+
+    done = []
+    for run_id in run_ids:
+        for row in store.live_processes(run_id):
+            killed = False
+            if row.get("pgid") and row["pgid"] > 1 and row["pgid"] != os.getpgrp():
+                killed = kill_process_group(row["pgid"], expected_pid=row.get("pid"),
+                                            expected_start_time=row.get("pid_start_time"), grace=KILL_GRACE_SECONDS)
+            path = Path(row["path"]) if row.get("path") else None
+            removed = path is not None and path.name.startswith(TEMP_PREFIX) and path.is_dir()
+            if removed:
+                shutil.rmtree(path, ignore_errors=True)
+            store.end_process(row["id"])
+            what = ", ".join(part for part, did in (("killed", killed), (f"deleted {path}", removed)) if did)
+            done.append(f"{row['what']} (pid {row.get('pid') or '-'}): {what or 'already gone'}")
+    return done
+
+
+def _git_bytes(cwd: Path | str, *args: str) -> bytes:
+    out = subprocess.run(["git", *args], cwd=str(cwd), capture_output=True)
+    if out.returncode != 0:
+        raise ProposerUnavailable(f"git {' '.join(args[:2])} failed in the agent's clone: "
+                                  f"{out.stderr.decode(errors='replace').strip()[:300]}")
+    return out.stdout
 
 
 def _kill_group(proc: subprocess.Popen) -> None:

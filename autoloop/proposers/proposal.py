@@ -5,8 +5,20 @@ constant assignments (`--set NAME=VALUE`) or a unified diff. `materialize` turns
 into the new contents of every file it touches, computed from the parent commit, never
 from the working tree; `validate` then checks the contract before anything is
 committed: editable files only, protected files untouched, the edit applies, it changes
-something, and every touched Python file compiles. A failure raises `InvalidProposal`,
-which the controller records as an `invalid` trial with nothing committed.
+something, every touched file is UTF-8 text, and every touched Python file compiles. A
+failure raises `InvalidProposal`, which the controller records as an `invalid` trial with
+nothing committed.
+
+Any other exception out of `materialize` or `validate` (a value the constants editor
+cannot write, git failing on a strange patch) is turned into `InvalidProposal` too,
+naming the exception: a proposal can be wrong in ways nobody foresaw, and it must end as
+one invalid trial, never as a controller that crashes on it at every restart. A full
+disk is the exception: it is not the proposal's fault, so it propagates
+(`autoloop.errors.is_disk_full`).
+
+Patches are bytes on the way to git: `Proposal.patch` may be `bytes` (e.g. read back from
+a BLOB) or `str`; a str that came from bytes holds undecodable bytes as surrogates
+(`surrogateescape`), so encoding it back gives git exactly the bytes it was made from.
 """
 
 from __future__ import annotations
@@ -18,7 +30,7 @@ import subprocess
 import tempfile
 from dataclasses import asdict, dataclass, field
 
-from autoloop.errors import AutoloopError
+from autoloop.errors import AutoloopError, is_disk_full
 from autoloop.pyconst import set_constants
 
 
@@ -39,14 +51,18 @@ class Edit:
 class Proposal:
     description: str
     edits: list[Edit] = field(default_factory=list)
-    patch: str | None = None  # a unified diff against the parent (git apply format)
+    patch: str | bytes | None = None  # a unified diff against the parent (git apply format)
     source: str = "unknown"  # the proposer's name
     idea_id: int | None = None
     model: str | None = None  # the LLM that wrote it, if any
     meta: dict = field(default_factory=dict)
 
     def to_json(self) -> str:
-        return json.dumps({"edits": [asdict(e) for e in self.edits], "patch": self.patch}, default=str)
+        patch = self.patch
+        if isinstance(patch, (bytes, bytearray)):
+            patch = patch_text(patch)
+        # ensure_ascii: undecodable bytes (surrogates) become \udcXX escapes SQLite can store.
+        return json.dumps({"edits": [asdict(e) for e in self.edits], "patch": patch}, default=_printable, ensure_ascii=True)
 
     @classmethod
     def edits_from_json(cls, text: str) -> tuple[list[Edit], str | None]:
@@ -58,41 +74,116 @@ def matches(path: str, patterns: list[str]) -> bool:
     return any(fnmatch.fnmatchcase(path, pattern) or path == pattern for pattern in patterns)
 
 
-def _patch_paths(repo_dir: str, patch: str) -> list[str]:
-    out = subprocess.run(
-        ["git", "apply", "--numstat", "-z", "-"], cwd=repo_dir, input=patch.encode(), capture_output=True
-    )
+def _printable(value) -> str:
+    """JSON for a value a proposer put in an edit; never raises (the trial row must be written)."""
+    try:
+        return str(value)
+    except Exception:
+        return f"<unprintable {type(value).__name__}>"
+
+
+def patch_text(data: bytes | str) -> str:
+    """A patch as text; bytes that are not UTF-8 survive as surrogates (see the module doc)."""
+    return data if isinstance(data, str) else bytes(data).decode("utf-8", errors="surrogateescape")
+
+
+def patch_bytes(patch: bytes | str) -> bytes:
+    """The exact bytes to hand to git."""
+    return bytes(patch) if isinstance(patch, (bytes, bytearray)) else patch.encode("utf-8", errors="surrogateescape")
+
+
+def _first_line(data: bytes, fallback: str) -> str:
+    lines = data.decode("utf-8", errors="replace").strip().splitlines()
+    return lines[0] if lines else fallback
+
+
+def _git_location(repo_dir: str) -> tuple[str, str]:
+    """(the worktree's top level, the project folder relative to it: "" or "sub/")."""
+    out = subprocess.run(["git", "rev-parse", "--show-toplevel", "--show-prefix"], cwd=repo_dir, capture_output=True)
     if out.returncode != 0:
-        raise InvalidProposal(f"the patch is not a valid diff: {out.stderr.decode().strip().splitlines()[0] if out.stderr else 'git apply failed'}")
+        raise InvalidProposal(f"{repo_dir} is not in a git repository: {_first_line(out.stderr, 'git rev-parse failed')}")
+    top, _, prefix = out.stdout.decode("utf-8", errors="surrogateescape").partition("\n")
+    return top.strip(), prefix.strip()
+
+
+def _patch_paths(top: str, patch: bytes, directory: list[str]) -> list[str]:
+    out = subprocess.run(["git", "apply", "--numstat", "-z", *directory, "-"], cwd=top, input=patch, capture_output=True)
+    if out.returncode != 0:
+        raise InvalidProposal(f"the patch is not a valid diff: {_first_line(out.stderr, 'git apply failed')}")
     paths = []
-    for record in out.stdout.decode().split("\0"):
+    for record in out.stdout.decode("utf-8", errors="surrogateescape").split("\0"):
         parts = record.split("\t")
         if len(parts) == 3 and parts[2]:
             paths.append(parts[2])
     return paths
 
 
-def _apply_patch(repo_dir: str, parent: str, patch: str) -> dict[str, str | None]:
-    """Apply a diff to the parent commit's tree in a temporary index (never the worktree)."""
-    paths = _patch_paths(repo_dir, patch)
+def _utf8(path: str, data: bytes) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InvalidProposal(
+            f"{path} would not be UTF-8 text after the patch (byte 0x{data[exc.start]:02x} at offset {exc.start}): "
+            "editable files must stay UTF-8"
+        ) from None
+
+
+def _apply_patch(repo_dir: str, parent: str, patch: str | bytes) -> dict[str, str | None]:
+    """Apply a diff to the parent commit's tree in a temporary index (never the worktree).
+
+    Paths in the patch are relative to the project folder `repo_dir`, which may be a
+    subfolder ("sub/") of the git worktree; a patch whose paths all start with "sub/"
+    (`git diff` run in the subfolder writes them so) is taken as relative to the top level.
+    git runs at the top level with `--directory=sub` where needed: git apply run in a
+    subfolder would treat `diff --git` patches and plain ones differently."""
+    data = patch_bytes(patch)
+    top, prefix = _git_location(repo_dir)
+    directory: list[str] = []
+    if prefix:
+        as_top = _patch_paths(top, data, [])
+        if not as_top or not all(path.startswith(prefix) for path in as_top):
+            directory = [f"--directory={prefix.rstrip('/')}"]
+    # Back to project-relative paths; one outside the project keeps a "../" that validate rejects.
+    paths = [path[len(prefix):] if path.startswith(prefix) else os.path.relpath("/" + path, "/" + prefix)
+             for path in _patch_paths(top, data, directory)]
     with tempfile.TemporaryDirectory() as tmp:
         env = {**os.environ, "GIT_INDEX_FILE": os.path.join(tmp, "index")}
-        subprocess.run(["git", "read-tree", parent], cwd=repo_dir, env=env, check=True, capture_output=True)
-        applied = subprocess.run(
-            ["git", "apply", "--cached", "-"], cwd=repo_dir, env=env, input=patch.encode(), capture_output=True
-        )
+        read = subprocess.run(["git", "read-tree", parent], cwd=top, env=env, capture_output=True)
+        if read.returncode != 0:
+            raise InvalidProposal(f"the parent commit {parent[:12]} cannot be read: {_first_line(read.stderr, 'git read-tree failed')}")
+        applied = subprocess.run(["git", "apply", "--cached", *directory, "-"], cwd=top, env=env, input=data,
+                                 capture_output=True)
         if applied.returncode != 0:
-            first = (applied.stderr.decode().strip().splitlines() or ["git apply failed"])[0]
-            raise InvalidProposal(f"the patch does not apply to the parent commit: {first}")
+            raise InvalidProposal(f"the patch does not apply to the parent commit: {_first_line(applied.stderr, 'git apply failed')}")
         files: dict[str, str | None] = {}
         for path in paths:
-            shown = subprocess.run(["git", "show", f":{path}"], cwd=repo_dir, env=env, capture_output=True)
-            files[path] = shown.stdout.decode() if shown.returncode == 0 else None
+            shown = subprocess.run(["git", "show", f":{prefix}{path}"], cwd=top, env=env, capture_output=True)
+            files[path] = _utf8(path, shown.stdout) if shown.returncode == 0 else None
         return files
 
 
+def _unforeseen(exc: Exception, what: str) -> InvalidProposal:
+    """Any other failure as an InvalidProposal whose reason is one line naming the exception."""
+    text = " ".join(str(exc).split())[:300]
+    return InvalidProposal(f"the proposal cannot be {what}: {type(exc).__name__}" + (f": {text}" if text else ""))
+
+
 def materialize(proposal: Proposal, repo_dir: str, parent: str, read_parent_file) -> dict[str, str | None]:
-    """New contents of every touched file (None = deleted), computed from the parent."""
+    """New contents of every touched file (None = deleted), computed from the parent.
+
+    Raises InvalidProposal for anything that makes the proposal unusable, whatever the cause
+    (a full disk excepted: that propagates)."""
+    try:
+        return _materialize(proposal, repo_dir, parent, read_parent_file)
+    except InvalidProposal:
+        raise
+    except Exception as exc:
+        if is_disk_full(exc):
+            raise
+        raise _unforeseen(exc, "applied") from exc
+
+
+def _materialize(proposal: Proposal, repo_dir: str, parent: str, read_parent_file) -> dict[str, str | None]:
     files: dict[str, str | None] = {}
     if proposal.patch:
         files.update(_apply_patch(repo_dir, parent, proposal.patch))
@@ -133,7 +224,20 @@ def materialize(proposal: Proposal, repo_dir: str, parent: str, read_parent_file
 
 
 def validate(files: dict[str, str | None], read_parent_file, *, editable: list[str], protected: list[str]) -> dict[str, str | None]:
-    """Check the contract on materialized files; returns only files that really change."""
+    """Check the contract on materialized files; returns only files that really change.
+
+    Raises InvalidProposal for any failure (a full disk excepted), like `materialize`."""
+    try:
+        return _validate(files, read_parent_file, editable=editable, protected=protected)
+    except InvalidProposal:
+        raise
+    except Exception as exc:
+        if is_disk_full(exc):
+            raise
+        raise _unforeseen(exc, "validated") from exc
+
+
+def _validate(files, read_parent_file, *, editable: list[str], protected: list[str]) -> dict[str, str | None]:
     changed = {}
     for path, content in files.items():
         if os.path.isabs(path) or ".." in path.split("/"):
@@ -142,6 +246,16 @@ def validate(files: dict[str, str | None], read_parent_file, *, editable: list[s
             raise InvalidProposal(f"edits protected file {path}: proposals may only change {', '.join(editable)}")
         if not matches(path, editable):
             raise InvalidProposal(f"edits {path}, which is not editable: proposals may only change {', '.join(editable)}")
+        if isinstance(content, (bytes, bytearray)):
+            content = _utf8(path, bytes(content))
+        if content is not None and not isinstance(content, str):
+            raise InvalidProposal(f"the new content of {path} is not text ({type(content).__name__})")
+        if content is not None:
+            try:
+                content.encode("utf-8")
+            except UnicodeEncodeError as exc:  # surrogates: bytes that were not UTF-8
+                raise InvalidProposal(f"{path} would not be UTF-8 text after the edit (at character {exc.start}): "
+                                      "editable files must stay UTF-8") from None
         if content != read_parent_file(path):
             changed[path] = content
     if not changed:

@@ -2,8 +2,8 @@
 
 val_bpb is a known function of the constants below (minimum 1.0 at LR = 0.01,
 WIDTH = 64), so a test knows which proposals improve. MODE makes it misbehave the way
-real scripts do: crash, hang, NaN, no metric, summary-only output, or a child process
-that ignores SIGTERM.
+real scripts do: crash, hang, NaN, no metric, summary-only output, a child process that
+ignores SIGTERM (stubborn_child), or a checkpoint save on a full disk (enospc).
 """
 
 import json
@@ -48,6 +48,12 @@ def main() -> None:
         time.sleep(600)
     if MODE == "crash":
         raise RuntimeError("CUDA out of memory (pretend)")
+    if MODE == "enospc":  # a checkpoint save on a full disk; DISK_FULL tells a test's fake git
+        if os.environ.get("AUTOLOOP_RESULT"):
+            open(os.path.join(os.path.dirname(os.environ["AUTOLOOP_RESULT"]), "DISK_FULL"), "w").close()
+        print("Traceback (most recent call last):\n  File \"train.py\", line 1, in save_checkpoint", flush=True)
+        print("OSError: [Errno 28] No space left on device", flush=True)
+        sys.exit(1)
     if MODE == "fail":
         print("FAIL: loss is nan", flush=True)
         sys.exit(1)

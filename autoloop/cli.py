@@ -155,6 +155,7 @@ def _register_commands() -> None:
     app.command("diff")(handles_errors(cli_review.diff))
     app.command("best")(handles_errors(cli_review.best))
     app.command("finalize")(handles_errors(cli_review.finalize))
+    app.command("ablate")(handles_errors(cli_review.ablate))
     app.command("report")(handles_errors(cli_review.report))
     app.command("export")(handles_errors(cli_review.export))
     app.command("prepare")(handles_errors(prepare))

@@ -1,9 +1,10 @@
-"""The morning-review commands: log, show, diff, best, finalize, report, export.
+"""The morning-review commands: log, show, diff, best, ablate, finalize, report, export.
 
 Plain functions with typer annotations; `autoloop.cli` registers them. They only parse
-options and call `autoloop.review`, `autoloop.finalize`, `autoloop.report` and
-`autoloop.export`. Every one reads the db without taking a write lock, so each works
-while a run is writing to it. What they share with `autoloop.cli` lives in
+options and call `autoloop.review`, `autoloop.finalize`, `autoloop.report`,
+`autoloop.export` and `autoloop.ablate`. Every one but `ablate` reads the db without
+taking a write lock, so each works while a run is writing to it; `ablate` trains, so it
+takes the run's lock like `autoloop run`. What they share with `autoloop.cli` lives in
 `autoloop.cli_common`, so neither imports the other.
 """
 
@@ -116,24 +117,50 @@ def finalize(
     per_trial: Annotated[bool, typer.Option("--per-trial", help="One commit per kept trial instead of one squashed commit.")] = False,
     force: Annotated[bool, typer.Option("--force", help="Replace the branch if it already exists.")] = False,
     checkout: Annotated[bool, typer.Option("--checkout", help="Check the new branch out afterwards (refused while the run is going or the worktree has uncommitted changes).")] = False,
+    drop_null: Annotated[bool, typer.Option("--drop-null", help="Leave out the kept changes that the latest `autoloop ablate` found no benefit from (effect indistinguishable from zero, or harmful).")] = False,
     as_json: JsonOpt = False,
 ):
     """Make a clean branch from the run's base with its kept changes, and keep the best trial's checkpoint under .autoloop/<tag>/best/."""
     from autoloop.finalize import finalize as make_branch
 
     with _Session(repo, db, tag) as s:
-        result = make_branch(s.store, s.run, repo, branch=branch, per_trial=per_trial, force=force, checkout=checkout)
+        result = make_branch(s.store, s.run, repo, branch=branch, per_trial=per_trial, force=force, checkout=checkout,
+                             drop_null=drop_null)
     if as_json:
         typer.echo(_dump(result.to_dict()))
         return
     kind = f"{len(result.commits)} commits" if per_trial else "one commit"
-    typer.echo(f"branch {result.branch} at {result.commit[:12]}: {kind} on base {result.base_commit[:12]} with the kept "
-               f"trials {', '.join(map(str, result.trials))}; its tree is the best commit's ({result.best_commit[:12]}, trial {result.best_trial})")
+    if result.dropped:
+        typer.echo(f"branch {result.branch} at {result.commit[:12]}: {kind} on base {result.base_commit[:12]} with the kept "
+                   f"trials {', '.join(map(str, result.trials))}, leaving out trial {', '.join(map(str, result.dropped))} "
+                   f"(no benefit in the ablation); its tree is the best commit's ({result.best_commit[:12]}, trial "
+                   f"{result.best_trial}) without them")
+    else:
+        typer.echo(f"branch {result.branch} at {result.commit[:12]}: {kind} on base {result.base_commit[:12]} with the kept "
+                   f"trials {', '.join(map(str, result.trials))}; its tree is the best commit's ({result.best_commit[:12]}, trial {result.best_trial})")
     typer.echo(f"checkpoint: {result.checkpoint}" if result.checkpoint else f"checkpoint: none ({result.checkpoint_note})")
     if result.checked_out:
         typer.echo(f"checked out {result.branch}")
     else:
         typer.echo(f"the worktree is unchanged: `git checkout {result.branch}` or `git push origin {result.branch}`")
+
+
+def ablate(
+    repo: RepoOpt = Path("."),
+    tag: TagOpt = None,
+    db: DbOpt = None,
+    seeds: Annotated[int, typer.Option(help="Seeds to measure each reverted commit (and the best commit) at.")] = 3,
+    as_json: JsonOpt = False,
+):
+    """Measure what each kept change is worth: revert it from the best commit, train at the same seeds as the best, and mark changes whose effect is indistinguishable from zero as candidates to drop."""
+    from autoloop.ablate import ablate_run, format_ablation
+    from autoloop.display import Display
+
+    with _Session(repo, db, tag) as s:
+        run = s.run
+    display = None if as_json else Display()
+    result = ablate_run(repo, run, db=db, seeds=seeds, display=display, say=display.say if display else None)
+    typer.echo(_dump(result.to_dict()) if as_json else format_ablation(result))
 
 
 def report(

@@ -19,6 +19,13 @@ checked out here, so finalizing works while the run is still going. Instead:
 * The best trial's checkpoint (`trials.checkpoint_path`) is copied to
   `.autoloop/<tag>/best/` with a `best.json` that says which trial, commit and metric
   it belongs to.
+* `drop_null` leaves out the kept changes that the latest `autoloop ablate` marked as
+  candidates to drop (their effect on the best commit is indistinguishable from zero,
+  or harmful; `decision.drop` of the ablation trial). The final tree is then the best
+  commit's tree with those changes reverse-applied (autoloop.ablate.reverse_applied),
+  which is exactly the tree that ablation measured when one change is dropped. With
+  `--per-trial` each kept commit's tree has the dropped changes before it reverted. The
+  best trial's checkpoint was trained with the dropped changes, so it is not copied.
 """
 
 from __future__ import annotations
@@ -49,6 +56,7 @@ class Finalized:
     checkpoint: str | None = None
     checkpoint_note: str | None = None
     checked_out: bool = False
+    dropped: list[int] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -64,19 +72,52 @@ def _fmt(value: float | None, spec: str = ".6f") -> str:
     return "-" if value is None else f"{value:{spec}}"
 
 
-def squash_message(run: dict, kept: list[dict], base: dict | None, best: dict) -> str:
+def squash_message(run: dict, kept: list[dict], base: dict | None, best: dict, dropped: list[dict] = ()) -> str:
     lines = []
     head = f"autoloop {run['tag']}: {len(kept)} kept change{'s' if len(kept) != 1 else ''}"
-    if base is not None:
+    if base is not None and not dropped:
         gain = (base["metric"] - best["metric"]) / base["metric"] if base["metric"] else 0.0
         head += f", val_bpb {_fmt(base['metric'])} -> {_fmt(best['metric'])} ({gain * 100:.2f}% better)"
     lines += [head, ""]
     for t in kept:
         lines.append(f"- trial {t['number']}: {t.get('description') or '(no description)'} "
                      f"(val_bpb {_fmt(t['metric'])}, {_fmt(t.get('delta'), '+.6f')})")
+    if dropped:
+        lines += ["", "Left out (their ablation found no benefit in the best commit):"]
+        for t in dropped:
+            lines.append(f"- trial {t['number']}: {t.get('description') or '(no description)'} ({t['ablation_note']})")
     lines += ["", f"Autoloop-Run: {run['tag']}", f"Autoloop-Base: {run['base_commit']}",
               f"Autoloop-Best: {best['trial_commit']} (trial {best['number']})"]
+    if dropped:
+        lines.append(f"Autoloop-Dropped: {', '.join(str(t['number']) for t in dropped)}")
     return "\n".join(lines) + "\n"
+
+
+def changes_to_drop(store, run: dict, git: GitRepo, best_sha: str, kept: list[dict]) -> list[dict]:
+    """The kept trials whose latest ablation marked them as candidates to drop, each with
+    an `ablation_note`; refused when there is no ablation, or when it measured another
+    best commit (the run went on since: ablate again)."""
+    from autoloop.effects import ablation_verdict, format_interval
+    from autoloop.review import latest_ablations
+
+    ablations = {a["trial"]: a for a in latest_ablations(store, run)}
+    measured = {a["trial"]: a for a in ablations.values() if a.get("figures") is not None}
+    if not measured:
+        raise AutoloopError(f"run '{run['tag']}' has no ablation yet, so nothing is known to be null: "
+                            f"run `autoloop ablate --tag {run['tag']}` first, or finalize without --drop-null")
+    stale = sorted(n for n, a in measured.items() if a.get("parent_commit") != best_sha)
+    if stale:
+        raise AutoloopError(f"the latest ablation of trial {', '.join(map(str, stale))} measured another best commit "
+                            f"than today's ({best_sha[:12]}): run `autoloop ablate --tag {run['tag']}` again")
+    dropped = []
+    for t in kept:
+        a = measured.get(t["number"])
+        if a is not None and a["figures"].drop:
+            f = a["figures"]
+            note = (f"ablation trial {a['ablation']}: effect {f.effect:+.4f}, "
+                    f"{format_interval(f.low, f.high, f.level) or 'interval unbounded'}: {ablation_verdict(f)}")
+            dropped.append({**t, "ablation_note": note})
+    return dropped
 
 
 def trial_message(run: dict, trial: dict) -> str:
@@ -95,7 +136,7 @@ def run_lock_held(repo_root: Path, tag: str) -> bool:
 
 
 def finalize(store, run: dict, repo_dir: Path, *, branch: str | None = None, per_trial: bool = False,
-             force: bool = False, checkout: bool = False) -> Finalized:
+             force: bool = False, checkout: bool = False, drop_null: bool = False) -> Finalized:
     require_trials(store, run)
     git = GitRepo.open(repo_dir)
     tag = run["tag"]
@@ -135,23 +176,44 @@ def finalize(store, run: dict, repo_dir: Path, *, branch: str | None = None, per
     if not kept or best_sha == base_sha:
         raise AutoloopError(f"run '{tag}' kept no change over its baseline: there is nothing to finalize")
 
+    dropped = changes_to_drop(store, run, git, best_sha, kept) if drop_null else []
+    expected_tree = git._git("rev-parse", f"{best_sha}^{{tree}}")
+    if dropped:
+        left = {t["number"] for t in dropped}
+        kept = [t for t in kept if t["number"] not in left]
+        expected_tree = _without(git, best_sha, dropped, "the best commit")
+
     identity = git._identity_env()
     commits: list[str] = []
     parent = base_sha
-    steps = [(t["trial_commit"], trial_message(run, t)) for t in kept] if per_trial else \
-        [(best_sha, squash_message(run, kept, baseline_trial(store, run), best))]
-    for source, message in steps:
-        tree = git._git("rev-parse", f"{source}^{{tree}}")
+    if per_trial:
+        steps = []
+        for t in kept:
+            before = [d for d in dropped if d["number"] < t["number"]]
+            tree = _without(git, t["trial_commit"], before, f"trial {t['number']}") if before else \
+                git._git("rev-parse", f"{t['trial_commit']}^{{tree}}")
+            steps.append((tree, trial_message(run, t)))
+    else:
+        steps = [(expected_tree, squash_message(run, kept, baseline_trial(store, run), best, dropped))]
+    for tree, message in steps:
         parent = git._git("commit-tree", tree, "-p", parent, "-m", message, env=identity)
         commits.append(parent)
+    if per_trial and dropped and git._git("rev-parse", f"{parent}^{{tree}}") != expected_tree:
+        # A dropped change after the last kept one: one more commit leaves it out.
+        message = (f"Leave out trial {', '.join(str(t['number']) for t in dropped)} (ablation: no benefit)\n\n"
+                   + "".join(f"- trial {t['number']}: {t.get('description')} ({t['ablation_note']})\n" for t in dropped))
+        parent = git._git("commit-tree", expected_tree, "-p", parent, "-m", message, env=identity)
+        commits.append(parent)
     final_tree = git._git("rev-parse", f"{parent}^{{tree}}")
-    if final_tree != git._git("rev-parse", f"{best_sha}^{{tree}}"):  # cannot happen; guard the promise anyway
-        raise AutoloopError(f"internal error: the finalized tree differs from the best commit {best_sha[:12]}; nothing was written")
+    if final_tree != expected_tree:  # cannot happen; guard the promise anyway
+        raise AutoloopError(f"internal error: the finalized tree differs from the best commit {best_sha[:12]}"
+                            f"{' without the dropped changes' if dropped else ''}; nothing was written")
     # Compare-and-swap: fail instead of clobbering a branch someone created meanwhile.
     git._git("update-ref", "-m", f"autoloop finalize {tag}", f"refs/heads/{branch}", parent, existing or "0" * 40)
 
     result = Finalized(branch=branch, commit=parent, base_commit=base_sha, best_commit=best_sha,
-                       best_trial=best["number"], commits=commits, trials=[t["number"] for t in kept])
+                       best_trial=best["number"], commits=commits, trials=[t["number"] for t in kept],
+                       dropped=[t["number"] for t in dropped])
     _keep_checkpoint(result, run, best, git.root)
     if checkout:
         git._git("checkout", "-q", branch)
@@ -159,14 +221,34 @@ def finalize(store, run: dict, repo_dir: Path, *, branch: str | None = None, per
     return result
 
 
+def _without(git: GitRepo, commit: str, dropped: list[dict], what: str) -> str:
+    """The tree of `commit` with the dropped changes reverse-applied, latest first."""
+    from autoloop.ablate import NotRevertible, change_diff, reverse_applied
+
+    try:
+        tree, _files = reverse_applied(git, commit, [change_diff(git, t) for t in sorted(dropped, key=lambda t: -t["number"])])
+    except NotRevertible as exc:
+        raise AutoloopError(f"trial {', '.join(str(t['number']) for t in dropped)} cannot be left out of {what}: {exc}; "
+                            "finalize without --drop-null") from None
+    return tree
+
+
 def _keep_checkpoint(result: Finalized, run: dict, best: dict, root: Path) -> None:
     target_dir = root / STATE_DIR / run["tag"] / "best"
     source = trial_file(best, run, root, "checkpoint_path", "checkpoint.pt")
+    if result.dropped:
+        # The weights were trained with the changes left out: they are not the final tree's.
+        source = None
     target_dir.mkdir(parents=True, exist_ok=True)
     info = {"run": run["tag"], "trial": best["number"], "commit": best["trial_commit"], "val_bpb": best["metric"],
             "metric_source": best.get("metric_source"), "heldout_bpb": best.get("heldout_metric"),
             "branch": result.branch, "finalized_commit": result.commit, "checkpoint": None, "copied_at": utcnow()}
-    if source is None:
+    if source is None and result.dropped:
+        result.checkpoint_note = (f"trial {best['number']}'s checkpoint was trained with trial "
+                                  f"{', '.join(map(str, result.dropped))}, which the branch leaves out: train the "
+                                  "branch for its own weights; only best.json was written")
+        info["dropped"] = result.dropped
+    elif source is None:
         result.checkpoint_note = (f"trial {best['number']} has no checkpoint on disk (the training script saved none, "
                                   "or it was deleted); only best.json was written")
     else:

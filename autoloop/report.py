@@ -3,9 +3,12 @@ to share.
 
 The page holds a headline (trials, kept, discarded, crashed, invalid, keep rate, GPU
 hours, baseline -> best and the relative gain; definitions in `autoloop.review`), a
-progress chart, the loss curves of the baseline and the best trial, the kept changes in
-order with their deltas, the most common crash and invalid reasons, and the ideas with
-what became of them. Charts are drawn with matplotlib's Agg backend (no display needed),
+progress chart (kept trials measured at several seeds with error bars of ±1.96 standard
+errors), the loss curves of the baseline and the best trial, the kept changes in order
+with their deltas (mean ± standard error where a trial has several runs), the latest
+ablation of the kept changes (`autoloop ablate`), the run's measured noise and drift
+events, the most common crash and invalid reasons, and the ideas with what became of
+them. Charts are drawn with matplotlib's Agg backend (no display needed),
 written as PNG files next to the page and embedded in it as base64 data URIs, so the
 HTML file alone is the whole report: it can be mailed or attached without its folder.
 
@@ -25,9 +28,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from autoloop.errors import AutoloopError
+from autoloop.effects import ablation_verdict, format_estimate, format_interval
 from autoloop.review import (
-    CRASHED, baseline_trial, best_trial, common_reasons, headline, idea_outcomes, kept_trials, progress_points,
-    require_trials, select,
+    CRASHED, baseline_trial, best_trial, common_reasons, describe_noise, headline, idea_outcomes, kept_trials,
+    latest_ablations, noise_info, progress_points, require_trials, select,
 )
 from autoloop.store import Kind, Status, utcnow
 
@@ -41,6 +45,7 @@ REPORT_HTML = "report.html"
 COLOURS = {
     "keep": "#1a9850", "discard": "#9e9e9e", "crash": "#d73027", "timeout": "#f46d43", "invalid": "#984ea3",
     "interrupted": "#e6ab02", "running": "#2c7fb8", "baseline": "#2c7fb8", "best": "#1a9850",
+    "drift": "#8c6d31", "ablation": "#7b3294",
 }
 _APART = (Status.CRASH.value, Status.TIMEOUT.value, Status.INVALID.value, Status.INTERRUPTED.value, Status.RUNNING.value)
 
@@ -91,7 +96,12 @@ def report_data(store, run: dict) -> dict:
                 "points": select(store, "SELECT step, seconds, loss FROM curves WHERE trial_id = ? AND loss IS NOT NULL "
                                         "ORDER BY step, id", (trial["id"],)),
             }
+    noise = noise_info(store, run)
+    noise["drift"] = select(store, "SELECT e.message, e.created_at, t.number AS trial FROM events e LEFT JOIN trials t "
+                                   "ON t.id = e.trial_id WHERE e.run_id = ? AND e.kind = 'drift' ORDER BY e.id",
+                            (run["id"],))
     return {
+        "noise": noise, "ablations": latest_ablations(store, run),
         "run": run, "headline": head, "kept": kept, "points": progress_points(store, run),
         "crash_reasons": common_reasons(store, run, CRASHED),
         "invalid_reasons": common_reasons(store, run, (Status.INVALID.value,)),
@@ -104,9 +114,16 @@ def report_data(store, run: dict) -> dict:
 
 
 def progress_chart(data: dict, path: Path) -> Path:
-    """Every trial as a point over its number: kept ones marked, the running best as a
-    step line, the baseline as a line; trials without a verdict on the metric (crashed,
-    timed out, invalid, interrupted, running) in a strip of their own below."""
+    """Every trial as a point over its number: kept ones marked (with error bars where
+    they are means of several runs), the running best as a step line, the baseline as a
+    line; trials without a verdict on the metric (crashed, timed out, invalid,
+    interrupted, running) in a strip of their own below."""
+    _save(progress_figure(data), path)
+    return path
+
+
+def progress_figure(data: dict):
+    """The progress chart as a matplotlib Figure (see `progress_chart`)."""
     fig = _new_figure(figsize=(12, 6.8))
     from matplotlib.ticker import MaxNLocator
 
@@ -128,7 +145,12 @@ def progress_chart(data: dict, path: Path) -> Path:
         span = (high - low) or abs(high) * 0.01 or 0.01
         top, bottom = high + 0.12 * span, low - 0.12 * span
         ax.set_ylim(bottom, top)
-        discards = [p for p in scored if p["status"] != Status.KEEP.value]
+        # Drift checks and ablations measure the incumbent and its parts: they are not
+        # proposals that failed, so they get markers of their own.
+        measured = {kind: [p for p in scored if p["kind"] == kind and p["status"] != Status.KEEP.value and p["metric"] <= top]
+                    for kind in (Kind.DRIFT.value, Kind.ABLATION.value)}
+        discards = [p for p in scored if p["status"] != Status.KEEP.value
+                    and not any(p in group for group in measured.values())]
         kept_all = [p for p in scored if p["status"] == Status.KEEP.value]
         kept = [p for p in kept_all if p["kind"] != Kind.BASELINE.value]
         baselines = [p for p in kept_all if p["kind"] == Kind.BASELINE.value]
@@ -142,12 +164,17 @@ def progress_chart(data: dict, path: Path) -> Path:
             ax.scatter(_xy(above)[0], _arr([top - 0.02 * (top - bottom)] * len(above)), marker="^",
                        s=size + 10, c=COLOURS["discard"], alpha=0.8, zorder=2,
                        label=f"discarded, above the chart ({len(above)})")
+        for kind, marker, label in ((Kind.DRIFT.value, "s", "drift check"), (Kind.ABLATION.value, "v", "ablation")):
+            if measured[kind]:
+                ax.scatter(*_xy(measured[kind]), s=size + 6, marker=marker, facecolors="none",
+                           edgecolors=COLOURS[kind], linewidths=1.2, zorder=2, label=f"{label} ({len(measured[kind])})")
         if baselines:
             ax.scatter(*_xy(baselines), s=80, marker="D", c=COLOURS["baseline"], edgecolors="black", linewidths=0.6,
                        zorder=4, label="baseline trial")
         if kept:
             ax.scatter(*_xy(kept), s=70 if len(kept) <= 50 else 36, c=COLOURS["keep"], edgecolors="black",
                        linewidths=0.6, zorder=4, label=f"kept ({len(kept)})")
+        _error_bars(ax, kept_all)
         if kept_all:
             xs, ys, best = [], [], None
             for p in kept_all:
@@ -169,9 +196,11 @@ def progress_chart(data: dict, path: Path) -> Path:
                  loc="left", pad=24)
     ax.grid(True, alpha=0.25)
     # Above the axes, in one row: inside, it would hide points of a long run.
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(loc="lower right", bbox_to_anchor=(1.0, 1.0), ncol=6, fontsize=9, frameon=False,
-                  handletextpad=0.3, columnspacing=1.2)
+    entries = len(ax.get_legend_handles_labels()[0])
+    if entries:
+        # One row: a second one would run into the title.
+        ax.legend(loc="lower right", bbox_to_anchor=(1.0, 1.0), ncol=max(entries, 6), fontsize=9 if entries <= 6 else 8,
+                  frameon=False, handletextpad=0.3, columnspacing=1.2 if entries <= 6 else 0.8)
 
     for row, status in enumerate(rows):
         xs = [p["number"] for p in apart if p["status"] == status]
@@ -190,8 +219,7 @@ def progress_chart(data: dict, path: Path) -> Path:
     if points:
         strip.set_xlim(points[0]["number"] - 0.02 * max(len(points), 10), points[-1]["number"] + 0.02 * max(len(points), 10))
     fig.subplots_adjust(left=0.11, right=0.98, top=0.9, bottom=0.1)  # room for "interrupted (206)"
-    _save(fig, path)
-    return path
+    return fig
 
 
 def _arr(values):
@@ -203,6 +231,24 @@ def _arr(values):
 
 def _xy(points: list[dict]):
     return _arr([p["number"] for p in points]), _arr([p["metric"] for p in points])
+
+
+Z95 = 1.96  # error bars: ±1.96 standard errors, a 95% interval of the mean
+
+
+def interval_points(points: list[dict]) -> list[dict]:
+    """The points that get an error bar: a mean of several runs with a standard error."""
+    return [p for p in points if (p.get("n_runs") or 0) > 1 and p.get("metric_sd") is not None
+            and p.get("metric") is not None]
+
+
+def _error_bars(ax, kept: list[dict]) -> None:
+    """±1.96 standard errors around each kept trial measured at several seeds (its mean
+    is itself uncertain; a single run has no bar: its spread is unknown)."""
+    barred = interval_points(kept)
+    if barred:
+        ax.errorbar(_xy(barred)[0], _xy(barred)[1], yerr=_arr([Z95 * p["metric_sd"] for p in barred]), fmt="none",
+                    ecolor="#14532d", elinewidth=1.4, capsize=4, zorder=3.5, label="mean ± 1.96 se")
 
 
 def _annotate_kept(ax, kept: list[dict], last_number: int) -> None:
@@ -343,13 +389,23 @@ def render_html(data: dict, progress_png: Path, curves_png: Path | None) -> str:
         desc = t.get("description") or ""
         if t["kind"] == "baseline":
             desc = "baseline: " + desc if not desc.startswith("baseline") else desc
+        metric = format_estimate(t["metric"], t.get("metric_sd"), t.get("n_runs")) if t["metric"] is not None else "–"
         add(f"<tr data-trial=\"{t['number']}\"{cls}><td class=\"num\">{t['number']}</td><td>{_e(desc)}</td>"
-            f"<td class=\"num\">{_f(t['metric'])}</td><td class=\"num {_sign(t.get('delta'))}\">{_f(t.get('delta'), '+.6f')}</td>"
+            f"<td class=\"num\">{_e(metric)}</td><td class=\"num {_sign(t.get('delta'))}\">{_f(t.get('delta'), '+.6f')}</td>"
             f"<td class=\"num {_sign(t.get('vs_baseline'))}\">{_f(t.get('vs_baseline'), '+.6f')}</td>"
             f"<td class=\"num\">{_f(t.get('heldout_metric'))}</td><td><code>{_e(_short(t.get('trial_commit')))}</code></td></tr>")
     add("</tbody></table>")
     if len(kept) > MAX_TABLE_ROWS:
         add(f"<p class=\"muted\">First {MAX_TABLE_ROWS} of {len(kept)}; `autoloop log --status keep` lists all.</p>")
+
+    if any((t.get("n_runs") or 0) > 1 for t in kept):
+        add("<p class=\"muted\">val_bpb of several runs: mean ± standard error (runs).</p>")
+
+    # -- ablation
+    add(_ablation_section(data["ablations"]))
+
+    # -- noise
+    add(_noise_section(data["noise"]))
 
     # -- failures
     add("<h2>Why trials failed</h2><div class=\"two\">")
@@ -392,6 +448,7 @@ def render_html(data: dict, progress_png: Path, curves_png: Path | None) -> str:
             ("budget", f"{config['max_steps']} steps" if config.get("max_steps") else
              (f"{config['time_budget']:g} s" if config.get("time_budget") is not None else None)),
             ("proposers", ", ".join(config.get("proposers") or []) or None), ("keep margin", config.get("keep_margin")),
+            ("noise", describe_noise(data["noise"].get("noise"))), ("decision rule", data["noise"].get("decision_rule")),
             ("data", run.get("data_fingerprint")), ("harness", run.get("harness_fingerprint")),
             ("best commit", head.get("best_commit"))]
     for label, value in rows:
@@ -400,6 +457,58 @@ def render_html(data: dict, progress_png: Path, curves_png: Path | None) -> str:
     add("</tbody></table>")
     add("<footer>Generated by autoloop. Metrics are val_bpb (bits per byte) on the fixed validation split; "
         "held-out values come from the verifier.</footer></main></body></html>\n")
+    return "".join(parts)
+
+
+def _ablation_section(ablations: list[dict]) -> str:
+    """The latest `autoloop ablate` figures: each kept change's marginal effect."""
+    if not ablations:
+        return ""
+    parts = [f"<h2>Ablation <span class=\"count\">{len(ablations)}</span></h2>",
+             "<p class=\"muted\">Each kept change reverted from the best commit and measured against it at the same "
+             "seeds. Effect = val_bpb with the change minus without it (negative: the change helps); a change whose "
+             "interval contains 0 is a candidate to drop (<code>autoloop finalize --drop-null</code>).</p>",
+             "<table id=\"ablation\"><thead><tr><th>trial</th><th>change</th><th class=\"num\">effect</th>"
+             "<th class=\"num\">95% interval</th><th class=\"num\">runs</th><th>verdict</th><th>ablation</th>"
+             "</tr></thead><tbody>"]
+    for a in ablations[:MAX_TABLE_ROWS]:
+        f = a.get("figures")
+        if f is None:
+            effect, interval, n, verdict = "–", "–", "–", f"{a['status']}: {a.get('reason') or ''}"
+            cls = ""
+        else:
+            effect, n, verdict = _f(f.effect, "+.4f"), str(f.n), ablation_verdict(f)
+            interval = format_interval(f.low, f.high, f.level).split(" ", 2)[-1] or "–"
+            cls = " class=\"drop\"" if f.drop else ""
+        parts.append(f"<tr data-trial=\"{a['trial']}\"{cls}><td class=\"num\">{a['trial']}</td>"
+                     f"<td>{_e(a.get('description'))}</td><td class=\"num\">{_e(effect)}</td>"
+                     f"<td class=\"num\">{_e(interval)}</td><td class=\"num\">{_e(n)}</td><td>{_e(verdict)}</td>"
+                     f"<td class=\"num\">{a['ablation']}</td></tr>")
+    parts.append("</tbody></table>")
+    return "".join(parts)
+
+
+def _noise_section(noise: dict) -> str:
+    """The run's measured noise and its drift events (nothing for a run from before
+    noise-aware decisions)."""
+    described = describe_noise(noise.get("noise"))
+    drift = noise.get("drift") or []
+    if not described and not drift:
+        return ""
+    parts = ["<h2>Noise and drift</h2>"]
+    if described:
+        rule = f" Decision rule: {noise['decision_rule']}." if noise.get("decision_rule") else ""
+        parts.append(f"<p id=\"noise\">Measured noise: {_e(described)}.{_e(rule)} A difference within about two "
+                     "paired standard deviations of zero is not distinguishable from the incumbent.</p>")
+    if drift:
+        parts.append("<table id=\"drift\"><thead><tr><th class=\"num\">trial</th><th>drift</th><th>when (UTC)</th>"
+                     "</tr></thead><tbody>")
+        for e in drift[-MAX_TABLE_ROWS:]:
+            parts.append(f"<tr><td class=\"num\">{_e(e.get('trial'))}</td><td>{_e(e['message'])}</td>"
+                         f"<td>{_e((e.get('created_at') or '')[:16].replace('T', ' '))}</td></tr>")
+        parts.append("</tbody></table>")
+    else:
+        parts.append("<p class=\"muted\">No drift detected.</p>")
     return "".join(parts)
 
 
@@ -454,6 +563,7 @@ tbody tr:nth-child(even) { background:#fbfcfd; }
 td.num, th.num { text-align:right; font-variant-numeric:tabular-nums; white-space:nowrap; }
 td.better { color:var(--good); } td.worse { color:var(--bad); }
 tr.baseline td { color:var(--muted); font-style:italic; }
+tr.drop td { color:var(--bad); }
 .two { display:grid; grid-template-columns:1fr 1fr; gap:24px; }
 @media (max-width:800px) { .two { grid-template-columns:1fr; } }
 table.kv th { width:140px; background:none; color:var(--muted); font-weight:normal; }

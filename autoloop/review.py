@@ -13,8 +13,11 @@ Definitions shared by `autoloop log`, `best`, `report` and `export`:
 * **kept changes**: trials with status `keep` whose kind changes the code (proposal,
   repair, ablation). The baseline is stored as `keep` (it is the first best) but is not
   a change; re-runs and drift checks never change the code.
-* **keep rate**: kept changes / decided changes, where decided = kind changes the code and
-  the status is final and not `interrupted` (keep, discard, crash, timeout, invalid).
+* **keep rate**: kept changes / decided proposals, where decided = a proposal or repair
+  whose status is final and not `interrupted` (keep, discard, crash, timeout, invalid).
+  Ablation trials (`autoloop ablate`) measure kept changes; they are never proposals.
+* **val_bpb of several runs**: a trial measured at several seeds shows the mean of its
+  runs ± its standard error and the number of runs (`autoloop.effects`).
 * **crashed**: `crash` + `timeout`. **GPU hours**: the summed wall time of every
   training process (crashed ones included: they used the GPU too).
 * **the best trial**: the kept trial whose commit is the run's best commit (the commit
@@ -31,6 +34,10 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from autoloop.display import format_metric, last_progress
+from autoloop.effects import (
+    ablation_effect, ablation_verdict, decision_figures, decision_of, flags_of, format_estimate, format_interval,
+    trial_effect,
+)
 from autoloop.errors import AutoloopError
 from autoloop.store import Kind, Status
 
@@ -38,10 +45,14 @@ LOG_FIELDS = ("number", "kind", "status", "reason", "metric", "metric_source", "
               "description", "proposer", "minutes", "trial_commit", "heldout_metric")
 # Also in `log --json`, for scripts and agents.
 LOG_JSON_EXTRA = ("lineage", "idea_id", "parent_commit", "started_at", "finished_at")
+# The uncertainty of a trial's metric (autoloop.effects); None for trials of one run
+# without a noise-aware decision (older databases).
+LOG_UNCERTAINTY = ("metric_sd", "n_runs", "distinguishable", "near_miss")
 DEFAULT_LOG_LAST = 50
 LOG_TAIL_LINES = 40
 
 CHANGE_KINDS = (Kind.PROPOSAL.value, Kind.REPAIR.value, Kind.ABLATION.value)
+PROPOSAL_KINDS = (Kind.PROPOSAL.value, Kind.REPAIR.value)
 CRASHED = (Status.CRASH.value, Status.TIMEOUT.value)
 DECIDED = (Status.KEEP.value, Status.DISCARD.value, Status.CRASH.value, Status.TIMEOUT.value, Status.INVALID.value)
 
@@ -100,7 +111,8 @@ def log_rows(store, run: dict, *, last: int | None = None, status=None, kind=Non
         raise AutoloopError(f"--last {last} shows nothing: give a positive number of trials")
     statuses = parse_choices(status, Status, "status")
     kinds = parse_choices(kind, Kind, "kind")
-    columns = [c for c in LOG_FIELDS if c != "minutes"] + ["wall_seconds"] + list(LOG_JSON_EXTRA)
+    columns = [c for c in LOG_FIELDS if c != "minutes"] + ["wall_seconds", "metric_sd", "n_runs", "decision"] \
+        + list(LOG_JSON_EXTRA)
     where, params = ["run_id = ?"], [run["id"]]
     for column, values in (("status", statuses), ("kind", kinds)):
         if values:
@@ -111,12 +123,15 @@ def log_rows(store, run: dict, *, last: int | None = None, status=None, kind=Non
         sql = f"SELECT * FROM ({sql} ORDER BY number DESC LIMIT ?)"
         params.append(last)
     rows = select(store, sql + " ORDER BY number", params)
-    fields = LOG_FIELDS + (LOG_JSON_EXTRA if extra else ())
+    fields = LOG_FIELDS + LOG_UNCERTAINTY + (LOG_JSON_EXTRA if extra else ())
     out = []
     for t in rows:
-        row = {k: t.get(k) for k in fields if k != "minutes"}
+        row = {k: t.get(k) for k in fields if k in t}
         row["delta"] = _delta(t)
         row["minutes"] = _minutes(t)
+        effect = trial_effect(t)
+        row["distinguishable"] = effect.distinguishable
+        row["near_miss"] = effect.near_miss if effect.noise_aware else None
         out.append({k: row[k] for k in fields})
     return out
 
@@ -132,21 +147,37 @@ def format_log(run: dict, rows: list[dict], *, total: int | None = None) -> str:
         if total == 0:
             return f"run '{run['tag']}' has no trials yet"
         return f"run '{run['tag']}' has no trials matching that"
-    lines = [f"{'#':>4} {'kind':<9} {'status':<11} {'val_bpb':>9} {'delta':>9} {'min':>6}  description / reason"]
+    cells = []
     for r in rows:
         delta = f"{r['delta']:+.4f}" if r.get("delta") is not None else "-"
-        metric = format_metric(r.get("metric"))
+        if r.get("near_miss"):
+            delta += "~"
+        elif r.get("distinguishable") is False:
+            delta += "≈"
+        # A mean of several runs reads `2.5431 ± 0.0040 (3)`; a single run as before.
+        metric = format_estimate(r.get("metric"), r.get("metric_sd"), r.get("n_runs"))
         if r.get("metric") is not None and r.get("metric_source") == "reported":
             metric += "*"
         elif r.get("status") == "keep" and r.get("metric_source") == "harness":
             metric += "?"
+        cells.append((metric, delta))
+    # The val_bpb column widens only when a row needs it, so a log of single runs reads as before.
+    width = max([9] + [len(m) for m, _ in cells])
+    lines = [f"{'#':>4} {'kind':<9} {'status':<11} {'val_bpb':>{width}} {'delta':>9} {'min':>6}  description / reason"]
+    for r, (metric, delta) in zip(rows, cells):
         minutes = f"{r['minutes']:.1f}" if r.get("minutes") is not None else "-"
         lines.append(
-            f"{r['number']:>4} {r['kind']:<9} {r['status']:<11} {metric:>9} {delta:>9} {minutes:>6}  "
+            f"{r['number']:>4} {r['kind']:<9} {r['status']:<11} {metric:>{width}} {delta:>9} {minutes:>6}  "
             f"{_cut(r.get('description'), 60)}"
         )
         if r.get("reason"):
-            lines.append(f"{'':>50}  ↳ {_cut(r['reason'], 100)}")
+            lines.append(f"{'':>{41 + width}}  ↳ {_cut(r['reason'], 100)}")
+    if any((r.get("n_runs") or 0) > 1 for r in rows):
+        lines.append("val_bpb of several runs: mean ± standard error (runs)")
+    if any(r.get("near_miss") for r in rows):
+        lines.append("~ near miss: discarded, but within the noise of the incumbent")
+    if any(r.get("distinguishable") is False and not r.get("near_miss") for r in rows):
+        lines.append("≈ not distinguishable from the incumbent: the difference is within the measured noise")
     if any(r.get("metric_source") == "reported" for r in rows):
         lines.append("* unverified: only printed by the script, not measured by the harness")
     if any(r.get("status") == "keep" and r.get("metric_source") == "harness" for r in rows):
@@ -196,7 +227,10 @@ def tail_lines(path: Path, count: int = LOG_TAIL_LINES, max_bytes: int = 65536) 
 
 
 def archive_ref(run: dict, trial: dict) -> str | None:
-    """Where the controller keeps a non-kept trial's commit reachable."""
+    """Where the controller keeps a non-kept trial's commit reachable (an ablation's
+    reverted commit: under ablations/, see autoloop.ablate)."""
+    if trial.get("trial_commit") and trial["kind"] == Kind.ABLATION.value:
+        return f"refs/autoloop/{run['tag']}/ablations/{trial['number']}"
     if trial.get("trial_commit") and trial["status"] not in (Status.KEEP.value, Status.RUNNING.value) \
             and trial["kind"] not in (Kind.BASELINE.value, Kind.RERUN.value):
         return f"refs/autoloop/{run['tag']}/trials/{trial['number']}"
@@ -212,7 +246,8 @@ def trial_detail(store, run: dict, number: int, repo: Path | None = None, *, log
     detail["delta"] = _delta(trial)
     detail["minutes"] = _minutes(trial)
     detail["keep_margin"] = (run.get("config") or {}).get("keep_margin")
-    detail["measurements"] = store.measurements(trial["id"])
+    detail["measurements"] = trial_measurements(store, trial)
+    detail["ablations"] = ablations_of(store, run, trial)
     detail["events"] = select(store, "SELECT kind, message, created_at FROM events WHERE trial_id = ? ORDER BY id",
                               (trial["id"],))
     detail["curve_points"] = select(store, "SELECT COUNT(*) AS n FROM curves WHERE trial_id = ?", (trial["id"],))[0]["n"]
@@ -221,6 +256,9 @@ def trial_detail(store, run: dict, number: int, repo: Path | None = None, *, log
         ideas = select(store, "SELECT id, text, sets, patch, status FROM ideas WHERE id = ?", (trial["idea_id"],))
         if ideas:
             detail["idea"] = {**ideas[0], "sets": json.loads(ideas[0]["sets"]) if ideas[0]["sets"] else None}
+    if trial["kind"] == Kind.ABLATION.value and trial.get("derived_from"):
+        rows = select(store, "SELECT number FROM trials WHERE id = ?", (trial["derived_from"],))
+        detail["ablated_trial"] = rows[0]["number"] if rows else None
     detail["archive_ref"] = archive_ref(run, trial)
     log = trial_file(trial, run, repo, "log_path", "train.log")
     detail["log_file"] = str(log) if log else None
@@ -228,6 +266,39 @@ def trial_detail(store, run: dict, number: int, repo: Path | None = None, *, log
     if trial["status"] == Status.RUNNING.value and log is not None:
         detail["progress"] = last_progress(log.with_name("progress.jsonl"))
     return detail
+
+
+MAX_SHOWN_MEASUREMENTS = 200
+
+
+def trial_measurements(store, trial: dict) -> list[dict]:
+    """Every training run behind the trial's decision: its own measurements (as a
+    candidate, ablation, drift check, ...) and the incumbent's runs made for its
+    comparison (rows of another trial with for_trial_id = this trial), oldest first.
+    `owner` is the number of the trial whose code was trained."""
+    rows = select(store, "SELECT m.*, t.number AS owner, f.number AS for_trial FROM measurements m "
+                         "JOIN trials t ON t.id = m.trial_id LEFT JOIN trials f ON f.id = m.for_trial_id "
+                         "WHERE m.trial_id = ? OR m.for_trial_id = ? ORDER BY m.id", (trial["id"], trial["id"]))
+    for row in rows:
+        if isinstance(row.get("budget"), str):
+            try:
+                row["budget"] = json.loads(row["budget"])
+            except ValueError:
+                pass
+    return rows
+
+
+def ablations_of(store, run: dict, trial: dict) -> list[dict]:
+    """The ablation trials that reverted this trial's change, oldest first, with their
+    figures (autoloop.effects.ablation_effect)."""
+    if trial["kind"] == Kind.ABLATION.value:
+        return []
+    rows = select(store, "SELECT number, status, reason, parent_commit, decision FROM trials WHERE run_id = ? "
+                         "AND kind = ? AND derived_from = ? ORDER BY number",
+                  (run["id"], Kind.ABLATION.value, trial["id"]))
+    for row in rows:
+        row["decision"] = decision_of(row) or None
+    return rows
 
 
 def _num(value, spec: str = ".6f", unit: str = "") -> str:
@@ -258,20 +329,34 @@ def format_trial(d: dict, *, with_diff: bool = True) -> str:
 
     lines.append("evidence")
     source = f" ({d['metric_source']})" if d.get("metric_source") else ""
-    field("val_bpb", _num(d.get("metric")) + source)
+    effect = trial_effect(d)
+    if effect.n > 1:
+        field("val_bpb", f"{format_estimate(effect.metric, effect.se, effect.n)}{source}: mean ± standard error "
+                         f"of {effect.n} runs")
+    else:
+        field("val_bpb", _num(d.get("metric")) + source)
     field("best before", _num(d.get("best_before")))
     field("delta", _num(d.get("delta"), "+.6f"))
     field("keep margin", d.get("keep_margin"))
     field("held-out bpb", _num(d.get("heldout_metric")) if d.get("heldout_metric") is not None else None)
     if d.get("verify_seconds") is not None:
         field("verified in", _num(d["verify_seconds"], ".1f", " s"))
-    for m in d.get("measurements") or []:
-        field("measurement", f"val_bpb {_num(m.get('metric'))} (seed {m.get('seed')})")
+    measurements = d.get("measurements") or []
+    if not _noise_aware(d):
+        # A trial from before noise-aware decisions: its re-run values, as they were shown.
+        for m in measurements:
+            field("measurement", f"val_bpb {_num(m.get('metric'))} (seed {m.get('seed')})")
     for e in d.get("events") or []:
         field("event", f"{e['kind']}: {e['message']}")
     if d.get("progress"):
         p = d["progress"]
         field("progress", ", ".join(f"{k} {v}" for k, v in p.items()))
+
+    if _noise_aware(d):
+        lines.extend(_measurement_lines(measurements, d["number"]))
+    lines.extend(_decision_lines(d))
+    lines.extend(_ablation_lines(d))
+    lines.extend(_flag_lines(d))
 
     lines.append("commits")
     field("parent", d.get("parent_commit"))
@@ -318,6 +403,112 @@ def format_trial(d: dict, *, with_diff: bool = True) -> str:
     elif d.get("log_path"):
         lines.append(f"log: {d['log_path']} is gone")
     return "\n".join(lines)
+
+
+def _noise_aware(d: dict) -> bool:
+    """A trial recorded by the noise-aware controller (measurement roles, a decision)."""
+    return bool(decision_of(d)) or any(m.get("role") for m in d.get("measurements") or [])
+
+
+def _measurement_lines(measurements: list[dict], number: int) -> list[str]:
+    if not measurements:
+        return ["measurements", "  (none recorded)"]
+    lines = [f"measurements ({len(measurements)})",
+             f"  {'seed':>6} {'role':<10} {'trial':>5} {'val_bpb':>9} {'held-out':>9} {'steps':>6} "
+             f"{'train s':>8} {'wall s':>7}  status"]
+    for m in measurements[:MAX_SHOWN_MEASUREMENTS]:
+        owner = m.get("owner")
+        status = m.get("status") or "-"
+        if m.get("verified"):
+            status += ", verified"
+        if m.get("for_trial") not in (None, number):
+            status += f", for trial {m['for_trial']}"
+        if m.get("reason"):
+            status += f": {_cut(m['reason'], 80)}"
+        lines.append(
+            f"  {_num(m.get('seed')):>6} {m.get('role') or '-':<10} {owner if owner != number else '':>5} "
+            f"{_num(m.get('metric')):>9} {_num(m.get('heldout_metric')):>9} {_num(m.get('num_steps')):>6} "
+            f"{_num(m.get('training_seconds'), '.1f'):>8} {_num(m.get('wall_seconds'), '.1f'):>7}  {status}")
+    if len(measurements) > MAX_SHOWN_MEASUREMENTS:
+        lines.append(f"  ... {len(measurements) - MAX_SHOWN_MEASUREMENTS} more (`autoloop show N --json` has all)")
+    if any(m.get("owner") not in (None, number) for m in measurements):
+        lines.append("  (trial: another trial's code, e.g. the incumbent re-measured for this comparison)")
+    return lines
+
+
+# The decision's figures, in the order they are read; anything else it holds follows.
+_DECISION_FIELDS = (("action", "action"), ("rule", "rule"), ("n", "pairs (n)"), ("mean_diff", "mean difference"),
+                    ("se", "standard error"), ("statistic", "statistic"), ("bound", "bound"),
+                    ("stopped_because", "stopped because"), ("near_miss", "near miss"),
+                    ("distinguishable", "distinguishable"))
+
+
+def _decision_lines(d: dict) -> list[str]:
+    decision = decision_figures(d)
+    if not decision or (d.get("kind") == Kind.ABLATION.value and "effect" in decision):
+        return []
+    lines = ["decision"]
+
+    def add(label: str, value) -> None:
+        if isinstance(value, float):
+            value = f"{value:+.6f}" if label in ("mean difference",) else f"{value:.6g}"
+        elif isinstance(value, bool):
+            value = "yes" if value else "no"
+        elif isinstance(value, (dict, list)):
+            value = json.dumps(value)
+        if value not in (None, ""):
+            lines.append(f"  {label:<16} {value}")
+
+    interval = format_interval(_float(decision.get("low")), _float(decision.get("high")))
+    if "mean_diff" in decision:
+        decision["distinguishable"] = trial_effect(d).distinguishable  # as log and the proposers read it
+    for key, label in _DECISION_FIELDS:
+        add(label, decision.get(key))
+        if key == "se" and interval:
+            add("interval", interval)
+    if decision.get("reason"):
+        add("reason", decision["reason"])
+    skip = {k for k, _ in _DECISION_FIELDS} | {"low", "high", "reason"}
+    for key, value in decision.items():
+        if key not in skip:
+            add(key.replace("_", " "), value)
+    return lines
+
+
+def _float(value):
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _ablation_line(a) -> str:
+    interval = format_interval(a.low, a.high, a.level)
+    return (f"effect {_num(a.effect, '+.4f')} ({interval}, {a.n} paired runs): {ablation_verdict(a)}")
+
+
+def _ablation_lines(d: dict) -> list[str]:
+    """For an ablation trial: the effect of the change it reverted. For a kept trial:
+    what its ablations found."""
+    lines = []
+    if d.get("kind") == Kind.ABLATION.value:
+        a = ablation_effect(d)
+        lines.append("ablation")
+        if d.get("ablated_trial") is not None:
+            lines.append(f"  reverts the change of trial {d['ablated_trial']} in the best commit")
+        lines.append("  " + (_ablation_line(a) if a else "no effect measured"))
+        lines.append("  effect = val_bpb with the change minus without it, paired by seed; negative: the change helps")
+        return lines
+    for row in d.get("ablations") or []:
+        a = ablation_effect(row)
+        if not lines:
+            lines.append("ablations")
+        lines.append(f"  trial {row['number']}: " + (_ablation_line(a) if a else f"{row['status']}: {row.get('reason') or ''}"))
+    return lines
+
+
+def _flag_lines(d: dict) -> list[str]:
+    flags = flags_of(d)
+    if not flags:
+        return []
+    return ["flags"] + [f"  {f.get('flag')}" + (f": {f['message']}" if f.get("message") else "") for f in flags]
 
 
 def no_diff_reason(trial: dict) -> str:
@@ -383,11 +574,10 @@ def headline(store, run: dict) -> dict:
                       (run["id"],)):
         counts[row["status"]] += row["n"]
         total += row["n"]
-        if row["kind"] in CHANGE_KINDS:
-            if row["status"] == Status.KEEP.value:
-                kept += row["n"]
-            if row["status"] in DECIDED:
-                decided += row["n"]
+        if row["kind"] in CHANGE_KINDS and row["status"] == Status.KEEP.value:
+            kept += row["n"]
+        if row["kind"] in PROPOSAL_KINDS and row["status"] in DECIDED:
+            decided += row["n"]
     seconds = select(store, "SELECT COALESCE(SUM(wall_seconds), 0) AS s FROM trials WHERE run_id = ?", (run["id"],))[0]["s"]
     base, best = baseline_trial(store, run), best_trial(store, run)
     base_metric = base["metric"] if base else None
@@ -421,6 +611,7 @@ def best_summary(store, run: dict) -> dict:
     return {
         "run": run["tag"], "branch": run.get("branch"), "best_trial": best["number"], "best_commit": best["trial_commit"],
         "description": best.get("description"), "metric": best["metric"], "metric_source": best.get("metric_source"),
+        "metric_sd": best.get("metric_sd"), "n_runs": best.get("n_runs"),
         "heldout_metric": best.get("heldout_metric"),
         "baseline_trial": base["number"] if base else None, "baseline_metric": base["metric"] if base else None,
         "baseline_heldout_metric": base.get("heldout_metric") if base else None,
@@ -434,7 +625,7 @@ def format_best(b: dict) -> str:
     if b.get("description"):
         lines.append(f"  {b['description']}")
     source = f" ({b['metric_source']})" if b.get("metric_source") else ""
-    lines.append(f"  val_bpb   {format_metric(b['metric'])}{source}")
+    lines.append(f"  val_bpb   {format_estimate(b['metric'], b.get('metric_sd'), b.get('n_runs'))}{source}")
     if b.get("baseline_metric") is not None:
         gain = f", {b['relative_gain'] * 100:.2f}% better" if b.get("relative_gain") is not None else ""
         lines.append(f"  baseline  {format_metric(b['baseline_metric'])} (trial {b['baseline_trial']}): "
@@ -451,14 +642,34 @@ def format_best(b: dict) -> str:
 
 def kept_trials(store, run: dict) -> list[dict]:
     """Every trial with status keep (the baseline first), in trial order."""
-    return select(store, "SELECT number, kind, description, proposer, metric, metric_source, heldout_metric, "
-                         "best_before, delta, trial_commit, parent_commit, checkpoint_path, finished_at "
-                         "FROM trials WHERE run_id = ? AND status = ? ORDER BY number", (run["id"], Status.KEEP.value))
+    return select(store, "SELECT id, number, kind, description, proposer, metric, metric_sd, n_runs, metric_source, "
+                         "heldout_metric, best_before, delta, trial_commit, parent_commit, diff, checkpoint_path, "
+                         "finished_at FROM trials WHERE run_id = ? AND status = ? ORDER BY number",
+                  (run["id"], Status.KEEP.value))
 
 
 def progress_points(store, run: dict) -> list[dict]:
-    """(number, kind, status, metric) of every trial, for the progress chart."""
-    return select(store, "SELECT number, kind, status, metric FROM trials WHERE run_id = ? ORDER BY number", (run["id"],))
+    """(number, kind, status, metric, metric_sd, n_runs) of every trial, for the progress chart."""
+    return select(store, "SELECT number, kind, status, metric, metric_sd, n_runs FROM trials WHERE run_id = ? "
+                         "ORDER BY number", (run["id"],))
+
+
+def latest_ablations(store, run: dict) -> list[dict]:
+    """For each kept change that was ablated, its latest ablation trial: {trial (the kept
+    trial's number), description, ablation (the ablation trial's number), status,
+    reason, parent_commit (the best commit it was measured against), figures
+    (autoloop.effects.AblationEffect or None)}, in the kept trials' order."""
+    rows = select(store, "SELECT a.number AS ablation, a.status, a.reason, a.parent_commit, a.trial_commit, a.decision, "
+                         "k.number AS trial, k.description, k.id AS kept_id FROM trials a JOIN trials k "
+                         "ON k.id = a.derived_from WHERE a.run_id = ? AND a.kind = ? ORDER BY a.number",
+                  (run["id"], Kind.ABLATION.value))
+    latest: dict[int, dict] = {}
+    for row in rows:
+        if row["status"] == Status.RUNNING.value:
+            continue
+        row["figures"] = ablation_effect(row)
+        latest[row["trial"]] = row
+    return [latest[k] for k in sorted(latest)]
 
 
 _NUMBERS = re.compile(r"0x[0-9a-f]+|\d+(?:\.\d+)?")
@@ -519,6 +730,9 @@ def run_status(store, run: dict, repo: Path) -> dict:
     from autoloop.overfit import current_signal
 
     info["best_metric_source"] = best.get("metric_source") if best else None
+    info["best_metric_sd"] = best.get("metric_sd") if best else None
+    info["best_n_runs"] = best.get("n_runs") if best else None
+    info.update(noise_info(store, run))
     # Which controller holds this working tree's run lock (autoloop.lock), whatever its tag.
     from autoloop.lock import holder
 
@@ -551,11 +765,13 @@ def format_status(info: dict) -> str:
     if info.get("pause_reason"):
         lines.append(f"paused: {info['pause_reason']}")
     if info["best_metric"] is not None:
-        lines.append(f"best: val_bpb {format_metric(info['best_metric'])} (trial {info['best_trial']}, {str(info['best_commit'])[:12]})")
+        metric = format_estimate(info["best_metric"], info.get("best_metric_sd"), info.get("best_n_runs"))
+        lines.append(f"best: val_bpb {metric} (trial {info['best_trial']}, {str(info['best_commit'])[:12]})")
         if info.get("best_metric_source") not in (None, "verified"):
             lines[-1] += f" - unverified ({info['best_metric_source']})"
     if info.get("overfitting"):
         lines.append(info["overfitting"])
+    lines.extend(format_noise(info))
     held = info.get("controller")
     if held:
         folder = f" (project {held['folder']})" if held.get("folder") else ""
@@ -576,6 +792,60 @@ def format_status(info: dict) -> str:
     else:
         lines.append("nothing running")
     return "\n".join(lines)
+
+
+NOISE_EVENT_KINDS = ("drift", "noise")
+SHOWN_NOISE_EVENTS = 3
+
+
+def noise_info(store, run: dict) -> dict:
+    """The run's measured noise and its latest drift and noise events:
+    {"noise": {run_sd, pair_sd, df} or None, "decision_rule", "drift": [events],
+    "noise_events": [events]} (events newest last). The run row is read again: the
+    controller updates the estimate as the run goes."""
+    rows = select(store, "SELECT noise_sd, noise_pair_sd, noise_df, decision_rule FROM runs WHERE id = ?", (run["id"],))
+    row = rows[0] if rows else {}
+    noise = None
+    if row.get("noise_sd") is not None or row.get("noise_pair_sd") is not None:
+        noise = {"run_sd": row.get("noise_sd"), "pair_sd": row.get("noise_pair_sd"), "df": row.get("noise_df")}
+    events = {kind: select(store, "SELECT * FROM (SELECT e.id, e.kind, e.message, e.created_at, t.number AS trial "
+                                  "FROM events e LEFT JOIN trials t ON t.id = e.trial_id WHERE e.run_id = ? "
+                                  "AND e.kind = ? ORDER BY e.id DESC LIMIT ?) ORDER BY id",
+                           (run["id"], kind, SHOWN_NOISE_EVENTS))
+              for kind in NOISE_EVENT_KINDS}
+    return {"noise": noise, "decision_rule": row.get("decision_rule"), "drift": events["drift"],
+            "noise_events": events["noise"]}
+
+
+def describe_noise(noise: dict | None) -> str | None:
+    """'one run sd 0.0050, paired difference sd 0.0030 (12 df)', or None when unmeasured."""
+    if not noise:
+        return None
+    parts = []
+    if noise.get("run_sd") is not None:
+        parts.append(f"one run sd {noise['run_sd']:.4f}")
+    if noise.get("pair_sd") is not None:
+        parts.append(f"paired difference sd {noise['pair_sd']:.4f}")
+    text = ", ".join(parts)
+    if noise.get("df") is not None:
+        text += f" ({noise['df']} df)"
+    return text
+
+
+def format_noise(info: dict) -> list[str]:
+    """The status lines about noise: the estimate, the rule, drift and noise events.
+    Nothing for a run from before noise-aware decisions."""
+    lines = []
+    described = describe_noise(info.get("noise"))
+    if described:
+        rule = f"; decision rule {info['decision_rule']}" if info.get("decision_rule") else ""
+        lines.append(f"noise: {described}{rule}")
+    for e in info.get("noise_events") or []:
+        lines.append(f"noise event: {e['message']}")
+    for e in info.get("drift") or []:
+        where = f" (trial {e['trial']})" if e.get("trial") is not None else ""
+        lines.append(f"drift{where}: {e['message']}")
+    return lines
 
 
 def format_ideas(store, rows: list[dict]) -> str:

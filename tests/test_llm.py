@@ -45,7 +45,8 @@ def repo(tmp_path, monkeypatch) -> Path:
 def run_llm(repo: Path, server: FakeOpenAI, **flags):
     flags = {"tag": "t", "time_budget": 5, "grace_seconds": 20, "verify": False, "proposers": "llm",
              "llm_model": "fake-model", "llm_base_url": server.base_url, "llm_retries": 0, **flags}
-    return Controller(resolve(repo, flags), repo).run()
+    # verifier=None: the fake script has no model for the harness to evaluate or verify.
+    return Controller(resolve(repo, flags), repo, verifier=None).run()
 
 
 def db(repo: Path) -> Store:
@@ -425,3 +426,73 @@ def test_configuration_errors_are_one_line_before_anything_runs(repo, monkeypatc
         Controller(resolve(repo, {"tag": "t", "proposers": "llm", "llm_model": "m", "llm_base_url": "http://x/v1",
                                   "llm_prices": '{"m": "cheap"}'}), repo).run()
     assert not (repo / "experiments.db").exists()
+
+
+# ---------------------------------------------------------------------------- results with uncertainty
+
+
+def _decision(diff: float, se: float, n: int, near_miss: bool = False) -> dict:
+    low, high = diff - 2.3 * se, diff + 2.3 * se
+    return {"action": "discard", "mean_diff": diff, "se": se, "low": low, "high": high, "n": n,
+            "near_miss": near_miss, "distinguishable": not low <= 0 <= high}
+
+
+def test_the_brief_shows_means_with_uncertainty_and_what_is_not_distinguishable(fake_repo):
+    """What an LLM or agent reads about past results: means ± se with the number of runs,
+    'not distinguishable from the incumbent' instead of a bare delta, near misses as
+    such, and the run's measured noise."""
+    from autoloop.gitops import GitRepo
+    from autoloop.proposers import ProposalContext
+    from autoloop.proposers.brief import render_context
+
+    source = (fake_repo / "train.py").read_text()
+
+    def diff_to(value: str) -> str:
+        return files_diff({"train.py": source.replace(LR_LINE, f"LR = {value}")}, lambda p: source)
+
+    store = Store(fake_repo / "experiments.db")
+    repo = GitRepo.open(fake_repo)
+    try:
+        run = store.create_run("n", branch="autoloop/n", base_commit=repo.head(), best_commit=repo.head(),
+                               noise_sd=0.0061, noise_pair_sd=0.0042, noise_df=9)
+        t = store.new_trial(run["id"], "baseline", description="baseline")
+        store.update_trial(t["id"], status="keep", metric=2.6, metric_sd=0.0035, n_runs=3)
+        for value, status, diff, se, n, near in [("0.03", "discard", 0.0015, 0.0024, 4, False),
+                                                 ("0.015", "discard", -0.0020, 0.0021, 4, True),
+                                                 ("0.012", "keep", -0.0300, 0.0020, 2, False)]:
+            t = store.new_trial(run["id"], "proposal", description=f"lr {value}", diff=diff_to(value),
+                                best_before=2.6)
+            store.update_trial(t["id"], status=status, metric=2.6 + diff, metric_sd=se, n_runs=n, delta=diff,
+                               decision=_decision(diff, se, n, near))
+        ctx = ProposalContext(config=resolve(fake_repo, {"tag": "n"}), store=store, run=store.get_run("n"),
+                              repo=repo, parent_commit=repo.head(), read_parent_file=repo.file_reader(repo.head()))
+        text = render_context(ctx)
+    finally:
+        store.close()
+    assert "Baseline val_bpb 2.6000 ± 0.0035 (mean of 3 runs)" in text
+    assert "Best val_bpb 2.5700 ± 0.0020 (mean of 2 runs) (trial 4)" in text
+    assert "Measured noise: one run's val_bpb varies by sd 0.0061 between seeds and a paired difference " \
+           "from the incumbent by sd 0.0042" in text
+    # The theme summary and the table: no bare delta for noise-aware trials.
+    assert "#2 = 0.03 (discard +0.0015 ± 0.0024, not distinguishable from the incumbent)" in text
+    assert "#3 = 0.015 (discard -0.0020 ± 0.0021, near miss: not distinguishable from the incumbent)" in text
+    assert "#4 = 0.012 (keep -0.0300 ± 0.0020)" in text
+    assert "- LR: 3 tried, 1 kept, 1 near miss:" in text
+    assert "| 2 | proposal | discard | 2.6015 ± 0.0024 (4) | +0.0015 ± 0.0024, not distinguishable from the " \
+           "incumbent |" in text
+    assert "| # | kind | status | val_bpb | vs incumbent | description | reason |" in text
+    assert '"not distinguishable from the incumbent" means the difference lies within the measured noise' in text
+    assert "+0.001500" not in text  # no bare delta for it anywhere
+
+
+def test_the_brief_of_an_old_run_reads_as_before():
+    trials = [
+        {"number": 1, "kind": "baseline", "status": "keep", "metric": 1.09, "diff": None},
+        {"number": 2, "kind": "proposal", "status": "discard", "metric": 1.1, "delta": 0.01, "best_before": 1.09,
+         "description": "x", "reason": "r"},
+    ]
+    from autoloop.proposers.brief import trials_table
+
+    assert trials_table(trials) == (
+        "| # | kind | status | val_bpb | delta | description | reason |\n|---|---|---|---|---|---|---|\n"
+        "| 1 | baseline | keep | 1.090000 | - |  |  |\n| 2 | proposal | discard | 1.100000 | +0.010000 | x | r |")

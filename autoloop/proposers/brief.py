@@ -10,6 +10,10 @@ parent commit:
   circle: a theme is an UPPER_CASE constant a diff assigns (with the values tried) or
   else the top-level function or class a hunk falls in (git's hunk header);
 * a compact table of the recent trials and the diffs of the last few;
+* results with their uncertainty (autoloop.effects): a mean of several runs ± its
+  standard error, the difference from the incumbent, and "not distinguishable from the
+  incumbent" or "near miss" where the decision found it within the noise, so that the
+  proposer does not chase noise; the run's measured noise in the state line;
 * the human's waiting idea, if the proposer took one;
 * the editable files at the parent commit, in full.
 
@@ -30,6 +34,7 @@ import subprocess
 from collections import Counter
 from pathlib import Path
 
+from autoloop.effects import NEAR_MISS, NOT_DISTINGUISHABLE, format_estimate, trial_effect
 from autoloop.proposers.proposal import matches
 from autoloop.store import IdeaStatus, Kind, Status
 
@@ -213,9 +218,31 @@ def diff_themes(diff: str | None) -> dict[str, str | None]:
     return themes
 
 
+def versus_incumbent(trial: dict, digits: int = 4) -> str:
+    """The trial against the incumbent, for a proposer: a mean difference with its
+    standard error, and 'not distinguishable from the incumbent' (or 'near miss') when
+    the decision found the difference within the noise, so that nobody chases it. A
+    trial from before noise-aware decisions: the bare delta, as before."""
+    effect = trial_effect(trial)
+    if effect.diff is None:
+        return ""
+    if not effect.noise_aware:
+        return f"{effect.diff:+.{digits}f}"
+    text = f"{effect.diff:+.4f}" + (f" ± {effect.diff_se:.4f}" if effect.diff_se is not None else "")
+    if effect.near_miss:
+        return f"{text}, {NEAR_MISS}: {NOT_DISTINGUISHABLE}"
+    if not effect.distinguishable:
+        return f"{text}, {NOT_DISTINGUISHABLE}"
+    return text
+
+
 def _outcome(trial: dict) -> str:
-    if trial.get("delta") is not None and trial["status"] in (Status.KEEP.value, Status.DISCARD.value):
-        return f"{trial['status']} {trial['delta']:+.4f}"
+    if trial["status"] in (Status.KEEP.value, Status.DISCARD.value):
+        versus = versus_incumbent(trial)
+        if versus:
+            # An ablation took a kept change out of the best commit: it was never a proposal.
+            label = "ablation of the best" if trial.get("kind") == Kind.ABLATION.value else trial["status"]
+            return f"{label} {versus}"
     return trial["status"]
 
 
@@ -234,12 +261,14 @@ def theme_summary(trials: list[dict]) -> str:
     for theme in order[:THEMES]:
         entries = seen[theme]
         kept = sum(1 for tr, _ in entries if tr["status"] == Status.KEEP.value)
+        near = sum(1 for tr, _ in entries if tr["status"] == Status.DISCARD.value and trial_effect(tr).near_miss)
         examples = []
         for trial, value in entries[-THEME_EXAMPLES:]:
             what = f"= {value}" if value is not None else f"\"{_cut(trial.get('description'), 50)}\""
             examples.append(f"#{trial['number']} {what} ({_outcome(trial)})")
         more = f"; {len(entries) - THEME_EXAMPLES} earlier" if len(entries) > THEME_EXAMPLES else ""
-        lines.append(f"- {theme}: {len(entries)} tried, {kept} kept: " + "; ".join(examples) + more)
+        misses = f", {near} near miss{'es' if near != 1 else ''}" if near else ""
+        lines.append(f"- {theme}: {len(entries)} tried, {kept} kept{misses}: " + "; ".join(examples) + more)
     if len(order) > THEMES:
         lines.append(f"- ... and {len(order) - THEMES} older themes")
     return "\n".join(lines)
@@ -259,16 +288,32 @@ def _metric(value) -> str:
     return "-" if value is None else f"{value:.6f}"
 
 
+RESULTS_LEGEND = (
+    "val_bpb of several runs is their mean ± its standard error (number of runs); the difference from the "
+    "incumbent is paired by seed. \"not distinguishable from the incumbent\" means the difference lies within "
+    "the measured noise: it is no evidence that the change helps or hurts, so do not build on it or retry it "
+    "with a tiny tweak. A \"near miss\" was discarded but may be slightly better than the incumbent: a bigger "
+    "step in the same direction can be worth a try."
+)
+
+
 def trials_table(trials: list[dict]) -> str:
     if not trials:
         return "(no trials yet)"
-    rows = ["| # | kind | status | val_bpb | delta | description | reason |", "|---|---|---|---|---|---|---|"]
-    for t in trials[-RECENT_TRIALS:]:
-        delta = "-" if t.get("delta") is None else f"{t['delta']:+.6f}"
+    shown = trials[-RECENT_TRIALS:]
+    noisy = any(trial_effect(t).noise_aware or (t.get("n_runs") or 0) > 1 for t in shown)
+    header = "| # | kind | status | val_bpb | vs incumbent | description | reason |" if noisy else \
+        "| # | kind | status | val_bpb | delta | description | reason |"
+    rows = [header, "|---|---|---|---|---|---|---|"]
+    for t in shown:
+        delta = versus_incumbent(t, digits=6) or "-"
+        metric = format_estimate(t.get("metric"), t.get("metric_sd"), t.get("n_runs"))
         rows.append(
-            f"| {t['number']} | {t['kind']} | {t['status']} | {_metric(t.get('metric'))} | {delta} | "
+            f"| {t['number']} | {t['kind']} | {t['status']} | {metric} | {delta} | "
             f"{_cut(t.get('description'), TEXT_CELL).replace('|', '/')} | {_cut(t.get('reason'), TEXT_CELL).replace('|', '/')} |"
         )
+    if noisy:
+        rows += ["", RESULTS_LEGEND]
     return "\n".join(rows)
 
 
@@ -316,14 +361,40 @@ def state_line(ctx, trials: list[dict]) -> str:
     counted = ", ".join(f"{n} {s}" for s, n in sorted(counts.items())) or "none"
     parts = [f"Run '{ctx.run['tag']}': {len(trials)} trials so far ({counted})."]
     if baseline is not None:
-        parts.append(f"Baseline val_bpb {_metric(baseline['metric'])}.")
+        parts.append(f"Baseline val_bpb {_estimate(baseline)}.")
     if best is not None:
-        parts.append(f"Best val_bpb {_metric(best['metric'])} (trial {best['number']}); the files below are that version.")
+        parts.append(f"Best val_bpb {_estimate(best)} (trial {best['number']}); the files below are that version.")
+    noise = noise_sentence(ctx)
+    if noise:
+        parts.append(noise)
     running = [t["number"] for t in trials if t["status"] == Status.RUNNING.value]
     if running:
         parts.append(f"Trial {', '.join(map(str, running))} is training now (result not known yet): "
                      "propose something else.")
     return " ".join(parts)
+
+
+def _estimate(trial: dict) -> str:
+    """'2.543100', or '2.5431 ± 0.0023 (mean of 3 runs)'."""
+    n = trial.get("n_runs") or 1
+    if n > 1 and trial.get("metric_sd") is not None:
+        return f"{trial['metric']:.4f} ± {trial['metric_sd']:.4f} (mean of {n} runs)"
+    return _metric(trial.get("metric"))
+
+
+def noise_sentence(ctx) -> str:
+    """The run's measured noise in one sentence ('' before it is measured)."""
+    run = ctx.store.get_run(ctx.run["tag"]) or ctx.run  # the controller updates the estimate as it goes
+    run_sd, pair_sd = run.get("noise_sd"), run.get("noise_pair_sd")
+    if run_sd is None and pair_sd is None:
+        return ""
+    parts = []
+    if run_sd is not None:
+        parts.append(f"one run's val_bpb varies by sd {run_sd:.4f} between seeds")
+    if pair_sd is not None:
+        parts.append(f"a paired difference from the incumbent by sd {pair_sd:.4f}")
+    return ("Measured noise: " + " and ".join(parts) + ". Gains much smaller than that cannot be told apart "
+            "from noise with a few runs: aim for changes that could matter by more.")
 
 
 def idea_section(idea: dict | None) -> str:

@@ -13,7 +13,11 @@ preferred direction (up at first) at its current step, then the other direction:
   constants, exploring one fully before the next would spend the first dozens of
   trials on the learning rate alone);
 - later sweeps visit the constants whose latest trial moved val_bpb the most first
-  (ties in the order of attack): effort goes where the metric is sensitive;
+  (ties in the order of attack): effort goes where the metric is sensitive. A move
+  is read with its uncertainty (`autoloop.effects`): the paired mean difference from
+  the incumbent where the trial was measured at several seeds, and no movement at all
+  when the decision found it not distinguishable from the incumbent, so a noisy
+  constant is not chased because one lucky or unlucky draw looked large;
 - a success (the trial is kept) makes that the preferred direction and grows the step
   (x2 becomes x4, then x16); outside the screen the visit goes on in the same
   direction, from the new best, until a failure (then the step shrinks back by one
@@ -22,7 +26,8 @@ preferred direction (up at first) at its current step, then the other direction:
   tried too; when both have failed the step shrinks by one level (x2 -> x1.41 ->
   x1.19), or, at the smallest step, the constant is set aside for the round;
 - a boolean is flipped once per round: kept or not, it is then set aside;
-- a constant whose trials twice gave exactly their parent's val_bpb is set aside for the
+- a constant whose trials twice gave exactly their parent's val_bpb (the same runs at
+  the same seeds: a paired difference of exactly 0) is set aside for the
   whole run: in step mode training is deterministic, so the constant does not affect
   this run. Once is enough for a constant that train.py assigns again further down (e.g.
   in a CPU-scale `if` block, which overrides it on a CPU); otherwise one tie can be a
@@ -60,6 +65,7 @@ import math
 from dataclasses import dataclass, field
 
 from autoloop.config import Config
+from autoloop.effects import sensitivity, trial_effect
 from autoloop.errors import AutoloopError
 from autoloop.proposers.proposal import Edit, Proposal, matches
 from autoloop.proposers.search_space import GROUP_LABELS, MAX_LEVEL, Param, build_space
@@ -237,8 +243,8 @@ class SearchState:
 
     def observe(self, outcome: str, delta: float | None = None, *, trial: bool = True) -> None:
         """Apply the outcome of the pending move (the last one `next_move` chose).
-        `delta`: its val_bpb minus the best before it; `trial`: False for a move
-        skipped without a trial."""
+        `delta`: how far it moved val_bpb (`observed_change`; only its size is
+        used); `trial`: False for a move skipped without a trial."""
         move, self._pending = self._pending, None
         visit, param = self.visit, move.param
         state = self._const(param)
@@ -282,10 +288,22 @@ class SearchState:
 def outcome_of(trial: dict) -> str:
     if trial["status"] == Status.KEEP.value:
         return SUCCESS
-    metric, before = trial.get("metric"), trial.get("best_before")
-    if trial["status"] == Status.DISCARD.value and metric is not None and metric == before:
-        return INERT
+    if trial["status"] == Status.DISCARD.value:
+        effect = trial_effect(trial)
+        if effect.noise_aware:
+            # Identical runs at every shared seed: in step mode, the constant changed nothing.
+            if effect.diff == 0.0:
+                return INERT
+        elif trial.get("metric") is not None and trial.get("metric") == trial.get("best_before"):
+            return INERT
     return FAILURE
+
+
+def observed_change(trial: dict) -> float | None:
+    """How far the trial demonstrably moved val_bpb from its parent, for the sweep
+    order: |paired mean difference|, 0 when not distinguishable from the incumbent,
+    |delta| for a trial from before noise-aware decisions (None: no metric)."""
+    return sensitivity(trial_effect(trial))
 
 
 class SearchProposer:
@@ -369,8 +387,7 @@ class SearchProposer:
             state._pending = None
             state.unmatched += 1
             return None
-        metric, before = trial.get("metric"), trial.get("best_before")
-        state.observe(outcome_of(trial), metric - before if metric is not None and before is not None else None)
+        state.observe(outcome_of(trial), observed_change(trial))
         return move.digest
 
     def _trial_digest(self, ctx, trial: dict) -> str | None:

@@ -50,8 +50,6 @@ from __future__ import annotations
 import math
 import statistics
 
-from autoloop.harness.constants import UNTIMED_WARMUP_STEPS
-
 TIME_TOLERANCE = 0.02  # of the budget: timestamp jitter and the trial's work between steps
 MIN_TOLERANCE_SECONDS = 0.5  # the same, for short budgets (tests, quick runs)
 # Per timed step: the loop's bookkeeping outside the timed step (LR setting, logging, the
@@ -103,7 +101,7 @@ def refusal_problem(summary: dict) -> str | None:
 
 
 def check_budget(summary: dict, result: dict | None, *, time_budget: float | None, max_steps: int | None,
-                 warmup_steps: int = UNTIMED_WARMUP_STEPS, spawned_at: float | None = None,
+                 warmup_steps: int | None = None, spawned_at: float | None = None,
                  exited_at: float | None = None, tolerance: float = TIME_TOLERANCE,
                  min_tolerance_seconds: float = MIN_TOLERANCE_SECONDS) -> tuple[str | None, dict]:
     """(problem or None, figures) for one training run; see the module doc for the rules.
@@ -111,7 +109,13 @@ def check_budget(summary: dict, result: dict | None, *, time_budget: float | Non
     `summary` is FeedServer.summary(); `result` the trial's result JSON (None if it wrote
     none); `spawned_at`/`exited_at` are time.monotonic() readings of the controller when
     the training process started and ended (or FeedServer.mark_spawn/mark_exit).
+    `warmup_steps` defaults to the harness's UNTIMED_WARMUP_STEPS.
     """
+    if warmup_steps is None:
+        # Imported here: autoloop.harness brings torch, which the CLI does not need to start.
+        from autoloop.harness.constants import UNTIMED_WARMUP_STEPS
+
+        warmup_steps = UNTIMED_WARMUP_STEPS
     result = result or {}
     step_mode = max_steps is not None
     if not step_mode and time_budget is None:

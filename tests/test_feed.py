@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from autoloop import harness as H
-from autoloop.budget import check_budget
+from autoloop.budget import check_budget, refusal_problem
 from autoloop.harness import feed as F
 from autoloop.harness.data import WITHHELD_MARKER
 from test_train import TRAIN_PY, explain, run_train
@@ -188,9 +188,24 @@ def test_meta_only_view_opens_as_the_dataset_without_its_splits(embedded_dataset
 # ---------------------------------------------------------------------------- train.py through the feed
 
 
+def test_train_py_asking_for_val_fails_with_the_rule_and_the_feed_records_it(session_cache, embedded_dataset, tmp_path):
+    # Issue 12's first attack: train on the val split. In the meta-only view there is no
+    # val file to open, and the feed refuses the split and records the request.
+    script = tmp_path / "train_on_val.py"
+    text = TRAIN_PY.read_text()
+    assert text.count('H.TokenLoader(ds, "train",') == 1
+    script.write_text(text.replace('H.TokenLoader(ds, "train",', 'H.TokenLoader(ds, "val",'))
+    proc, summary, result = run_with_feed(script, session_cache, embedded_dataset.path, tmp_path / "run", meta_only=True,
+                                          AUTOLOOP_MAX_STEPS=2, OMP_NUM_THREADS=1)
+    assert proc.returncode == 2 and result is None
+    assert "ERROR: the val split is not available to training under autoloop" in proc.stdout
+    assert summary["refused_count"] == 1 and summary["batches"] == 0
+    assert refusal_problem(summary).startswith("asked the harness's data feed for the val split")
+
+
 @pytest.mark.slow
 def test_train_py_through_the_feed_gives_the_same_result(session_cache, embedded_dataset, tmp_path):
-    env = {"AUTOLOOP_MAX_STEPS": 6, "AUTOLOOP_SEED": 4}
+    env = {"AUTOLOOP_MAX_STEPS": 6, "AUTOLOOP_SEED": 4, "OMP_NUM_THREADS": 1}
     proc, summary, fed = run_with_feed(TRAIN_PY, session_cache, embedded_dataset.path, tmp_path / "fed", **env)
     assert proc.returncode == 0, explain(proc)
     direct = run_train(TRAIN_PY, session_cache, AUTOLOOP_RESULT=tmp_path / "direct.json", **env)

@@ -84,14 +84,16 @@ def pycache_dir(kind: str, cache_root: Path | str) -> Path:
 def pycache_env(kind: str, cache_root: Path | str) -> dict[str, str | None]:
     """Environment entries for an autoloop child process's bytecode (None = unset it).
 
-    kind "train": the training run's own prefix, written freely (so torch's bytecode is
-    cached between trials). kind "eval": the evaluator's prefix, read-only for it
-    (PYTHONDONTWRITEBYTECODE=1): it imports the trial's train.py, whose code must not be
-    able to leave bytecode behind for later evaluations. `warm_eval_cache` fills it.
+    Both prefixes are written only by `warm_pycache`, a trusted process that imports no
+    trial code; the children read them (PYTHONDONTWRITEBYTECODE=1, and the sandbox mounts
+    them read-only). kind "train": what training imports (torch, its compiler, the
+    harness), so a trial starts fast and no trial can leave bytecode behind for the runs
+    after it (the incumbent's re-measurements among them). kind "eval": the evaluator's,
+    which imports the trial's train.py. A change in either is tampering (autoloop.integrity).
     """
     return {
         ENV_PYCACHE_PREFIX: str(pycache_dir(kind, cache_root)),
-        ENV_DONT_WRITE_BYTECODE: "1" if kind == "eval" else None,
+        ENV_DONT_WRITE_BYTECODE: "1",
     }
 
 
@@ -117,6 +119,10 @@ def warm_pycache(kind: str, python: str, cache_root: Path | str, *, env: dict[st
     base[ENV_PYCACHE_PREFIX] = str(prefix)
     started = time.monotonic()
     code = "import autoloop.harness.evaluate as e; e._harness_modules()"
+    if kind == "train":
+        # What a training run imports beyond the harness: the optimizers and, on a GPU, the
+        # compiler (imported lazily by torch.compile); best effort.
+        code += "\ntry:\n    import torch.optim, torch._dynamo, torch._inductor.compile_fx\nexcept Exception:\n    pass"
     done = subprocess.run([python, "-c", code], env=base, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, timeout=600, check=False)
     if done.returncode == 0:

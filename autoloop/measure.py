@@ -144,7 +144,7 @@ class Measurer:
             view = make_meta_only_view(c.data_dir(), run_dir / "data")
             feed = FeedServer(c.data_dir(), run_dir / "feed.sock", seed=seed)
             env.update({"AUTOLOOP_DATA_DIR": str(view), "AUTOLOOP_FEED": None, "AUTOLOOP_EVAL": "external"})
-            # Training's bytecode goes to its own prefix, never read by the evaluator.
+            # Training reads bytecode from its own prefix, filled by a trusted process.
             env.update(pycache_env("train", cache_root()))
         before = c.verifier.snapshot(c) if c.verifier is not None else None
         if c.display is not None:
@@ -170,15 +170,15 @@ class Measurer:
 
         from autoloop.sandbox import SandboxPaths
 
-        writable = [run_dir, *c.compile_cache_dirs()]
+        readonly = [c.repo_dir]
         if self.harness_mode:
-            from autoloop.evaluation import pycache_dir
+            from autoloop.evaluation import pycache_dir, warm_pycache
             from autoloop.harness.contract import cache_root
 
-            writable.append(pycache_dir("train", cache_root()))
-            writable[-1].mkdir(parents=True, exist_ok=True)
+            warm_pycache("train", c.python, cache_root())
+            readonly.append(pycache_dir("train", cache_root()))
         sandbox_paths = SandboxPaths(
-            writable=tuple(writable), readonly=(c.repo_dir,),
+            writable=(run_dir, *c.compile_cache_dirs()), readonly=tuple(readonly),
             # The data splits stay out of reach: batches come from the feed only.
             hidden=tuple(self._hidden()) + ((c.data_dir(),) if self.harness_mode else ()),
         )

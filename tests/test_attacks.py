@@ -117,7 +117,7 @@ def _run(repo: Path, monkeypatch, **flags):
 def _trials(repo: Path, tag: str = "a") -> dict[str, dict]:
     store = Store(repo / "experiments.db")
     try:
-        return {(t.get("description") or t["kind"]).replace("attack: ", ""): t
+        return {"baseline" if t["kind"] == "baseline" else (t.get("description") or "").replace("attack: ", ""): t
                 for t in store.trials(store.get_run(tag)["id"])}
     finally:
         store.close()

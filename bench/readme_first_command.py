@@ -129,15 +129,25 @@ def problems(rows: list[dict]) -> list[str]:
     return found
 
 
-def run(source: Path, work: Path) -> dict:
-    """Everything, in `work`; returns the figures (timings, trials, problems)."""
+def run(source: Path, work: Path, burners: int = 0) -> dict:
+    """Everything, in `work`; returns the figures (timings, trials, problems).
+
+    `burners`: CPU-burning processes (`python -c "while True: pass"`) running beside the
+    command, as on a user's busy machine."""
     started = time.monotonic()
     clone, venv, figures = fresh_environment(source, work)
     command = readme_first_command((clone / "README.md").read_text())
     figures["command"] = command
+    figures["burners"] = burners
     begun = time.monotonic()
-    done = subprocess.run(["bash", "-e", "-c", command], cwd=clone, env=child_environment(venv, work),
-                          capture_output=True, text=True)
+    load = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(burners)]
+    try:
+        done = subprocess.run(["bash", "-e", "-c", command], cwd=clone, env=child_environment(venv, work),
+                              capture_output=True, text=True)
+    finally:
+        for burner in load:
+            burner.kill()
+            burner.wait()
     figures["command_seconds"] = time.monotonic() - begun
     figures["command_exit"] = done.returncode
     (work / "command.log").write_text(done.stdout + done.stderr)
@@ -154,7 +164,7 @@ def run(source: Path, work: Path) -> dict:
 def report(figures: dict) -> str:
     lines = [f"{name:>18}: {figures[name]:7.1f} s" for name in
              ("clone_seconds", "venv_seconds", "install_seconds", "command_seconds", "total_seconds") if name in figures]
-    lines.append(f"{'command exit':>18}: {figures.get('command_exit')}")
+    lines.append(f"{'command exit':>18}: {figures.get('command_exit')} ({figures.get('burners', 0)} CPU burners beside it)")
     for row in figures.get("trials", []):
         metric = f"{row['metric']:.6f}" if row["metric"] is not None else "-"
         wall = f"{row['wall_seconds']:.0f} s" if row["wall_seconds"] is not None else "-"
@@ -169,13 +179,15 @@ def main() -> int:
     parser.add_argument("--source", type=Path, default=ROOT, help="the repository to clone (this one by default)")
     parser.add_argument("--keep", type=Path, help="work in this folder and keep it (a temporary one by default)")
     parser.add_argument("--json", type=Path, help="also write the figures as JSON here")
+    parser.add_argument("--burners", type=int, default=0,
+                        help='CPU-burning processes beside the command (python -c "while True: pass"), e.g. 2')
     args = parser.parse_args()
     if args.keep:
         args.keep.mkdir(parents=True, exist_ok=True)
-        figures = run(args.source, args.keep)
+        figures = run(args.source, args.keep, args.burners)
     else:
         with tempfile.TemporaryDirectory(prefix="readme-first-command-") as tmp:
-            figures = run(args.source, Path(tmp))
+            figures = run(args.source, Path(tmp), args.burners)
     print(report(figures))
     if args.json:
         args.json.write_text(json.dumps(figures, indent=1, default=str))

@@ -48,14 +48,14 @@ def test_problems_name_what_the_user_did_not_cause():
 
 
 @pytest.mark.slow
-def test_the_readme_first_command_in_a_fresh_clone_and_venv(tmp_path):
+def test_the_readme_first_command_in_a_fresh_clone_and_venv_beside_two_cpu_burners(tmp_path):
     if shutil.which("git") is None or shutil.which("bash") is None:
         pytest.skip("needs git and bash")
     if subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
                       capture_output=True, text=True).stdout.strip():
         # `git clone` takes what is committed; say so rather than test something else.
         print("note: uncommitted changes in the checkout are not in the clone")
-    figures = _bench().run(ROOT, tmp_path)
+    figures = _bench().run(ROOT, tmp_path, burners=2)
     statuses = [(t["number"], t["kind"], t["status"], t["reason"]) for t in figures["trials"]]
     assert figures["problems"] == [], (statuses, figures["output_tail"])
     assert figures["command_exit"] == 0

@@ -63,6 +63,10 @@ class Config:
     drift_event_sigmas: float = 3.0  # a shift beyond this many paired-noise sds is an event
     drift_pause_sigmas: float = 8.0  # ... and beyond this many, the run pauses
     requeue_near_misses: bool = False  # retry a discard within the noise once after the incumbent changes
+    # A trial that runs out of memory is repaired: this constant halved (the total batch, and
+    # so the comparison, unchanged), up to oom_repairs times down the ladder.
+    oom_batch_constant: str = "DEVICE_BATCH_SIZE"
+    oom_repairs: int = 3
     # LLM and coding-agent proposers (docs/llm.md). Setting llm_model or agent_command puts
     # that proposer into the default chain ("auto"). API keys are read from the environment
     # variable named by llm_api_key_env and never stored in the config, the db or logs.

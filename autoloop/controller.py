@@ -914,10 +914,13 @@ class Controller:
             best_before = trial.get("best_before")
             if best_before is not None and mean is not None:
                 fields["delta"] = mean - (estimate(list(inc_runs.values()), self.noise())[0] if inc_runs else best_before)
-            record["near_miss"] = verdict.action == "discard" and bool(verdict.figures.get("near_miss"))
             interval = verdict.figures.get("interval") or [None, None]
             record["distinguishable"] = verdict.action == "keep" or (
                 None not in interval and (interval[1] < 0 or interval[0] > 0))
+            # A near miss: it looked better, but not distinguishably so.
+            record["near_miss"] = verdict.action == "discard" and (
+                bool(verdict.figures.get("near_miss"))
+                or ((verdict.figures.get("mean_diff") or 0.0) < 0 and not record["distinguishable"]))
             fields["decision"] = record
             if incumbent is not None and incumbent.get("metric_source") != MetricSource.REPORTED.value \
                     and any(m.get("role") == "candidate" and m.get("status") == "ok" and m.get("metric") is not None

@@ -22,7 +22,7 @@ import shutil
 from dataclasses import dataclass
 
 from autoloop.prefetch import Prefetcher
-from autoloop.proposers.proposal import Proposal
+from autoloop.proposers.proposal import Edit, Proposal
 from autoloop.proposers.base import ProposerUnavailable
 from autoloop.store import Kind, Status
 
@@ -85,7 +85,7 @@ class Scheduler:
                 "rerun", reason=f"circuit breaker: {len(tail)} failures in a row; re-running the incumbent",
                 derived_from=best["id"] if best else None, trial_kind=Kind.RERUN,
             )
-        repair = self._repair_item(trials)
+        repair = self._oom_repair_item(trials) or self._repair_item(trials)
         if repair is not None:
             return repair
         drift = self._drift_item()
@@ -136,6 +136,61 @@ class Scheduler:
         if proposal is None:
             return None
         return WorkItem("proposal", reason=proposal.description, proposal=proposal, parent=parent,
+                        derived_from=last["id"], trial_kind=Kind.REPAIR)
+
+    def _oom_repair_item(self, trials: list[dict]) -> WorkItem | None:
+        """A trial that ran out of memory, again with half the per-device batch and twice the
+        gradient accumulation (the same total batch, so the comparison stays fair): a
+        `repair` trial linked to it. A repair that runs out of memory too takes the next
+        step down the ladder, up to `oom_repairs` steps."""
+        from autoloop.errors import AutoloopError
+        from autoloop.pyconst import read_constants, set_constants
+
+        last = trials[-1] if trials else None
+        limit = self.controller.config.oom_repairs
+        if last is None or last["status"] != Status.CRASH.value or not limit or not is_out_of_memory(last):
+            return None
+        if last["kind"] not in (Kind.PROPOSAL.value, Kind.REPAIR.value):
+            return None  # the baseline is the user's own script: its pause names the error
+        if any(t.get("derived_from") == last["id"] for t in trials):
+            return None
+        depth, origin = 0, last
+        by_id = {t["id"]: t for t in trials}
+        while origin["kind"] == Kind.REPAIR.value and origin.get("derived_from") in by_id \
+                and is_out_of_memory(origin):
+            depth, origin = depth + 1, by_id[origin["derived_from"]]
+        name = self.controller.config.oom_batch_constant
+        script = self.controller.config.editable[0]
+        commit = last.get("trial_commit") or last.get("parent_commit")
+        why = None
+        if depth >= limit:
+            why = f"still out of memory after {depth} halvings of {name} (oom-repairs = {limit})"
+        elif last.get("parent_commit") != self.controller.best_commit() or not commit:
+            why = "the incumbent changed since"
+        else:
+            try:
+                source = self.controller.repo.show_file(commit, script)
+                value = read_constants(source).get(name)
+            except (AutoloopError, SyntaxError):
+                value, source = None, ""
+            if value is None or not isinstance(value.value, int) or isinstance(value.value, bool):
+                why = f"{script} has no integer {name} to halve"
+            elif value.value < 2:
+                why = f"{name} is already {value.value}"
+        if why is not None:
+            reason = f"{last['reason']} (out of memory; not repaired: {why})"
+            self.store.update_trial(last["id"], reason=reason)
+            self.store.add_event(self.controller.run_row["id"], "oom", f"trial {last['number']}: {reason}",
+                                 trial_id=last["id"])
+            return None
+        half = value.value // 2
+        proposal = Proposal(
+            f"repair of trial {last['number']} (out of memory): {name} {value.value} -> {half}, twice the gradient "
+            f"accumulation, the same total batch",
+            edits=[Edit(path=script, content=set_constants(source, {name: half}, path=script))],
+            source="oom-repair",
+        )
+        return WorkItem("proposal", reason=proposal.description, proposal=proposal, parent=last["parent_commit"],
                         derived_from=last["id"], trial_kind=Kind.REPAIR)
 
     def _drift_item(self) -> WorkItem | None:
@@ -199,3 +254,13 @@ class Scheduler:
         if busy:
             return f"{what}; the GPU is held by other processes ({'; '.join(busy)}): stop them and resume"
         return f"{what}: check the trial's log, fix the cause and resume with `autoloop run --tag {self.controller.tag}`"
+
+
+# What torch says when memory runs out: CUDA's allocator, and the CPU allocator's.
+_OOM_MARKERS = ("CUDA out of memory", "OutOfMemoryError", "DefaultCPUAllocator: can't allocate memory",
+                "DefaultCPUAllocator: not enough memory", "MemoryError", "HIP out of memory", "MPS backend out of memory")
+
+
+def is_out_of_memory(trial: dict) -> bool:
+    text = f"{trial.get('reason') or ''}\n{trial.get('error_tail') or ''}"
+    return any(marker in text for marker in _OOM_MARKERS)

@@ -173,3 +173,68 @@ def test_an_old_run_resumes_with_the_new_rule_and_says_so(tmp_path):
     assert run["decision_rule"] == "paired"
     assert events and "resumes with the paired rule" in events[0]["message"]
     assert trials[-1]["status"] == "keep"
+
+
+OOM_FAKE_PATCH = (
+    "DEVICE_BATCH_SIZE = 32  # sequences per micro-step\n"
+    "TOTAL_BATCH_TOKENS = 64 * 256\n"
+    "MEMORY_LIMIT = 16  # the largest DEVICE_BATCH_SIZE that fits\n"
+)
+
+
+def test_out_of_memory_is_repaired_with_half_the_batch_and_the_same_total(tmp_path):
+    source = FAKE_TRAIN.read_text().replace('MODE = "ok"', OOM_FAKE_PATCH + 'MODE = "ok"', 1)
+    source = source.replace(
+        "    if MODE == \"crash\":",
+        "    if DEVICE_BATCH_SIZE > MEMORY_LIMIT:\n"
+        "        raise RuntimeError(\"CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0; 79.11 GiB total capacity)\")\n"
+        "    if MODE == \"crash\":", 1)
+    repo = make_repo(tmp_path / "repo", source)
+    seed(repo, "better lr", "LR=0.012")
+    run_loop(repo, max_trials=3, decision_rule="strict", baseline_seeds=1)
+    # The baseline itself OOMs at 32: no repair of the user's own script; the run pauses.
+    _, trials, _ = rows(repo)
+    assert trials[0]["status"] == "crash" and "out of memory" in trials[0]["reason"]
+
+    source = source.replace("DEVICE_BATCH_SIZE = 32", "DEVICE_BATCH_SIZE = 8")
+    repo2 = make_repo(tmp_path / "repo2", source)
+    seed(repo2, "bigger micro-batch", "DEVICE_BATCH_SIZE=64")  # OOMs; two halvings fit again
+    run_loop(repo2, max_trials=4, decision_rule="strict", baseline_seeds=1)
+    _, trials, _ = rows(repo2)
+    kinds = [(t["kind"], t["status"]) for t in trials]
+    assert kinds[:2] == [("baseline", "keep"), ("proposal", "crash")], kinds
+    first, second = trials[2], trials[3]
+    assert first["kind"] == "repair" and first["derived_from"] == trials[1]["id"], kinds
+    assert "DEVICE_BATCH_SIZE 64 -> 32" in first["description"] and first["status"] == "crash"
+    assert second["kind"] == "repair" and second["derived_from"] == first["id"]
+    assert "32 -> 16" in second["description"] and second["status"] != "crash", second["reason"]
+    changed = [line for line in second["diff"].splitlines() if line[:1] in "+-" and line[:3] not in ("+++", "---")]
+    assert changed == ["-DEVICE_BATCH_SIZE = 8  # sequences per micro-step",
+                       "+DEVICE_BATCH_SIZE = 16  # sequences per micro-step"], changed
+
+
+def test_out_of_memory_without_a_batch_constant_is_a_crash_with_the_reason(tmp_path):
+    source = FAKE_TRAIN.read_text().replace("    if MODE == \"crash\":", "    if LR > 0.1:\n"
+                                            "        raise MemoryError(\"DefaultCPUAllocator: can't allocate memory\")\n"
+                                            "    if MODE == \"crash\":", 1)
+    repo = make_repo(tmp_path / "repo", source)
+    seed(repo, "huge lr", "LR=0.5")
+    run_loop(repo, max_trials=3, decision_rule="strict", baseline_seeds=1)
+    _, trials, _ = rows(repo)
+    assert trials[1]["status"] == "crash" and "not repaired" in trials[1]["reason"]
+    assert "DEVICE_BATCH_SIZE" in trials[1]["reason"]
+    assert all(t["kind"] != "repair" for t in trials)
+
+
+def test_a_near_miss_is_tried_once_more_after_the_incumbent_changes(tmp_path):
+    repo = fake_repo_with(tmp_path, NOISE=0.01)
+    seed(repo, "a tiny gain", "LR=0.0195")  # -0.004 bpb: better, but within the noise: a near miss
+    seed(repo, "better lr", "LR=0.012")
+    run_loop(repo, max_trials=4, requeue_near_misses=True)
+    _, trials, _ = rows(repo)
+    tiny = trials[1]
+    assert tiny["status"] == "discard" and tiny["decision"]["near_miss"], tiny["decision"]
+    again = [t for t in trials if t.get("derived_from") == tiny["id"]]
+    assert trials[2]["status"] == "keep"
+    assert len(again) == 1 and "near miss of trial 2" in again[0]["description"]
+    assert again[0]["parent_commit"] == trials[2]["trial_commit"]

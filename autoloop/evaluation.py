@@ -102,7 +102,8 @@ def warm_eval_cache(python: str, cache_root: Path | str, *, env: dict[str, str] 
     return warm_pycache("eval", python, cache_root, env=env)
 
 
-def warm_pycache(kind: str, python: str, cache_root: Path | str, *, env: dict[str, str] | None = None) -> float:
+def warm_pycache(kind: str, python: str, cache_root: Path | str, *, env: dict[str, str] | None = None,
+                 force: bool = False) -> float:
     """Fill a bytecode prefix from a trusted process (the harness + torch, no trial code);
     once per (kind, python, prefix, PYTHONPATH) in this process. Returns the seconds spent.
 
@@ -112,7 +113,7 @@ def warm_pycache(kind: str, python: str, cache_root: Path | str, *, env: dict[st
     prefix = pycache_dir(kind, cache_root)
     base = dict(env if env is not None else os.environ)
     key = (kind, python, str(prefix), base.get("PYTHONPATH", ""))
-    if key in _warmed:
+    if key in _warmed and not force:
         return 0.0
     prefix.mkdir(parents=True, exist_ok=True)
     base.pop(ENV_DONT_WRITE_BYTECODE, None)

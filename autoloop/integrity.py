@@ -149,6 +149,33 @@ def harness_bytecode_hashes(directory: Path, prefixes: list[Path] | tuple[Path, 
     return hashes
 
 
+def bytecode_path(directory: Path, label: str) -> Path:
+    """The file behind a label of `harness_bytecode_hashes`."""
+    if label.startswith("__pycache__/") or "/__pycache__/" in label:
+        return Path(directory) / label
+    prefix, _, relative = label.rpartition(":")
+    resolved = Path(directory).resolve()
+    return Path(prefix) / resolved.relative_to(resolved.anchor) / relative
+
+
+def remove_planted_bytecode(directory: Path, before: Snapshot, after: Snapshot) -> list[Path] | None:
+    """Delete the harness bytecode a run added or changed, when that is all it changed.
+
+    Bytecode is a cache: without the file Python compiles the source again (and the
+    trusted warm-up writes it anew), so the run can go on. Returns the files removed, or
+    None when the run changed something else too (sources, data, import hooks)."""
+    if before.harness != after.harness or before.data != after.data or \
+            any(after.hooks.get(k) != v for k, v in before.hooks.items()) or set(after.hooks) - set(before.hooks):
+        return None
+    planted = [label for label, digest in after.bytecode.items() if before.bytecode.get(label) != digest]
+    removed = []
+    for label in planted:
+        path = bytecode_path(directory, label)
+        path.unlink(missing_ok=True)
+        removed.append(path)
+    return removed
+
+
 def site_dirs() -> list[Path]:
     """Every site-packages folder this interpreter reads .pth files from."""
     found: list[Path] = []

@@ -124,6 +124,14 @@ class Verifier:
         found = integrity.changes(self._reference, now)
         return integrity.describe_pause(found, controller.tag) if found else None
 
+    def _rewarm(self) -> None:
+        from autoloop.evaluation import PYCACHE_KINDS, warm_pycache
+
+        for kind in PYCACHE_KINDS:
+            warm_pycache(kind, self.python, self.pycache_root(), force=True)
+        if not sys.dont_write_bytecode:
+            integrity.precompile_harness(self.harness_dir)
+
     def check_trial(self, controller, trial: dict, outcome: RunOutcome, before: integrity.Snapshot | None,
                     feed: dict | None = None) -> str | None:
         """Why the trial is invalid whatever its metric (tampering, a broken budget), or None.
@@ -132,8 +140,18 @@ class Verifier:
         feed's own measurements (autoloop.budget) judge the time spent, not the trial's
         report or the wall clock."""
         if before is not None:
-            found = integrity.changes(before, self.snapshot(controller))
+            after = self.snapshot(controller)
+            found = integrity.changes(before, after)
             if found:
+                if integrity.remove_planted_bytecode(self.harness_dir, before, after) is not None:
+                    # Only bytecode: removed, and written again by the trusted warm-up, so the
+                    # runs after this one are measured with the real harness and the run goes on.
+                    self._rewarm()
+                    if self._reference is not None:
+                        import dataclasses
+
+                        fresh = self.snapshot(controller)
+                        self._reference = dataclasses.replace(self._reference, bytecode=fresh.bytecode)
                 return "changed the fixed harness or data while it ran: " + "; ".join(found)
         if outcome.status != "ok":
             return None

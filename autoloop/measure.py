@@ -204,7 +204,8 @@ class Measurer:
         problem = seal.check(store) if seal is not None else None
         if problem:
             seal.restore(store)
-            return self._record(owner, running, m, "invalid", problem)
+            return self._record(owner, running, m, "invalid", f"the trial wrote to experiments.db: {problem} "
+                                                               "(the recorded values were put back)")
         if outcome.status == "aborted":
             return self._record(owner, running, m, "aborted", "interrupted by the user")
         if c.verifier is not None:

@@ -43,7 +43,13 @@ def run(
     max_steps: Annotated[Optional[int], typer.Option(help="Train each trial for this many optimizer steps instead of a time budget (deterministic).")] = None,
     grace_seconds: Annotated[Optional[float], typer.Option(help="Seconds allowed on top of the budget for start-up, compilation and evaluation before a trial is killed.")] = None,
     proposers: Annotated[Optional[str], typer.Option(help="Comma-separated proposer chain, asked in order, e.g. 'ideas,search'.")] = None,
-    keep_margin: Annotated[Optional[float], typer.Option(help="Keep a trial only if it beats the best val_bpb by more than this.")] = None,
+    keep_margin: Annotated[Optional[float], typer.Option(help="With --decision-rule strict: keep a trial only if it beats the best val_bpb by more than this.")] = None,
+    decision_rule: Annotated[Optional[str], typer.Option(help="'paired' (default: same seeds as the incumbent, runs again while unclear; docs/decisions.md) or 'strict' (one run, lower wins).")] = None,
+    baseline_seeds: Annotated[Optional[int], typer.Option(help="Seeds the baseline runs at: the first measure of the noise (3 by default).")] = None,
+    max_runs: Annotated[Optional[int], typer.Option(help="Most runs of one candidate before it is discarded as not distinguishable (5 by default).")] = None,
+    alpha: Annotated[Optional[float], typer.Option(help="False keeps allowed per proposal that changes nothing (0.05 by default).")] = None,
+    drift_every: Annotated[Optional[int], typer.Option(help="Re-measure the incumbent every N trials to catch a drifting machine (10 by default; 0: never).")] = None,
+    requeue_near_misses: Annotated[Optional[bool], typer.Option("--requeue-near-misses", help="Try a discard that was within the noise once more after the incumbent changes.")] = None,
     seed: Annotated[Optional[int], typer.Option(help="The training seed passed to every trial.")] = None,
     dataset: Annotated[Optional[str], typer.Option(help="A prepared dataset name or folder (see `autoloop prepare`); the embedded corpus by default.")] = None,
     train_command: Annotated[Optional[str], typer.Option(help="The training command, run in the repository; 'python train.py' by default.")] = None,
@@ -61,7 +67,9 @@ def run(
 
     config = _config(
         repo, tag=tag, db=db, max_trials=max_trials, hours=hours, time_budget=time_budget, max_steps=max_steps,
-        grace_seconds=grace_seconds, proposers=proposers, keep_margin=keep_margin, seed=seed, dataset=dataset,
+        grace_seconds=grace_seconds, proposers=proposers, keep_margin=keep_margin, decision_rule=decision_rule,
+        baseline_seeds=baseline_seeds, max_runs=max_runs, alpha=alpha, drift_every=drift_every,
+        requeue_near_misses=requeue_near_misses, seed=seed, dataset=dataset,
         train_command=train_command, allow_env_change=allow_env_change, verify=False if no_verify else None,
         sandbox="off" if no_sandbox else None, llm_model=llm_model, llm_base_url=llm_base_url, agent_command=agent_command, max_cost=max_cost,
     )

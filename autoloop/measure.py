@@ -97,8 +97,14 @@ class Measurer:
 
     @property
     def harness_mode(self) -> bool:
-        """Feed, external evaluation and verification apply (the real verifier is on)."""
+        """The sandbox, the data feed and the seals apply (the real verifier is on)."""
         return self.c.verifier is not None
+
+    @property
+    def external_eval(self) -> bool:
+        """val_bpb comes from the harness's evaluator, and training sees no split. Off with
+        --no-verify: the script's own number is then trusted (and shown as unverified)."""
+        return self.harness_mode and self.c.config.verify
 
     def run_dir(self, owner: dict) -> Path:
         runs = self.c.trial_dir(owner["number"]) / "runs"
@@ -141,9 +147,11 @@ class Measurer:
             from autoloop.tamper import StoreSeal
 
             seal = StoreSeal.capture(store, c.run_row["id"])
-            view = make_meta_only_view(c.data_dir(), run_dir / "data")
             feed = FeedServer(c.data_dir(), run_dir / "feed.sock", seed=seed)
-            env.update({"AUTOLOOP_DATA_DIR": str(view), "AUTOLOOP_FEED": None, "AUTOLOOP_EVAL": "external"})
+            env["AUTOLOOP_FEED"] = None
+            if self.external_eval:
+                view = make_meta_only_view(c.data_dir(), run_dir / "data")
+                env.update({"AUTOLOOP_DATA_DIR": str(view), "AUTOLOOP_EVAL": "external"})
             # Training reads bytecode from its own prefix, filled by a trusted process.
             env.update(pycache_env("train", cache_root()))
         before = c.verifier.snapshot(c) if c.verifier is not None else None
@@ -180,7 +188,7 @@ class Measurer:
         sandbox_paths = SandboxPaths(
             writable=(run_dir, *c.compile_cache_dirs()), readonly=tuple(readonly),
             # The data splits stay out of reach: batches come from the feed only.
-            hidden=tuple(self._hidden()) + ((c.data_dir(),) if self.harness_mode else ()),
+            hidden=tuple(self._hidden()) + ((c.data_dir(),) if self.external_eval else ()),
         )
         if feed is not None:
             feed.start()
@@ -230,7 +238,7 @@ class Measurer:
             m.fields["budget"] = figures
             if problem:
                 return self._record(owner, running, m, "invalid", problem)
-        if self.harness_mode and outcome.metric_source != MetricSource.REPORTED.value:
+        if self.external_eval and outcome.metric_source != MetricSource.REPORTED.value:
             result = self.evaluate(owner, running, m, verify=verify)
             if result is not None:
                 return result

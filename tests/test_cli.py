@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-import autoloop.controller as controller_mod
+import autoloop.measure as measure_mod
 from autoloop.cli import app
 from autoloop.runner import RunOutcome
 
@@ -47,17 +47,17 @@ def test_run_passes_the_contract_to_training_and_records_it(fake_repo, monkeypat
         return RunOutcome(status="ok", returncode=0, result=result, metric=result["val_bpb"], metric_source="harness",
                           reason=None, error_tail="", wall_seconds=1.0, pid=0, pgid=0)
 
-    monkeypatch.setattr(controller_mod, "run_training", fake_run_training)
+    monkeypatch.setattr(measure_mod, "run_training", fake_run_training)
     assert invoke(fake_repo, "seed", "lower lr", "--set", "LR=0.01").exit_code == 0
     result = invoke(fake_repo, "run", "--tag", "cli", "--time-budget", "7", "--max-steps", "3", "--seed", "5",
-                    "--no-verify", "--proposers", "ideas")
+                    "--no-verify", "--proposers", "ideas", "--decision-rule", "strict")
     assert result.exit_code == 0, result.output
     assert len(calls) == 2
     call = calls[1]
     assert call["command"][1:] == ["train.py"] and Path(call["cwd"]) == fake_repo.resolve()
     env = call["env"]
     assert env["AUTOLOOP_TIME_BUDGET"] == "7.0" and env["AUTOLOOP_MAX_STEPS"] == "3" and env["AUTOLOOP_SEED"] == "5"
-    assert env["AUTOLOOP_RESULT"].endswith(".autoloop/cli/trials/2/result.json")
+    assert env["AUTOLOOP_RESULT"].endswith(".autoloop/cli/trials/2/runs/1/result.json")
     assert call["deadline"] == pytest.approx(7 + 180)
     log = invoke(fake_repo, "log", "--json")
     rows = json.loads(log.output)
@@ -86,7 +86,7 @@ def test_user_errors_are_one_line_without_traceback(fake_repo, args, message):
 
 
 def test_unknown_tag_lists_known_runs(fake_repo, monkeypatch):
-    monkeypatch.setattr(controller_mod, "run_training", lambda *a, **k: RunOutcome(
+    monkeypatch.setattr(measure_mod, "run_training", lambda *a, **k: RunOutcome(
         status="crash", returncode=1, result=None, metric=None, metric_source=None, reason="boom",
         error_tail="boom", wall_seconds=0.1, pid=0, pgid=0))
     invoke(fake_repo, "run", "--tag", "known", "--no-verify", "--proposers", "ideas")

@@ -17,6 +17,16 @@ from autoloop.runner import process_group_alive
 from autoloop.store import Store
 
 
+@pytest.fixture(autouse=True)
+def _one_run_per_trial(monkeypatch):
+    """These tests are about the loop's mechanics (git, db, processes, recovery), written
+    for one training run per trial: the strict rule gives that. The paired rule's runs
+    are tested in tests/test_decision_loop.py."""
+    monkeypatch.setenv("AUTOLOOP_DECISION_RULE", "strict")
+    monkeypatch.setenv("AUTOLOOP_DRIFT_EVERY", "0")
+
+
+
 def run_loop(repo, **flags):
     flags.setdefault("tag", "t")
     flags.setdefault("time_budget", 5)
@@ -385,7 +395,7 @@ def test_environment_change_is_refused_unless_allowed(fake_repo):
 
 
 def test_seed_rejects_unknown_constant_and_bad_patch(fake_repo, tmp_path):
-    with pytest.raises(AutoloopError, match="no UPPER_CASE constant NOPE: use one of LR, MODE, SLEEP, WIDTH"):
+    with pytest.raises(AutoloopError, match="no UPPER_CASE constant NOPE: use one of LR, MODE, NOISE"):
         seed(fake_repo, "x", "NOPE=1")
     with pytest.raises(AutoloopError, match="is not NAME=VALUE"):
         seed(fake_repo, "x", "LR")
@@ -535,7 +545,7 @@ def test_a_project_in_a_subfolder_edits_trains_and_records_there(tmp_path):
         assert row["diff"].startswith("diff --git a/train.py b/train.py")  # paths as in the project folder
     assert git(top, "show", f"{rows[3]['trial_commit']}:train.py") == (top / "train.py").read_text().rstrip("\n")
     assert "LR = 0.01" in (sub / "train.py").read_text() and "LR = 0.5" in (top / "train.py").read_text()
-    assert (sub / ".autoloop" / "t" / "trials" / "2" / "train.log").exists() and (sub / "experiments.db").exists()
+    assert (sub / ".autoloop" / "t" / "trials" / "2" / "runs" / "1" / "train.log").exists() and (sub / "experiments.db").exists()
     assert not (top / ".autoloop").exists() and not (top / "experiments.db").exists()
     assert git(top, "status", "--porcelain", "--untracked-files=all") == ""
 

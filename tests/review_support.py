@@ -6,7 +6,7 @@ to keep. Ideas are seeded so that the run has every outcome, in a known order:
 
     1 baseline keep        LR=0.02: 1.0906
     2 lr 0.015        keep     1.0310
-    3 crash it        crash    (RuntimeError: CUDA out of memory (pretend))
+    3 crash it        crash    (RuntimeError: CUDA error: an illegal memory access was encountered (pretend))
     4 lr 0.01         keep     1.0000
     5 wider           discard  1.1000
     6 broken constant invalid  (syntax error)

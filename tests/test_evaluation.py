@@ -98,7 +98,7 @@ def test_pycache_env_separates_training_and_evaluation(tmp_path):
     assert train["PYTHONPYCACHEPREFIX"] != evaluation["PYTHONPYCACHEPREFIX"]
     assert evaluation["PYTHONPYCACHEPREFIX"] == str(pycache_dir("eval", tmp_path))
     assert evaluation["PYTHONDONTWRITEBYTECODE"] == "1"  # the evaluator runs trial code: it writes none
-    assert train["PYTHONDONTWRITEBYTECODE"] is None  # unset: training caches torch's bytecode
+    assert train["PYTHONDONTWRITEBYTECODE"] == "1"  # read-only: only the trusted warm-up writes it
     with pytest.raises(ValueError):
         pycache_env("other", tmp_path)
 

@@ -343,7 +343,7 @@ def test_a_crash_gets_one_repair_with_its_traceback_as_its_own_trial(repo):
     assert repaired["description"] == f"repair of trial {crashed['number']}: restore the mode"
     assert repaired["metric"] == pytest.approx(1.0)  # the idea (LR) survived the repair
     prompt = next(first_user_message(r) for r in server.requests if "# Repair" in first_user_message(r))
-    assert "RuntimeError: CUDA out of memory (pretend)" in prompt and 'MODE = "crash"' in prompt
+    assert "RuntimeError: CUDA error: an illegal memory access was encountered (pretend)" in prompt and 'MODE = "crash"' in prompt
 
 
 def test_a_repair_that_crashes_again_is_not_repaired_again(repo):

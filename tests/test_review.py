@@ -107,7 +107,7 @@ def test_log_text_lists_every_trial_with_its_reason(night):
             assert f"{t['metric']:.4f} ± {t['metric_sd']:.4f} ({t['n_runs']})" in line
         elif t["metric"] is not None:
             assert f"{t['metric']:.6f}" in line
-    assert "CUDA out of memory (pretend)" in out
+    assert "CUDA error: an illegal memory access was encountered (pretend)" in out
     assert "showing" not in out  # 9 trials: all of them
 
 
@@ -160,13 +160,13 @@ def test_show_json_has_every_column(night):
     columns = [c["name"] for c in db_rows(night, "PRAGMA table_info(trials)")]
     process = {"pgid", "pid", "pid_start_time", "heartbeat_at"}
     assert set(columns) - process <= set(out)
-    assert out["status"] == "crash" and out["reason"] == "RuntimeError: CUDA out of memory (pretend)"
-    assert any("RuntimeError: CUDA out of memory (pretend)" in line for line in out["log_tail"])
+    assert out["status"] == "crash" and out["reason"] == "RuntimeError: CUDA error: an illegal memory access was encountered (pretend)"
+    assert any("RuntimeError: CUDA error: an illegal memory access was encountered (pretend)" in line for line in out["log_tail"])
 
 
 def test_show_of_a_crash_and_an_invalid_trial(night):
     crash = cli(night, "show", "3", "--no-diff").output
-    assert "RuntimeError: CUDA out of memory (pretend)" in crash and "\ndiff\n" not in crash
+    assert "RuntimeError: CUDA error: an illegal memory access was encountered (pretend)" in crash and "\ndiff\n" not in crash
     invalid = cli(night, "show", "6").output
     assert "invalid" in invalid and "syntax error in train.py" in invalid
     assert "(none: the proposal was rejected before it was committed" in invalid
@@ -313,7 +313,7 @@ def test_report_headline_tables_and_charts(repo, tmp_path):
 
     crashes = page.split('<table id="crash-reasons">')[1].split("</table>")[0]
     rows = re.findall(r"<tr><td class=\"num\">(\d+)</td><td>([^<]*)</td><td>([^<]*)</td></tr>", crashes)
-    assert rows[0] == ("2", "RuntimeError: CUDA out of memory (pretend)", "3, 9")
+    assert rows[0] == ("2", "RuntimeError: CUDA error: an illegal memory access was encountered (pretend)", "3, 9")
     assert any(r[2] == "7" and "deadline" in r[1] for r in rows)
     assert "syntax error in train.py" in page.split('<table id="invalid-reasons">')[1].split("</table>")[0]
 

@@ -47,7 +47,7 @@ def main() -> None:
     if MODE == "hang":
         time.sleep(600)
     if MODE == "crash":
-        raise RuntimeError("CUDA out of memory (pretend)")
+        raise RuntimeError("CUDA error: an illegal memory access was encountered (pretend)")
     if MODE == "enospc":  # a checkpoint save on a full disk; DISK_FULL tells a test's fake git
         if os.environ.get("AUTOLOOP_RESULT"):
             open(os.path.join(os.path.dirname(os.environ["AUTOLOOP_RESULT"]), "DISK_FULL"), "w").close()

@@ -436,7 +436,7 @@ class Muon(torch.optim.Optimizer):
         params = list(params)
         groups = []
         for shape in sorted({tuple(p.shape) for p in params}):
-            groups.append({"params": [p for p in params if tuple(p.shape) == shape]})
+            groups.append({"params": [p for p in params if tuple(p.shape) == shape], "name": "matrix {}x{}".format(*shape)})
         super().__init__(groups, {"lr": lr, "momentum": momentum, "weight_decay": weight_decay})
         self.orthogonalize = orthogonalize
 
@@ -463,7 +463,7 @@ class Muon(torch.optim.Optimizer):
 
 
 def build_optimizers(model, orthogonalize=muon_orthogonalize):
-    """[Muon, AdamW] for `model`; every group records its peak LR as "initial_lr"."""
+    """[Muon, AdamW] for `model`; every group records its peak LR as "initial_lr" and has a "name"."""
     matrices = [p for p in model.blocks.parameters() if p.ndim == 2]
     matrix_ids = {id(p) for p in matrices}
     embedding, head = [model.wte.weight], [model.lm_head.weight]
@@ -472,11 +472,11 @@ def build_optimizers(model, orthogonalize=muon_orthogonalize):
     # AdamW LRs were tuned at width 768 (nanochat); a wider model takes smaller steps.
     width_scale = (model.config["n_embd"] / 768) ** -0.5
     adam_groups = [
-        {"params": embedding, "lr": EMBEDDING_LR * width_scale},
-        {"params": head, "lr": UNEMBEDDING_LR * width_scale},
+        {"params": embedding, "lr": EMBEDDING_LR * width_scale, "name": "embedding"},
+        {"params": head, "lr": UNEMBEDDING_LR * width_scale, "name": "lm_head"},
     ]
     if scalars:
-        adam_groups.append({"params": scalars, "lr": SCALAR_LR})
+        adam_groups.append({"params": scalars, "lr": SCALAR_LR, "name": "scalars"})
     use_fused = next(model.parameters()).device.type == "cuda"
     adamw = torch.optim.AdamW(adam_groups, betas=ADAM_BETAS, eps=ADAM_EPS, weight_decay=0.0, fused=use_fused)
     muon = Muon(matrices, lr=MATRIX_LR, momentum=MUON_MOMENTUM_START, weight_decay=WEIGHT_DECAY,

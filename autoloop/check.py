@@ -521,6 +521,16 @@ def device_health(module, ds, device, *, repo: Path, python: str, run_seconds: f
 # ---------------------------------------------------------------------------- the whole check
 
 
+def _busy_cpu(device) -> str | None:
+    """A note when this CPU is oversubscribed (1-minute load above its cores), else None."""
+    if device.type == "cuda" or not hasattr(os, "getloadavg"):
+        return None
+    load, cores = os.getloadavg()[0], os.cpu_count() or 1
+    if load <= cores:
+        return None
+    return f"the machine is busy (load {load:.1f} on {cores} cores): the check runs on one thread; its tokens/s is pessimistic"
+
+
 def _memory_total_mb() -> float | None:
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**20
@@ -552,6 +562,14 @@ def run_check(repo: Path, *, time_budget: float = 300.0, max_steps: int | None =
     start = time.perf_counter()
     result: dict = {"train_py": str(train_py), "device_type": device.type, "time_budget": time_budget, "max_steps": max_steps,
                     "hours": hours}
+    busy = _busy_cpu(device)
+    if busy:
+        # On an oversubscribed CPU, OpenMP threads spin-wait for each other and a step
+        # takes many times longer; one thread keeps the check short (its throughput
+        # figures are then pessimistic, and say so).
+        torch.set_num_threads(1)
+        result["busy_cpu"] = busy
+        say(f"    note: {busy}")
     missing = missing_interface(train_py)
     module = None
     ds = H.load_dataset(data_dir or H.default_data_dir())

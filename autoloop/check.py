@@ -595,7 +595,9 @@ def run_check(repo: Path, *, time_budget: float = 300.0, max_steps: int | None =
     if "device" in parts:
         # A third-party script on a CPU: its short run is the only source of throughput.
         run_seconds = SHORT_RUN_SECONDS["cpu"] if (missing and device.type != "cuda" and "budget" in parts) else None
+        t0 = time.perf_counter()
         health = device_health(module, ds, device, repo=repo, python=python, run_seconds=run_seconds)
+        health["seconds"] = round(time.perf_counter() - t0, 2)
         report("device", health)
     if "budget" in parts:
         report("budget", _plan(module, ds, device, lr, health, time_budget=time_budget, max_steps=max_steps, hours=hours))

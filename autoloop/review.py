@@ -35,7 +35,7 @@ from autoloop.errors import AutoloopError
 from autoloop.store import Kind, Status
 
 LOG_FIELDS = ("number", "kind", "status", "reason", "metric", "metric_source", "delta", "best_before",
-              "description", "proposer", "minutes", "trial_commit", "heldout_metric")
+              "description", "proposer", "minutes", "trial_commit", "heldout_metric", "flags")
 # Also in `log --json`, for scripts and agents.
 LOG_JSON_EXTRA = ("lineage", "idea_id", "parent_commit", "started_at", "finished_at")
 DEFAULT_LOG_LAST = 50
@@ -115,6 +115,7 @@ def log_rows(store, run: dict, *, last: int | None = None, status=None, kind=Non
     out = []
     for t in rows:
         row = {k: t.get(k) for k in fields if k != "minutes"}
+        row["flags"] = json.loads(row["flags"]) if isinstance(row.get("flags"), str) else row.get("flags")  # raw SQL: JSON text
         row["delta"] = _delta(t)
         row["minutes"] = _minutes(t)
         out.append({k: row[k] for k in fields})
@@ -147,6 +148,10 @@ def format_log(run: dict, rows: list[dict], *, total: int | None = None) -> str:
         )
         if r.get("reason"):
             lines.append(f"{'':>50}  ↳ {_cut(r['reason'], 100)}")
+        if r.get("flags"):
+            from autoloop.diagnosis import names
+
+            lines.append(f"{'':>50}  ⚑ {names(r['flags'])}")
     if any(r.get("metric_source") == "reported" for r in rows):
         lines.append("* unverified: only printed by the script, not measured by the harness")
     if any(r.get("status") == "keep" and r.get("metric_source") == "harness" for r in rows):
@@ -255,6 +260,11 @@ def format_trial(d: dict, *, with_diff: bool = True) -> str:
         sets = ", ".join(f"{k}={v}" for k, v in (idea.get("sets") or {}).items())
         field("idea", f"{idea['id']}: {idea['text']}" + (f" [{sets}]" if sets else ""))
     field("reason", d.get("reason"))
+    if d.get("flags"):
+        from autoloop.diagnosis import messages
+
+        for message in messages(d["flags"] if not isinstance(d["flags"], str) else json.loads(d["flags"])):
+            field("flag", message)
 
     lines.append("evidence")
     source = f" ({d['metric_source']})" if d.get("metric_source") else ""

@@ -142,3 +142,20 @@ def test_real_run_at_the_default_learning_rate_is_not_divergence(tmp_path, sessi
     proc, out, _, why = _run(tmp_path, session_cache, "train_default", None, 60)
     assert proc.returncode == 0, why
     assert "divergence" not in flag_names(json.loads(out.read_text())["curve"])
+
+
+def test_flags_are_shown_by_log_and_show(tmp_path):
+    from autoloop.review import format_log, format_trial, log_rows, trial_detail
+    from autoloop.store import Store
+
+    store = Store(tmp_path / "experiments.db")
+    run = store.create_run("t", branch="autoloop/t", base_commit="0" * 40)
+    trial = store.new_trial(run["id"], "baseline", description="baseline")
+    flags = D.diagnose(curve(noisy(5.5 - 3.0 * T / 500)))
+    store.update_trial(trial["id"], status="keep", metric=2.5, flags=flags)
+    rows = log_rows(store, run)
+    assert rows[0]["flags"] == flags
+    assert "⚑ too_short" in format_log(run, rows)
+    detail = trial_detail(store, run, 1)
+    assert f"flag           {flags[0]['message']}" in format_trial(detail, with_diff=False)
+    store.close()

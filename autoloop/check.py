@@ -10,8 +10,9 @@ Four parts, each a dict with `status` ("ok" | "warn" | "fail" | "skipped" |
   A model that cannot memorise 512 tokens has a bug, not too little data.
 * lr: the learning-rate range test. All parameter groups are scaled together by a
   multiplier swept exponentially over a few hundred steps at the training batch; the
-  smoothed loss locates the divergence point, and the suggested multiplier sits a factor
-  SUGGEST_BELOW below it. A PNG plot is written beside the JSON.
+  smoothed loss detects the divergence (the point is where the raw loss crossed), and
+  the suggested multiplier sits a factor SUGGEST_BELOW below it. A PNG plot is written
+  beside the JSON.
 * budget: tokens/s, what the budget buys (steps, tokens, tokens per parameter against
   the compute-optimal ~20 with FLOPs ~ 6 N D), MFU and memory headroom on a GPU, and how
   many training runs fit in --hours; warnings where the plan is clearly off.
@@ -218,7 +219,7 @@ def lr_range_test(module, ds, device, *, steps: int | None = None, low: float = 
         if i >= 3:  # the first steps pay for allocation and kernel selection
             step_seconds.append(time.perf_counter() - t0)
         if not math.isfinite(loss):
-            diverged_at = multiplier
+            diverged_at = multiplier  # a NaN is its own point: no smoothing lag
             points.append({"multiplier": multiplier, "loss": None, "smoothed": None, "grad_norm": None})
             break
         avg = beta * avg + (1 - beta) * loss
@@ -227,7 +228,13 @@ def lr_range_test(module, ds, device, *, steps: int | None = None, low: float = 
         points.append({"multiplier": multiplier, "loss": round(loss, 5), "smoothed": round(smoothed, 5),
                        "grad_norm": round(grad_norm, 5)})
         if i > 5 and (smoothed > DIVERGE_FACTOR * best or smoothed > points[0]["loss"]):
-            diverged_at = multiplier
+            # The EMA trails the raw loss (by up to beta / (1 - beta) steps on a slow
+            # rise): the divergence is where, in that window, the raw loss itself first
+            # crossed the line.
+            line = DIVERGE_FACTOR * best if smoothed > DIVERGE_FACTOR * best else points[0]["loss"]
+            window = range(max(0, i - round(beta / (1 - beta))), i + 1)
+            first = next((j for j in window if points[j]["loss"] > line), i)
+            diverged_at = points[first]["multiplier"]
             break
     tokens_per_step = batch * seq_len * grad_accum
     seconds_per_step = sorted(step_seconds)[len(step_seconds) // 2] if step_seconds else None

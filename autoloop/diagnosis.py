@@ -3,9 +3,9 @@
 A trial's curve is a list of points `{step, seconds, loss, lr, grad_norm}` (train.py
 thins it to a few hundred). Four flags, each with a one-line message:
 
-* `divergence`: the loss became NaN or infinite, or it climbed back far above its
-  minimum and stayed there (the end of the run is worse than its best by more than half
-  of what it had learned). A crash of that kind is the learning rate or the init, not
+* `divergence`: the loss became NaN or infinite, ended above where it started (worse
+  than the untrained model), or climbed back far above its minimum and stayed there (the
+  end of the run is worse than its best by more than half of what it had learned). A crash of that kind is the learning rate or the init, not
   the idea behind the change.
 * `grad_spike`: one gradient norm many times the median of the points before it, after
   the first tenth of the run (early gradient norms swing widely on their own).
@@ -68,7 +68,11 @@ def diagnose(curve: list[dict]) -> list[dict]:
     drop = start - best
     flags = []
 
-    if drop > 0 and end - best > DIVERGENCE_GIVEBACK * drop and best_i < n - w:
+    if end > losses[0] and best_i < n - w:  # worse than the untrained model it started as
+        flags.append({"flag": "divergence", "step": steps[best_i], "best": round(best, 4), "end": round(end, 4),
+                      "message": f"divergence: the loss ended at {end:.3f}, above where it started ({losses[0]:.3f}): "
+                                 "lower the learning rate or add warm-up"})
+    elif drop > 0 and end - best > DIVERGENCE_GIVEBACK * drop and best_i < n - w:
         flags.append({"flag": "divergence", "step": steps[best_i], "best": round(best, 4), "end": round(end, 4),
                       "message": f"divergence: the loss rose from its minimum {best:.3f} (step {steps[best_i]}) "
                                  f"to {end:.3f} at the end: lower the learning rate or add warm-up"})

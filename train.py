@@ -18,11 +18,13 @@ vocabulary makes the embeddings small) with torch.compile and bf16 autocast; on 
 trains a tiny one in fp32, eager, so a 30-second run on a laptop still learns visibly.
 The scale switch is one block ("Device and scale") below the hyperparameters.
 
-Importable names (the harness and tests rely on them): build_model, model_config, GPT,
-muon_orthogonalize, Muon, build_optimizers, lr_multiplier, weight_decay_at,
-muon_momentum_at, flops_per_token. Training runs only under __main__.
+Importable names (the harness, `autoloop check` and tests rely on them): build_model,
+model_config, GPT, muon_orthogonalize, Muon, build_optimizers, make_train_step,
+attention_kernel, lr_multiplier, weight_decay_at, muon_momentum_at, flops_per_token,
+executed_flops_per_token. Training runs only under __main__.
 """
 
+import contextlib
 import gc
 import math
 import resource
@@ -50,6 +52,10 @@ N_KV_HEAD = 4  # key/value heads; < N_HEAD gives grouped-query attention; range 
 MLP_RATIO = 4  # MLP hidden width = MLP_RATIO * MODEL_DIM; range 1..8 int
 ROPE_BASE = 10000.0  # rotary embedding base frequency
 LOGIT_SOFTCAP = 15.0  # logits = cap * tanh(logits / cap): keeps early training stable
+# SDPA kernel: "flash" | "cudnn" | "efficient" | "math" | "auto". A named kernel that cannot
+# run these shapes is an error, never a silent fall back to math; "auto" times the usable
+# ones for the model's shapes on CUDA and takes the fastest (on a CPU: SDPA's own choice).
+ATTENTION_BACKEND = "auto"
 
 # Batch
 TOTAL_BATCH_TOKENS = 2**19  # tokens per optimizer step (all micro-steps together)
@@ -259,16 +265,121 @@ def build_model(config=None, device="cpu"):
     return model
 
 
-def flops_per_token(model):
-    """Training FLOPs per token (forward + backward), as nanochat's estimate_flops.
+# SDPA's kernels by the names ATTENTION_BACKEND uses (torch.nn.attention.SDPBackend members).
+SDPA_KERNELS = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "math": "MATH"}
 
-    6 per matmul weight (2 forward, 4 backward) for every parameter except the embedding
-    lookup, plus the attention scores and weighted sum: 12 * layers * heads * head_dim * T.
+
+def attention_kernel(name):
+    """A context that pins SDPA to kernel `name`; None leaves the choice to SDPA.
+
+    Pinned to one kernel, SDPA raises when that kernel cannot run the shapes instead of
+    quietly falling back to the math kernel (several times slower, T x T memory).
+    """
+    if name is None:
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    if name not in SDPA_KERNELS:
+        raise ValueError(f"unknown attention kernel {name!r}: use one of {', '.join(SDPA_KERNELS)} or auto")
+    return sdpa_kernel([getattr(SDPBackend, SDPA_KERNELS[name])])
+
+
+def time_attention_kernels(config, batch_size, device, dtype, kernels=tuple(SDPA_KERNELS), repeats=10):
+    """Seconds per causal SDPA forward + backward at the model's shapes, per kernel.
+
+    A kernel that cannot run the shapes maps to its error text (a str) instead of a time.
+    """
+    head_dim = config["n_embd"] // config["n_head"]
+    shape_q = (batch_size, config["n_head"], config["seq_len"], head_dim)
+    shape_kv = (batch_size, config["n_kv_head"], config["seq_len"], head_dim)
+    q = torch.randn(shape_q, device=device, dtype=dtype, requires_grad=True)
+    k, v = (torch.randn(shape_kv, device=device, dtype=dtype, requires_grad=True) for _ in range(2))
+    gqa = config["n_kv_head"] != config["n_head"]
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+    times = {}
+    for name in kernels:
+        try:
+            with attention_kernel(name):
+                for i in range(repeats + 2):  # two untimed calls: kernel selection, allocator warm-up
+                    if i == 2:
+                        sync()
+                        t0 = time.perf_counter()
+                    y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+                    y.sum().backward()
+                sync()
+            times[name] = (time.perf_counter() - t0) / repeats
+        except RuntimeError as exc:
+            times[name] = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        q.grad = k.grad = v.grad = None
+    return times
+
+
+def choose_attention_kernel(config, batch_size, device, dtype, backend=None):
+    """The SDPA kernel to pin: `backend` (ATTENTION_BACKEND by default), or with "auto" on
+    CUDA the fastest of flash, cuDNN and efficient at these shapes; None lets SDPA choose.
+    """
+    backend = backend or ATTENTION_BACKEND
+    if backend != "auto":
+        return backend
+    if torch.device(device).type != "cuda":
+        return None  # a CPU has one fused kernel and math; SDPA picks the fused one when it can
+    times = time_attention_kernels(config, batch_size, device, dtype, kernels=("flash", "cudnn", "efficient"))
+    usable = {name: t for name, t in times.items() if isinstance(t, float)}
+    if not usable:
+        # Said loudly: the math kernel is several times slower and needs T x T memory.
+        print(f"WARNING: no fused attention kernel runs these shapes ({times}); using the math kernel", flush=True)
+        return "math"
+    return min(usable, key=usable.get)
+
+
+def _matmul_params(model):
+    """Parameters used as matmul weights: all but embedding tables (a lookup is no FLOPs)."""
+    lookups = {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
+    return sum(p.numel() for p in model.parameters() if id(p) not in lookups)
+
+
+def _attention_pairs(seq_len, causal=True):
+    """Mean query-key pairs scored per token: (T + 1) / 2 for causal attention, T if all are."""
+    return (seq_len + 1) / 2 if causal else seq_len
+
+
+def flops_per_token(model):
+    """Model FLOPs per trained token (forward + backward): what MFU counts.
+
+    6 per matmul weight (2 forward, 4 backward) for every parameter except embedding
+    lookups, plus attention scores and the weighted sum over the query-key pairs a causal
+    model needs: 2 matmuls x 2 FLOPs x 3 (fwd + bwd) = 12 per pair per head dimension, with
+    (T + 1) / 2 pairs per query on average, not T (the masked half is not model work).
     """
     cfg = model.config
-    n_matmul = sum(p.numel() for p in model.parameters()) - model.wte.weight.numel()
     head_dim = cfg["n_embd"] // cfg["n_head"]
-    return 6 * n_matmul + 12 * cfg["n_layer"] * cfg["n_head"] * head_dim * cfg["seq_len"]
+    return int(6 * _matmul_params(model) + 12 * cfg["n_layer"] * cfg["n_head"] * head_dim * _attention_pairs(cfg["seq_len"]))
+
+
+def executed_flops_per_token(model, optimizers=None, tokens_per_step=None, kernel=None):
+    """FLOPs per token the hardware executes: the model FLOPs plus the work that is not model work.
+
+    The math SDPA kernel scores all T x T pairs and masks afterwards (flash, cuDNN and
+    efficient kernels skip the masked tiles); Muon's Polar Express iterations run once per
+    optimizer step, so their FLOPs are spread over the step's tokens.
+    """
+    cfg = model.config
+    head_dim = cfg["n_embd"] // cfg["n_head"]
+    flops = flops_per_token(model)
+    if kernel == "math":
+        wasted = _attention_pairs(cfg["seq_len"], causal=False) - _attention_pairs(cfg["seq_len"])
+        flops += 12 * cfg["n_layer"] * cfg["n_head"] * head_dim * wasted
+    if optimizers and tokens_per_step:
+        for opt in optimizers:
+            if not isinstance(opt, Muon):
+                continue
+            for group in opt.param_groups:
+                rows, cols = group["params"][0].shape
+                small, big = min(rows, cols), max(rows, cols)
+                # Per iteration: A = X X^T (2 s^2 b), A @ A (2 s^3), B @ X (2 s^2 b).
+                per_matrix = MUON_NS_STEPS * (4 * small * small * big + 2 * small**3)
+                flops += len(group["params"]) * per_matrix / tokens_per_step
+    return int(flops)
 
 
 # ---------------------------------------------------------------------------
@@ -325,7 +436,7 @@ class Muon(torch.optim.Optimizer):
         params = list(params)
         groups = []
         for shape in sorted({tuple(p.shape) for p in params}):
-            groups.append({"params": [p for p in params if tuple(p.shape) == shape]})
+            groups.append({"params": [p for p in params if tuple(p.shape) == shape], "name": "matrix {}x{}".format(*shape)})
         super().__init__(groups, {"lr": lr, "momentum": momentum, "weight_decay": weight_decay})
         self.orthogonalize = orthogonalize
 
@@ -352,7 +463,7 @@ class Muon(torch.optim.Optimizer):
 
 
 def build_optimizers(model, orthogonalize=muon_orthogonalize):
-    """[Muon, AdamW] for `model`; every group records its peak LR as "initial_lr"."""
+    """[Muon, AdamW] for `model`; every group records its peak LR as "initial_lr" and has a "name"."""
     matrices = [p for p in model.blocks.parameters() if p.ndim == 2]
     matrix_ids = {id(p) for p in matrices}
     embedding, head = [model.wte.weight], [model.lm_head.weight]
@@ -361,11 +472,11 @@ def build_optimizers(model, orthogonalize=muon_orthogonalize):
     # AdamW LRs were tuned at width 768 (nanochat); a wider model takes smaller steps.
     width_scale = (model.config["n_embd"] / 768) ** -0.5
     adam_groups = [
-        {"params": embedding, "lr": EMBEDDING_LR * width_scale},
-        {"params": head, "lr": UNEMBEDDING_LR * width_scale},
+        {"params": embedding, "lr": EMBEDDING_LR * width_scale, "name": "embedding"},
+        {"params": head, "lr": UNEMBEDDING_LR * width_scale, "name": "lm_head"},
     ]
     if scalars:
-        adam_groups.append({"params": scalars, "lr": SCALAR_LR})
+        adam_groups.append({"params": scalars, "lr": SCALAR_LR, "name": "scalars"})
     use_fused = next(model.parameters()).device.type == "cuda"
     adamw = torch.optim.AdamW(adam_groups, betas=ADAM_BETAS, eps=ADAM_EPS, weight_decay=0.0, fused=use_fused)
     muon = Muon(matrices, lr=MATRIX_LR, momentum=MUON_MOMENTUM_START, weight_decay=WEIGHT_DECAY,
@@ -375,6 +486,39 @@ def build_optimizers(model, orthogonalize=muon_orthogonalize):
         for group in opt.param_groups:
             group["initial_lr"] = group["lr"]
     return optimizers
+
+
+def make_train_step(model, optimizers, batches, *, grad_accum=1, train_model=None, kernel=None):
+    """One optimizer step as a function: `train_step() -> (mean loss, grad norm)`, floats.
+
+    `batches` yields (inputs, targets); the first batch is drawn here and each next one
+    right after a backward, so on CUDA its copy overlaps the GPU's work. The forward runs
+    through `train_model` (the compiled module; `model` by default) under bf16 autocast
+    where AUTOCAST_DTYPE says so and with SDPA pinned to `kernel`; gradients land on
+    `model`'s parameters. The caller sets learning rates and schedules before each call.
+    """
+    train_model = model if train_model is None else train_model
+    device = next(model.parameters()).device
+    autocast = torch.autocast(device.type, dtype=AUTOCAST_DTYPE, enabled=AUTOCAST_DTYPE is not None)
+    x, y = next(batches)
+
+    def train_step():
+        nonlocal x, y
+        loss_sum = torch.zeros((), device=device)
+        for _ in range(grad_accum):
+            with autocast, attention_kernel(kernel):
+                loss = train_model(x, y)
+            loss_sum += loss.detach()
+            (loss / grad_accum).backward()  # mean over micro-steps
+            x, y = next(batches)  # fetch the next batch while the GPU works
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        grad_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
+        for opt in optimizers:
+            opt.step()
+        model.zero_grad(set_to_none=True)
+        return loss_sum.item() / grad_accum, grad_norm.item()  # .item() waits for the step to finish
+
+    return train_step
 
 
 # ---------------------------------------------------------------------------
@@ -442,31 +586,40 @@ def main():
     grad_accum = TOTAL_BATCH_TOKENS // tokens_per_micro
 
     config = model_config(vocab_size=ds.vocab_size, seq_len=seq_len)
-    model = build_model(config, device=device)
+    kernel = choose_attention_kernel(config, DEVICE_BATCH_SIZE, device, AUTOCAST_DTYPE or torch.float32)
+    tokens_per_step = tokens_per_micro * grad_accum
+
+    def setup(compiled):
+        """Model, optimizers, step function; seeded, so starting over eager repeats an eager run exactly."""
+        torch.manual_seed(spec.seed)
+        model = build_model(config, device=device)
+        train_model, orthogonalize = model, muon_orthogonalize
+        if compiled:
+            # dynamic=False: shapes never change in training, and static shapes compile to
+            # the fastest kernels. The uncompiled `model` is kept for evaluation and saving.
+            train_model = torch.compile(model, dynamic=False)
+            orthogonalize = torch.compile(muon_orthogonalize, dynamic=False)
+        optimizers = build_optimizers(model, orthogonalize=orthogonalize)
+        loader = H.TokenLoader(ds, "train", DEVICE_BATCH_SIZE, seq_len, device, seed=spec.seed)
+        step_fn = make_train_step(model, optimizers, loader, grad_accum=grad_accum, train_model=train_model, kernel=kernel)
+        return model, optimizers, step_fn
+
+    compiled = COMPILE
+    model, optimizers, train_step = setup(compiled)
+    muon = optimizers[0]
     num_params = sum(p.numel() for p in model.parameters())
     flops_tok = flops_per_token(model)
-    orthogonalize = muon_orthogonalize
-    if COMPILE:
-        # dynamic=False: shapes never change in training, and static shapes compile to
-        # the fastest kernels. The uncompiled `model` is kept for evaluation and saving.
-        train_model = torch.compile(model, dynamic=False)
-        orthogonalize = torch.compile(muon_orthogonalize, dynamic=False)
-    else:
-        train_model = model
-    optimizers = build_optimizers(model, orthogonalize=orthogonalize)
-    muon = optimizers[0]
-    loader = H.TokenLoader(ds, "train", DEVICE_BATCH_SIZE, seq_len, device, seed=spec.seed)
-    autocast = torch.autocast(device.type, dtype=AUTOCAST_DTYPE, enabled=AUTOCAST_DTYPE is not None)
+    executed_tok = executed_flops_per_token(model, optimizers, tokens_per_step, kernel)
     clock = H.TrainingClock(spec)
     progress_log = H.ProgressWriter(spec.progress_path)
 
     budget = f"{spec.max_steps} steps" if spec.max_steps else f"{spec.time_budget:g} s"
     print(f"device: {device.type} | params: {num_params:,} | layers {DEPTH} x width {MODEL_DIM} | seq_len {seq_len}")
     print(f"batch: {TOTAL_BATCH_TOKENS:,} tokens/step = {grad_accum} x {DEVICE_BATCH_SIZE} x {seq_len} | "
-          f"budget: {budget} | compile: {COMPILE} | autocast: {AUTOCAST_DTYPE} | seed {spec.seed}", flush=True)
+          f"budget: {budget} | compile: {compiled} | autocast: {AUTOCAST_DTYPE} | attention: {kernel or 'sdpa default'} | "
+          f"seed {spec.seed}", flush=True)
 
     curve, curve_stride = [], 1
-    x, y = next(loader)
     while not clock.done:
         step = clock.steps
         progress = clock.progress
@@ -479,19 +632,18 @@ def main():
             group["weight_decay"] = weight_decay_at(progress)
 
         t0 = time.perf_counter()
-        loss_sum = torch.zeros((), device=device)
-        for _ in range(grad_accum):
-            with autocast:
-                loss = train_model(x, y)
-            loss_sum += loss.detach()
-            (loss / grad_accum).backward()  # mean over micro-steps
-            x, y = next(loader)  # fetch the next batch while the GPU works
-        grads = [p.grad for p in model.parameters() if p.grad is not None]
-        grad_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
-        for opt in optimizers:
-            opt.step()
-        model.zero_grad(set_to_none=True)
-        train_loss = loss_sum.item() / grad_accum  # .item() waits for the step to finish
+        try:
+            train_loss, grad_norm = train_step()
+        except Exception as exc:  # compilation happens in the first step
+            if not (compiled and step == 0 and is_compile_error(exc)):
+                raise
+            # No Triton, no C compiler, an inductor bug: one line, then the same run eager
+            # rather than a crash that costs the trial (and, every trial, the night).
+            print(f"WARNING: torch.compile does not work here ({_first_line(exc)}): training eager", flush=True)
+            compiled = False
+            model, optimizers, train_step = setup(compiled)
+            muon = optimizers[0]
+            continue
         if device.type == "cuda":
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
@@ -515,14 +667,14 @@ def main():
         if step % curve_stride == 0 or last:
             # lr: the schedule's multiplier of every group's peak LR (1 = peak).
             curve.append({"step": step + 1, "seconds": round(clock.training_seconds, 4), "loss": round(train_loss, 5),
-                          "lr": lr_mult, "grad_norm": round(grad_norm.item(), 5)})
+                          "lr": lr_mult, "grad_norm": round(grad_norm, 5)})
             if len(curve) > CURVE_POINTS:  # thin to every other point and record half as often
                 curve, curve_stride = curve[::2], curve_stride * 2
         if step % LOG_EVERY == 0 or last:
             tok_per_s = tokens_per_micro * grad_accum / dt
             mfu = _mfu(flops_tok * tok_per_s, device)
             record = {"step": step + 1, "progress": round(progress, 4), "loss": round(train_loss, 5), "lr": lr_mult,
-                      "grad_norm": round(grad_norm.item(), 5), "tokens_per_second": round(tok_per_s, 1),
+                      "grad_norm": round(grad_norm, 5), "tokens_per_second": round(tok_per_s, 1),
                       "training_seconds": round(clock.training_seconds, 3), "mfu_percent": mfu}
             progress_log.log(record)
             print(f"step {step + 1:05d} ({100 * progress:5.1f}%) | loss {train_loss:.4f} | lr x{lr_mult:.3f} | "
@@ -560,7 +712,13 @@ def main():
         "num_params": num_params,
         "tokens_per_second": tok_per_s,
         "ms_per_step": 1000 * clock.training_seconds / timed_steps if timed_steps else None,
-        "flops_per_token": flops_tok,
+        "flops_per_token": flops_tok,  # model FLOPs: causal attention, no embedding lookups
+        "executed_flops_per_token": executed_tok,  # + masked attention the kernel computes, + Muon
+        "model_tflops": flops_tok * tok_per_s / 1e12 if tok_per_s else None,  # achieved, per second
+        "executed_tflops": executed_tok * tok_per_s / 1e12 if tok_per_s else None,
+        "hfu_percent": _mfu(executed_tok * tok_per_s, device) if tok_per_s else None,  # executed / peak
+        "attention_kernel": kernel or "sdpa default",
+        "compiled": compiled,  # False after a failed torch.compile (the run went on eager)
         "depth": DEPTH,
         "model_dim": MODEL_DIM,
         "batch_tokens": tokens_per_step,
@@ -573,8 +731,20 @@ def main():
     H.finish(spec, result)
 
 
+def is_compile_error(exc):
+    """Whether `exc` comes from torch.compile (dynamo, inductor, a missing compiler or Triton)."""
+    from torch._dynamo.exc import TorchDynamoException
+
+    return isinstance(exc, TorchDynamoException) or type(exc).__module__.startswith(("torch._dynamo", "torch._inductor"))
+
+
+def _first_line(exc):
+    text = str(exc).strip()
+    return (text.splitlines()[0] if text else type(exc).__name__)[:300]
+
+
 def _mfu(flops_per_second, device):
-    """Model FLOPs utilisation in percent of the GPU's bf16 dense peak; None when unknown."""
+    """FLOPs utilisation in percent of the GPU's dense bf16 peak (harness table); None when unknown."""
     if device.type != "cuda":
         return None
     peak = H.gpu_peak_flops(torch.cuda.get_device_name(device))

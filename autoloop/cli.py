@@ -115,6 +115,43 @@ def status(repo: RepoOpt = Path("."), tag: TagOpt = None, db: DbOpt = None,
     typer.echo(format_status(info))
 
 
+@app.command()
+@handles_errors
+def check(
+    repo: RepoOpt = Path("."),
+    tag: Annotated[Optional[str], typer.Option(help="Store the result on this run (runs.check_result); the most recent run by default, if the repository has one.")] = None,
+    db: DbOpt = None,
+    hours: Annotated[Optional[float], typer.Option(help="Plan for a night of this many hours: how many training runs fit.")] = None,
+    time_budget: Annotated[Optional[float], typer.Option(help="Seconds of timed training per trial to plan for (300 by default).")] = None,
+    max_steps: Annotated[Optional[int], typer.Option(help="Plan for this many optimizer steps per trial instead of a time budget.")] = None,
+    dataset: Annotated[Optional[str], typer.Option(help="A prepared dataset name or folder; the embedded corpus by default.")] = None,
+    parts: Annotated[str, typer.Option(help="Comma-separated parts to run: overfit, lr, budget, device.")] = "overfit,lr,budget,device",
+    as_json: Annotated[bool, typer.Option("--json", help="Print the whole result as JSON at the end.")] = False,
+):
+    """Check train.py before a night: overfit one batch, LR range test, budget plan, device health."""
+    from autoloop.check import PARTS, run_check, store_result
+
+    chosen = tuple(p.strip() for p in parts.split(",") if p.strip())
+    unknown = [p for p in chosen if p not in PARTS]
+    if unknown:
+        raise AutoloopError(f"unknown check part {', '.join(unknown)}: use some of {', '.join(PARTS)}")
+    config = _config(repo, db=db, hours=hours, time_budget=time_budget, max_steps=max_steps, dataset=dataset)
+    data_dir = None
+    if config.dataset:
+        from autoloop.prepare import resolve_data_dir
+
+        data_dir = resolve_data_dir(config.dataset)
+    result = run_check(repo, time_budget=config.time_budget, max_steps=config.max_steps, hours=config.hours,
+                       parts=chosen, data_dir=data_dir, say=typer.echo)
+    stored = store_result(repo, config.db, _explicit_tag(tag), result)
+    typer.echo(f"check took {result['seconds']:.0f} s; result in {Path(repo) / '.autoloop' / 'check' / 'check.json'}"
+               + (f" and on run '{stored}'" if stored else ""))
+    if as_json:
+        typer.echo(json.dumps(result, indent=1, default=str))
+    if not result["ok"]:
+        raise typer.Exit(1)
+
+
 # ---------------------------------------------------------------------------- ideas
 
 

@@ -42,7 +42,7 @@ from autoloop.errors import AutoloopError
 from autoloop.store import Kind, Status
 
 LOG_FIELDS = ("number", "kind", "status", "reason", "metric", "metric_source", "delta", "best_before",
-              "description", "proposer", "minutes", "trial_commit", "heldout_metric")
+              "description", "proposer", "minutes", "trial_commit", "heldout_metric", "flags")
 # Also in `log --json`, for scripts and agents.
 LOG_JSON_EXTRA = ("lineage", "idea_id", "parent_commit", "started_at", "finished_at")
 # The uncertainty of a trial's metric (autoloop.effects); None for trials of one run
@@ -127,6 +127,7 @@ def log_rows(store, run: dict, *, last: int | None = None, status=None, kind=Non
     out = []
     for t in rows:
         row = {k: t.get(k) for k in fields if k in t}
+        row["flags"] = json.loads(row["flags"]) if isinstance(row.get("flags"), str) else row.get("flags")  # raw SQL: JSON text
         row["delta"] = _delta(t)
         row["minutes"] = _minutes(t)
         effect = trial_effect(t)
@@ -172,6 +173,10 @@ def format_log(run: dict, rows: list[dict], *, total: int | None = None) -> str:
         )
         if r.get("reason"):
             lines.append(f"{'':>{41 + width}}  ↳ {_cut(r['reason'], 100)}")
+        if r.get("flags"):
+            from autoloop.diagnosis import names
+
+            lines.append(f"{'':>{41 + width}}  ⚑ {names(r['flags'])}")
     if any((r.get("n_runs") or 0) > 1 for r in rows):
         lines.append("val_bpb of several runs: mean ± standard error (runs)")
     if any(r.get("near_miss") for r in rows):
@@ -326,6 +331,11 @@ def format_trial(d: dict, *, with_diff: bool = True) -> str:
         sets = ", ".join(f"{k}={v}" for k, v in (idea.get("sets") or {}).items())
         field("idea", f"{idea['id']}: {idea['text']}" + (f" [{sets}]" if sets else ""))
     field("reason", d.get("reason"))
+    if d.get("flags"):
+        from autoloop.diagnosis import messages
+
+        for message in messages(d["flags"] if not isinstance(d["flags"], str) else json.loads(d["flags"])):
+            field("flag", message)
 
     lines.append("evidence")
     source = f" ({d['metric_source']})" if d.get("metric_source") else ""

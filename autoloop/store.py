@@ -140,7 +140,7 @@ FINAL_STATUSES = frozenset(s for s in Status if s is not Status.RUNNING)
 
 # Columns holding JSON text; the Store converts to and from Python objects.
 JSON_COLUMNS: dict[str, frozenset[str]] = {
-    "runs": frozenset({"config", "env_changes"}),
+    "runs": frozenset({"config", "env_changes", "check_result"}),
     "trials": frozenset({"edits", "result", "flags", "decision", "budget"}),
     "ideas": frozenset({"sets"}),
     "measurements": frozenset({"budget"}),

@@ -330,3 +330,86 @@ def test_thirty_second_run_learns(tmp_path, session_cache, embedded_dataset):
         f"val_bpb {result['val_bpb']:.3f} vs unigram entropy {unigram_bits:.3f} bits after "
         f"{result['num_steps']} steps at {result['tokens_per_second']:.0f} tokens/s"
     )
+
+
+# ---------------------------------------------------------------------------- FLOPs and MFU
+
+
+def _small_model(module, **overrides):
+    cfg = dict(module.model_config(), n_layer=2, n_embd=64, n_head=2, n_kv_head=1, seq_len=32, mlp_ratio=4, vocab_size=257)
+    cfg.update(overrides)
+    return module.build_model(cfg, device="cpu")
+
+
+def test_flops_per_token_against_a_hand_count(train_module):
+    model = _small_model(train_module)
+    # Matmul weights per layer: c_q 64x64, c_k and c_v 64x32 (one kv head of 32), c_proj
+    # 64x64, c_fc 64x256, mlp c_proj 256x64; plus the lm_head 257x64; the embedding
+    # table is a lookup, not a matmul.
+    per_layer = 64 * 64 + 2 * 64 * 32 + 64 * 64 + 2 * 64 * 256
+    n = 2 * per_layer + 257 * 64
+    # Attention: each of 2 heads x 2 layers scores query-key pairs (2 FLOPs x head_dim 32)
+    # and sums values (the same), x3 for forward + backward; a causal model scores query t
+    # against t keys: sum(1..32) = 528 pairs per 32 tokens.
+    pairs_per_token = sum(range(1, 33)) / 32
+    attention = 3 * 2 * 2 * 2 * 2 * 32 * pairs_per_token
+    assert train_module.flops_per_token(model) == int(6 * n + attention) == 664704
+
+
+def test_flops_exclude_every_embedding_lookup(train_module):
+    model = _small_model(train_module)
+    before = train_module.flops_per_token(model)
+    model.value_embeds = torch.nn.Embedding(257, 64)  # e.g. a proposal's value embeddings
+    assert train_module.flops_per_token(model) == before
+
+
+def test_executed_flops_add_the_math_kernels_masked_half_and_muon(train_module):
+    model = _small_model(train_module)
+    model_flops = train_module.flops_per_token(model)
+    assert train_module.executed_flops_per_token(model) == model_flops  # flash & co skip masked tiles
+    masked = 3 * 2 * 2 * 2 * 2 * 32 * (32 - 33 / 2)  # the pairs above the diagonal, per token
+    assert train_module.executed_flops_per_token(model, kernel="math") == int(model_flops + masked)
+    optimizers = train_module.build_optimizers(model)
+    muon = [g for g in optimizers[0].param_groups]
+    ns = 0
+    for g in muon:
+        rows, cols = g["params"][0].shape
+        s, b = min(rows, cols), max(rows, cols)
+        ns += len(g["params"]) * train_module.MUON_NS_STEPS * (4 * s * s * b + 2 * s**3)
+    tokens = 4096
+    assert train_module.executed_flops_per_token(model, optimizers, tokens) == int(model_flops + ns / tokens)
+
+
+@pytest.mark.parametrize("name,peak", [
+    ("NVIDIA H200", 989e12), ("NVIDIA H200 NVL", 835e12), ("NVIDIA GH200 480GB", 989e12), ("NVIDIA H20", 148e12),
+    ("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 NVL", 835e12), ("NVIDIA A100-SXM4-80GB", 312e12),
+    ("Some Future GPU", None),
+])
+def test_gpu_peak_table_tells_variants_apart(name, peak):
+    assert H.gpu_peak_flops(name) == peak
+
+
+def test_result_reports_model_and_executed_flops(trained_run):
+    result = trained_run["result"]
+    assert result["executed_flops_per_token"] >= result["flops_per_token"] > 0
+    assert result["model_tflops"] == pytest.approx(result["flops_per_token"] * result["tokens_per_second"] / 1e12)
+    assert result["executed_tflops"] >= result["model_tflops"]
+    assert result["hfu_percent"] is None and result["attention_kernel"] == "sdpa default" and result["compiled"] is False
+
+
+@pytest.mark.slow
+def test_a_failing_torch_compile_trains_eager_with_the_same_result(tmp_path, session_cache, embedded_dataset):
+    """No C compiler (CXX points nowhere): one WARNING line, then exactly the eager run."""
+    script = variant(tmp_path, "train_compiled.py", {"COMPILE": "True"})
+    runs = {}
+    for name, path, extra in (("compiled", script, {"CXX": "/nonexistent/c++", "CC": "/nonexistent/cc"}),
+                              ("eager", TRAIN_PY, {})):
+        out = tmp_path / f"{name}.json"
+        proc = run_train(path, session_cache, timeout=900, AUTOLOOP_MAX_STEPS=5, AUTOLOOP_SEED=4, AUTOLOOP_RESULT=out,
+                         **extra)
+        assert proc.returncode == 0, explain(proc)
+        runs[name] = (proc, json.loads(out.read_text()))
+    proc, result = runs["compiled"]
+    warnings = [line for line in proc.stdout.splitlines() if line.startswith("WARNING: torch.compile does not work here")]
+    assert len(warnings) == 1 and result["compiled"] is False, explain(proc)
+    assert result["val_bpb"] == runs["eager"][1]["val_bpb"]

@@ -11,12 +11,14 @@ from __future__ import annotations
 GPU_PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
     ("GB200", 2.5e15),
     ("B200", 2.25e15),
+    ("GH200", 989e12),  # before "H200": "NVIDIA GH200 480GB" contains it
+    ("H200 NVL", 835e12),  # the PCIe card: lower clocks and power than the SXM H200
     ("H200", 989e12),
     ("H100 NVL", 835e12),
     ("H100 PCIe", 756e12),
     ("H100", 989e12),
     ("H800", 989e12),
-    ("GH200", 989e12),
+    ("H20", 148e12),  # after every "H200...": those names contain "H20"
     ("A100", 312e12),
     ("A800", 312e12),
     ("L40S", 362e12),

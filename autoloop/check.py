@@ -1,0 +1,668 @@
+"""`autoloop check`: what an experienced person does before trusting a long run.
+
+Four parts, each a dict with `status` ("ok" | "warn" | "fail" | "skipped" |
+"unsupported"), a one-line `message` and its figures:
+
+* overfit: train a fresh model on one fixed small batch until the loss is near zero.
+  The loss is measured by the check itself, from the model's logits against the batch's
+  true next tokens (the same contract the harness evaluates), so a script that trains on
+  misaligned targets or a detached loss fails even when its own reported loss falls.
+  A model that cannot memorise 512 tokens has a bug, not too little data.
+* lr: the learning-rate range test. All parameter groups are scaled together by a
+  multiplier swept exponentially over a few hundred steps at the training batch; the
+  smoothed loss detects the divergence (the point is where the raw loss crossed), and
+  the suggested multiplier sits a factor SUGGEST_BELOW below it. A PNG plot is written
+  beside the JSON.
+* budget: tokens/s, what the budget buys (steps, tokens, tokens per parameter against
+  the compute-optimal ~20 with FLOPs ~ 6 N D), MFU and memory headroom on a GPU, and how
+  many training runs fit in --hours; warnings where the plan is clearly off.
+* device: which SDPA kernel the model's attention runs, the usable kernels timed side
+  by side at the model's shapes, whether torch.compile works here (probed in a child
+  process: a missing compiler or Triton is one line, and train.py then trains eager),
+  and on CUDA a short real run of train.py for tokens/s, MFU and peak memory.
+
+overfit, lr and the kernel timings need train.py's importable functions (`model_config`,
+`build_model`, `build_optimizers`, `make_train_step`); a script without them (a
+third-party train.py) gets "not supported by this script" for those, found by reading
+its source, never by importing it (such a script may train at import).
+
+Everything runs in this process except the compile probe and the short run. The
+result is written to `.autoloop/check/check.json` (and the plot beside it) and, when
+the repository has a run, stored in `runs.check_result`.
+"""
+
+from __future__ import annotations
+
+import ast
+import itertools
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+from autoloop.errors import AutoloopError
+
+REQUIRED = ("model_config", "build_model", "build_optimizers", "make_train_step")
+OVERFIT_MESSAGE = (
+    "the model cannot overfit a single batch: the code has a bug (a detached gradient, "
+    "a wrong loss reduction, targets misaligned), not the data"
+)
+OVERFIT_BATCH = (4, 128)  # sequences x tokens: 512 targets, memorised in a few dozen steps
+OVERFIT_STEPS = 200  # step limit
+OVERFIT_TARGET = 0.1  # nats per token: "near zero" (real text sits at ~1.5-2 without memorising)
+LR_STEPS = {"cuda": 300, "cpu": 100}  # range-test steps (a CPU step at the real batch is ~0.15 s idle)
+LR_RANGE = (3e-2, 3e1)  # multipliers of train.py's learning rates swept (three decades around x1)
+LR_SMOOTHING = 0.9  # EMA factor of the smoothed loss (bias-corrected)
+DIVERGE_FACTOR = 1.5  # diverged: smoothed loss above this times its minimum, or above the start
+# Suggested peak multiplier = divergence multiplier / this. Twenty, not the classic ten:
+# the sweep lasts ~100 steps and a trial ~10x more (longer runs want lower LRs), and too
+# high costs a diverged night while too low costs a little. Measured on the CPU scale
+# (300-step runs, 2 seeds): x1.39 (/10) was +0.012 val_bpb vs the default, x0.7 (/20)
+# -0.015, both within the seed noise; x2.61 (the lagging-EMA point / 10) was +0.096.
+SUGGEST_BELOW = 20.0
+COMPUTE_OPTIMAL_TOKENS_PER_PARAM = 20.0  # Hoffmann et al. 2022
+SHORT_RUN_SECONDS = {"cuda": 20.0, "cpu": 8.0}
+PARTS = ("overfit", "lr", "budget", "device")
+
+
+# ---------------------------------------------------------------------------- the script
+
+
+def missing_interface(train_py: Path) -> list[str]:
+    """The required function names train.py does not define at top level (read, not imported)."""
+    try:
+        tree = ast.parse(Path(train_py).read_text())
+    except (OSError, SyntaxError, ValueError) as exc:
+        raise AutoloopError(f"cannot read {train_py} ({exc}): fix the script") from None
+    defined = {node.name for node in tree.body if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
+    defined |= {t.id for node in tree.body if isinstance(node, ast.Assign) for t in node.targets if isinstance(t, ast.Name)}
+    return [name for name in REQUIRED if name not in defined]
+
+
+def unsupported(missing: list[str]) -> dict:
+    return {"status": "unsupported",
+            "message": f"not supported by this script: train.py does not define {', '.join(missing)}"}
+
+
+def _seq_len(device) -> int:
+    from autoloop import harness as H
+
+    return H.seq_len(device.type)
+
+
+def fresh_model(module, ds, device, seed: int):
+    """A new model and optimizers from train.py, seeded."""
+    import torch
+
+    torch.manual_seed(seed)
+    config = module.model_config(vocab_size=ds.vocab_size, seq_len=_seq_len(device))
+    model = module.build_model(config, device=device)
+    return model, module.build_optimizers(model)
+
+
+def set_lr(optimizers, multiplier: float) -> None:
+    """Every group's LR = its peak ("initial_lr") x multiplier: all groups scaled together."""
+    for opt in optimizers:
+        for group in opt.param_groups:
+            group.setdefault("initial_lr", group["lr"])
+            group["lr"] = group["initial_lr"] * multiplier
+
+
+def group_lrs(optimizers) -> dict[str, float]:
+    """{group name: peak LR}; unnamed groups are "<Optimizer>[i]"."""
+    out = {}
+    for opt in optimizers:
+        for i, group in enumerate(opt.param_groups):
+            name = group.get("name") or f"{type(opt).__name__}[{i}]"
+            out[name] = group.get("initial_lr", group["lr"])
+    return out
+
+
+def lr_constants(module) -> dict[str, float]:
+    """train.py's UPPER_CASE learning-rate constants (names ending in _LR) and their values."""
+    return {name: float(value) for name, value in vars(module).items()
+            if name.isupper() and name.endswith("_LR") and isinstance(value, (int, float)) and not isinstance(value, bool)}
+
+
+def _batch_shape(module, seq_len: int) -> tuple[int, int]:
+    """(micro-batch sequences, gradient-accumulation steps) of a training step."""
+    batch = int(getattr(module, "DEVICE_BATCH_SIZE", 8))
+    total = int(getattr(module, "TOTAL_BATCH_TOKENS", batch * seq_len))
+    return batch, max(1, total // (batch * seq_len))
+
+
+def _autocast(module, device):
+    import torch
+
+    dtype = getattr(module, "AUTOCAST_DTYPE", None)
+    return torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0][:200]}" if text else type(exc).__name__
+
+
+# ---------------------------------------------------------------------------- (a) overfit
+
+
+def overfit_one_batch(module, ds, device, *, steps: int = OVERFIT_STEPS, target: float = OVERFIT_TARGET,
+                      batch: tuple[int, int] = OVERFIT_BATCH, seed: int = 0) -> dict:
+    """Train on one fixed batch of real training text until the check's own loss < target."""
+    import torch
+    import torch.nn.functional as F
+
+    from autoloop import harness as H
+
+    rows, cols = batch[0], min(batch[1], _seq_len(device))
+    x, y = next(H.TokenLoader(ds, "train", rows, cols, device, seed=seed))
+    start = time.perf_counter()
+    losses: list[float] = []
+
+    def true_loss(model) -> float:
+        # The model's logits against the true next tokens: what the harness scores.
+        with torch.no_grad(), _autocast(module, device):
+            logits = model(x)
+        return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1)).item()
+
+    try:
+        model, optimizers = fresh_model(module, ds, device, seed)
+        first = true_loss(model)
+        train_step = module.make_train_step(model, optimizers, itertools.repeat((x, y)))
+        schedule = getattr(module, "lr_multiplier", None)
+        for step in range(steps):
+            set_lr(optimizers, schedule(step / steps) if callable(schedule) else 1.0)
+            train_step()
+            if (step + 1) % 10 == 0 or step == steps - 1:
+                losses.append(true_loss(model))
+                if losses[-1] < target or not math.isfinite(losses[-1]):
+                    break
+    except Exception as exc:  # the bug may be one that raises (a loss without a gradient)
+        return {"status": "fail", "message": f"{OVERFIT_MESSAGE} (the training step raised {_first_line(exc)})",
+                "error": _first_line(exc), "seconds": round(time.perf_counter() - start, 2)}
+    figures = {"batch": [rows, cols], "initial_loss": round(first, 4), "final_loss": round(losses[-1], 4),
+               "steps": min(step + 1, steps), "target": target, "losses_every_10": [round(v, 4) for v in losses],
+               "seconds": round(time.perf_counter() - start, 2)}
+    if math.isfinite(losses[-1]) and losses[-1] < target:
+        return {"status": "ok", "message": f"overfits one batch: loss {first:.3f} -> {losses[-1]:.4f} in "
+                                           f"{figures['steps']} steps", **figures}
+    return {"status": "fail", "message": f"{OVERFIT_MESSAGE} (loss {first:.3f} -> {losses[-1]:.3f} after "
+                                         f"{figures['steps']} steps; near zero is < {target})", **figures}
+
+
+# ---------------------------------------------------------------------------- (b) LR range test
+
+
+def lr_range_test(module, ds, device, *, steps: int | None = None, low: float = LR_RANGE[0], high: float = LR_RANGE[1],
+                  beta: float = LR_SMOOTHING, seed: int = 0, out_dir: Path | None = None) -> dict:
+    """Sweep every group's LR together from low x to high x its peak; find where it diverges."""
+    from autoloop import harness as H
+
+    steps = steps or LR_STEPS["cuda" if device.type == "cuda" else "cpu"]
+    seq_len = _seq_len(device)
+    batch, grad_accum = _batch_shape(module, seq_len)
+    start = time.perf_counter()
+    model, optimizers = fresh_model(module, ds, device, seed)
+    current = group_lrs(optimizers)
+    loader = H.TokenLoader(ds, "train", batch, seq_len, device, seed=seed)
+    train_step = module.make_train_step(model, optimizers, loader, grad_accum=grad_accum)
+    points, avg, best, diverged_at, step_seconds = [], 0.0, math.inf, None, []
+    for i in range(steps):
+        multiplier = low * (high / low) ** (i / max(1, steps - 1))
+        set_lr(optimizers, multiplier)
+        t0 = time.perf_counter()
+        loss, grad_norm = train_step()
+        if device.type == "cuda":
+            import torch
+
+            torch.cuda.synchronize()
+        if i >= 3:  # the first steps pay for allocation and kernel selection
+            step_seconds.append(time.perf_counter() - t0)
+        if not math.isfinite(loss):
+            diverged_at = multiplier  # a NaN is its own point: no smoothing lag
+            points.append({"multiplier": multiplier, "loss": None, "smoothed": None, "grad_norm": None})
+            break
+        avg = beta * avg + (1 - beta) * loss
+        smoothed = avg / (1 - beta ** (i + 1))
+        best = min(best, smoothed)
+        points.append({"multiplier": multiplier, "loss": round(loss, 5), "smoothed": round(smoothed, 5),
+                       "grad_norm": round(grad_norm, 5)})
+        if i > 5 and (smoothed > DIVERGE_FACTOR * best or smoothed > points[0]["loss"]):
+            # The EMA trails the raw loss (by up to beta / (1 - beta) steps on a slow
+            # rise): the divergence is where, in that window, the raw loss itself first
+            # crossed the line.
+            line = DIVERGE_FACTOR * best if smoothed > DIVERGE_FACTOR * best else points[0]["loss"]
+            window = range(max(0, i - round(beta / (1 - beta))), i + 1)
+            first = next((j for j in window if points[j]["loss"] > line), i)
+            diverged_at = points[first]["multiplier"]
+            break
+    tokens_per_step = batch * seq_len * grad_accum
+    seconds_per_step = sorted(step_seconds)[len(step_seconds) // 2] if step_seconds else None
+    if diverged_at is None:
+        suggested = high / SUGGEST_BELOW
+        message = f"no divergence up to x{high:g} the current LRs: suggested peak x{suggested:.3g}"
+    else:
+        suggested = diverged_at / SUGGEST_BELOW
+        message = f"diverges at x{diverged_at:.3g} the current LRs: suggested peak x{suggested:.3g}"
+    result = {
+        "status": "ok", "message": message, "diverged_multiplier": diverged_at, "suggested_multiplier": suggested,
+        "current_lrs": current, "suggested_lrs": {k: v * suggested for k, v in current.items()},
+        "suggested_constants": {k: v * suggested for k, v in lr_constants(module).items()},
+        "steps": len(points), "range": [low, high], "smoothing": beta, "points": points,
+        "tokens_per_step": tokens_per_step, "seconds_per_step": seconds_per_step,
+        "tokens_per_second": tokens_per_step / seconds_per_step if seconds_per_step else None,
+        "seconds": round(time.perf_counter() - start, 2),
+    }
+    if suggested < 0.3 or suggested > 3:
+        result["status"] = "warn"
+        result["message"] += ": far from the current LRs, worth a look"
+    if out_dir is not None:
+        result["plot"] = plot_lr_range(result, Path(out_dir) / "lr_range.png")
+    return result
+
+
+def plot_lr_range(result: dict, path: Path) -> str | None:
+    """The range test's loss against the multiplier, as a PNG; None without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    pts = [p for p in result["points"] if p["loss"] is not None]
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
+    ax.plot([p["multiplier"] for p in pts], [p["loss"] for p in pts], color="0.75", lw=1, label="loss")
+    ax.plot([p["multiplier"] for p in pts], [p["smoothed"] for p in pts], color="C0", lw=2, label="smoothed loss")
+    ax.axvline(1.0, color="0.3", ls=":", label="current LRs (x1)")
+    if result["diverged_multiplier"]:
+        ax.axvline(result["diverged_multiplier"], color="C3", ls="--", label=f"divergence x{result['diverged_multiplier']:.3g}")
+    ax.axvline(result["suggested_multiplier"], color="C2", ls="-", label=f"suggested x{result['suggested_multiplier']:.3g}")
+    ax.set_xscale("log")
+    ax.set_xlabel("learning-rate multiplier (all parameter groups together)")
+    ax.set_ylabel("training loss (nats/token)")
+    losses = [p["smoothed"] for p in pts]
+    if losses:
+        ax.set_ylim(min(losses) * 0.9, max(p["loss"] for p in pts[:3]) * 1.05)
+    lrs = ", ".join(f"{k} {v:.3g}" for k, v in result["current_lrs"].items())
+    ax.set_title(f"LR range test ({result['steps']} steps)\nx1 = {lrs}", fontsize=8)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3, which="both")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return str(path)
+
+
+# ---------------------------------------------------------------------------- (c) budget plan
+
+
+def budget_plan(*, tokens_per_second: float | None, tokens_per_step: int | None, matmul_params: int | None,
+                time_budget: float | None, max_steps: int | None = None, hours: float | None = None,
+                overhead_seconds: float = 0.0, warmup_steps: int = 0, mfu_percent: float | None = None,
+                peak_memory_mb: float | None = None, memory_total_mb: float | None = None) -> dict:
+    """What the budget buys, against compute-optimal training; pure arithmetic on measured figures."""
+    if not tokens_per_second or not tokens_per_step:
+        return {"status": "skipped", "message": "no throughput measured: no budget plan"}
+    if max_steps:
+        steps = max_steps
+        seconds = max_steps * tokens_per_step / tokens_per_second
+    else:
+        seconds = time_budget
+        steps = int(tokens_per_second * time_budget / tokens_per_step)
+    tokens = steps * tokens_per_step
+    plan = {"tokens_per_second": round(tokens_per_second, 1), "tokens_per_step": tokens_per_step,
+            "training_seconds": round(seconds, 1), "steps": steps, "tokens": tokens,
+            "mfu_percent": mfu_percent, "peak_memory_mb": peak_memory_mb, "memory_total_mb": memory_total_mb}
+    warnings = []
+    if matmul_params:
+        per_param = tokens / matmul_params
+        flops = 6 * matmul_params * tokens
+        # Compute-optimal at this compute: C = 6 N D with D = 20 N.
+        n_opt = math.sqrt(flops / (6 * COMPUTE_OPTIMAL_TOKENS_PER_PARAM))
+        plan.update(params=matmul_params, tokens_per_param=round(per_param, 2), flops=flops,
+                    compute_optimal_params=int(n_opt), compute_optimal_tokens=int(n_opt * COMPUTE_OPTIMAL_TOKENS_PER_PARAM))
+        if per_param < 1:
+            warnings.append(f"{per_param:.2g} tokens per parameter (compute-optimal ~20): the model is far too big "
+                            "for the budget; shrink it or raise the budget")
+    if steps < max(warmup_steps, 20):
+        warnings.append(f"the budget buys {steps} steps, too few to get past warm-up ({warmup_steps} steps): raise it")
+    if peak_memory_mb and memory_total_mb:
+        plan["memory_headroom_percent"] = round(100 * (1 - peak_memory_mb / memory_total_mb), 1)
+        if peak_memory_mb > 0.95 * memory_total_mb:
+            warnings.append(f"peak memory {peak_memory_mb:,.0f} MB of {memory_total_mb:,.0f} MB: an edit that adds "
+                            "memory will run out; lower DEVICE_BATCH_SIZE")
+    per_run = seconds + overhead_seconds
+    plan["seconds_per_run"] = round(per_run, 1)
+    if hours:
+        plan["hours"] = hours
+        plan["runs_in_hours"] = int(hours * 3600 // per_run) if per_run > 0 else None
+    parts = [f"{tokens_per_second:,.0f} tokens/s", f"{steps:,} steps and {tokens / 1e6:.3g}M tokens per run"]
+    if matmul_params:
+        parts.append(f"{plan['tokens_per_param']:g} tokens/parameter (compute-optimal ~20)")
+    if mfu_percent is not None:
+        parts.append(f"MFU {mfu_percent:.1f}%")
+    if hours:
+        parts.append(f"~{plan['runs_in_hours']} training runs in {hours:g} h ({per_run:.0f} s each)")
+    plan["warnings"] = warnings
+    plan["status"] = "warn" if warnings else "ok"
+    plan["message"] = "; ".join(parts) + ("" if not warnings else " | WARNING: " + "; ".join(warnings))
+    return plan
+
+
+# ---------------------------------------------------------------------------- (d) device
+
+
+def sdpa_kernel_in_use(module, ds, device, seed: int = 0) -> str:
+    """Which SDPA kernel the model's attention runs: the aten ops one forward dispatches."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from autoloop import harness as H
+
+    class Recorder(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.add(str(func))
+            return func(*args, **(kwargs or {}))
+
+    model, _ = fresh_model(module, ds, device, seed)
+    batch, _ = _batch_shape(module, _seq_len(device))
+    x, _ = next(H.TokenLoader(ds, "train", min(batch, 2), _seq_len(device), device, seed=seed))
+    kernel = None
+    if hasattr(module, "choose_attention_kernel"):
+        dtype = getattr(module, "AUTOCAST_DTYPE", None) or torch.float32
+        kernel = module.choose_attention_kernel(model.config, batch, device, dtype)
+    context = module.attention_kernel(kernel) if hasattr(module, "attention_kernel") else _null()
+    recorder = Recorder()
+    with torch.no_grad(), _autocast(module, device), context, recorder:
+        model(x)
+    return kernel_from_op_names(recorder.names)
+
+
+def _null():
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
+def kernel_from_op_names(names) -> str:
+    """The SDPA kernel named by the aten ops that ran (flash, cudnn, efficient, math)."""
+    joined = " ".join(names)
+    for op, kernel in (("_scaled_dot_product_flash_attention", "flash"), ("_scaled_dot_product_cudnn_attention", "cudnn"),
+                       ("_scaled_dot_product_efficient_attention", "efficient"), ("_efficient_attention", "efficient"),
+                       ("_scaled_dot_product_attention_math", "math")):
+        if op in joined:
+            return kernel
+    if "softmax" in joined:  # the math kernel is composite: it dispatches as bmm + softmax
+        return "math"
+    return "none found (no scaled_dot_product_attention call)"
+
+
+COMPILE_PROBE = """
+import sys, torch
+device = sys.argv[1]
+model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64)).to(device)
+compiled = torch.compile(model)
+x = torch.randn(8, 64, device=device)
+compiled(x).sum().backward()
+print("compile ok")
+"""
+
+
+def compile_probe(device_type: str = "cpu", *, env: dict | None = None, timeout: float = 300) -> dict:
+    """Whether torch.compile works here: compile a small model forward and backward in a child process."""
+    start = time.perf_counter()
+    environment = {**os.environ, **(env or {})}
+    try:
+        proc = subprocess.run([sys.executable, "-c", COMPILE_PROBE, device_type], capture_output=True, text=True,
+                              timeout=timeout, env=environment)
+    except subprocess.TimeoutExpired:
+        return {"status": "fail", "works": False, "seconds": timeout,
+                "message": f"torch.compile did not finish a small model in {timeout:.0f} s here: train.py should train eager"}
+    seconds = round(time.perf_counter() - start, 1)
+    if proc.returncode == 0 and "compile ok" in proc.stdout:
+        return {"status": "ok", "works": True, "seconds": seconds, "message": f"torch.compile works ({seconds:.0f} s for a small model)"}
+    error = _compile_error_line(proc.stderr + proc.stdout)
+    return {"status": "fail", "works": False, "seconds": seconds, "error": error,
+            "message": f"torch.compile does not work here ({error}): train.py falls back to eager; "
+                       "install a C compiler / Triton or set COMPILE = False"}
+
+
+def _compile_error_line(text: str) -> str:
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    for key in ("InvalidCxxCompiler", "TritonMissing", "CppCompileError", "BackendCompilerFailed", "InductorError", "Error"):
+        hits = [line for line in lines if key in line]
+        if hits:
+            return hits[-1][:300]
+    return (lines[-1] if lines else "no output")[:300]
+
+
+def short_run(repo: Path, python: str, seconds: float, *, env: dict | None = None, timeout: float = 600) -> dict:
+    """train.py as the loop runs it, for `seconds` of timed training: its result JSON's figures."""
+    from autoloop import harness as H
+
+    with tempfile.TemporaryDirectory(prefix="autoloop-check-") as tmp:
+        result_path = Path(tmp) / "result.json"
+        environment = {**os.environ, **(env or {}), "AUTOLOOP_TIME_BUDGET": str(seconds), "AUTOLOOP_RESULT": str(result_path)}
+        environment.pop("AUTOLOOP_MAX_STEPS", None)
+        start = time.perf_counter()
+        try:
+            proc = subprocess.run([python, "train.py"], cwd=repo, capture_output=True, text=True, timeout=timeout, env=environment)
+        except subprocess.TimeoutExpired:
+            return {"status": "fail", "message": f"a {seconds:g} s run of train.py did not finish in {timeout:.0f} s"}
+        wall = time.perf_counter() - start
+        if result_path.exists():
+            result = json.loads(result_path.read_text())
+        else:
+            result = H.parse_summary(proc.stdout) or {}
+        if proc.returncode != 0 or not result:
+            tail = (proc.stdout + proc.stderr).strip().splitlines()[-1:] or ["no output"]
+            return {"status": "fail", "message": f"a {seconds:g} s run of train.py failed (exit {proc.returncode}): {tail[0][:200]}"}
+    keys = ("tokens_per_second", "mfu_percent", "hfu_percent", "model_tflops", "executed_tflops", "peak_memory_mb",
+            "compile_seconds", "training_seconds", "eval_seconds", "total_seconds", "num_params", "batch_tokens",
+            "attention_kernel", "compiled", "device", "val_bpb", "flops_per_token", "executed_flops_per_token")
+    figures = {k: result.get(k) for k in keys if k in result}
+    figures["wall_seconds"] = round(wall, 1)
+    if "tokens_per_second" not in figures and result.get("total_tokens_M") and result.get("training_seconds"):
+        figures["tokens_per_second"] = result["total_tokens_M"] * 1e6 / result["training_seconds"]
+    if "peak_memory_mb" not in figures and result.get("peak_vram_mb"):
+        figures["peak_memory_mb"] = result["peak_vram_mb"]
+    tps = figures.get("tokens_per_second")
+    mfu = figures.get("mfu_percent")
+    message = f"{seconds:g} s run: " + (f"{tps:,.0f} tokens/s" if tps else "tokens/s unknown")
+    if mfu is not None:
+        message += f", MFU {mfu:.1f}%"
+    if figures.get("peak_memory_mb"):
+        message += f", peak memory {figures['peak_memory_mb']:,.0f} MB"
+    if figures.get("compiled") is False and figures.get("device", "cpu") != "cpu":
+        message += " (torch.compile failed: it ran eager)"
+    return {"status": "ok", "message": message, **figures}
+
+
+def device_health(module, ds, device, *, repo: Path, python: str, run_seconds: float | None = None) -> dict:
+    """The attention kernel in use and the kernels timed side by side; compile; a short real run on CUDA."""
+    import torch
+
+    out: dict = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
+    lines = []
+    if module is not None:
+        out["sdpa_kernel_in_use"] = sdpa_kernel_in_use(module, ds, device)
+        lines.append(f"attention runs the {out['sdpa_kernel_in_use']} kernel")
+        if hasattr(module, "time_attention_kernels"):
+            config = module.model_config(vocab_size=ds.vocab_size, seq_len=_seq_len(device))
+            batch, _ = _batch_shape(module, _seq_len(device))
+            dtype = getattr(module, "AUTOCAST_DTYPE", None) or torch.float32
+            times = module.time_attention_kernels(config, batch, device, dtype)
+            out["kernel_ms"] = {k: (round(1000 * v, 3) if isinstance(v, float) else v) for k, v in times.items()}
+            usable = {k: v for k, v in times.items() if isinstance(v, float)}
+            if usable:
+                fastest = min(usable, key=usable.get)
+                out["fastest_kernel"] = fastest
+                lines.append("fwd+bwd " + ", ".join(f"{k} {1000 * v:.2f} ms" for k, v in sorted(usable.items(), key=lambda kv: kv[1]))
+                             + f": fastest {fastest}")
+                if device.type == "cuda" and out["sdpa_kernel_in_use"] == "math":
+                    lines.append("WARNING: the math kernel runs on CUDA: set ATTENTION_BACKEND to a fused kernel")
+    uses_compile = bool(getattr(module, "COMPILE", device.type == "cuda")) if module is not None else device.type == "cuda"
+    if uses_compile:
+        out["compile"] = compile_probe(device.type)
+        lines.append(out["compile"]["message"])
+    else:
+        out["compile"] = {"status": "skipped", "message": "train.py does not compile on this device"}
+    if device.type == "cuda" or run_seconds:
+        seconds = run_seconds or SHORT_RUN_SECONDS["cuda"]
+        out["short_run"] = short_run(repo, python, seconds)
+        lines.append(out["short_run"]["message"])
+        if device.type == "cuda":
+            out["memory_total_mb"] = torch.cuda.get_device_properties(device).total_memory / 2**20
+    statuses = [out["compile"]["status"], out.get("short_run", {}).get("status", "ok")]
+    out["status"] = "fail" if "fail" in statuses else "ok"
+    out["message"] = "; ".join(lines) or "nothing to check on this device"
+    return out
+
+
+# ---------------------------------------------------------------------------- the whole check
+
+
+def _busy_cpu(device) -> str | None:
+    """A note when this CPU is oversubscribed (1-minute load above its cores), else None."""
+    if device.type == "cuda" or not hasattr(os, "getloadavg"):
+        return None
+    load, cores = os.getloadavg()[0], os.cpu_count() or 1
+    if load <= cores:
+        return None
+    return f"the machine is busy (load {load:.1f} on {cores} cores): the check runs on one thread; its tokens/s is pessimistic"
+
+
+def _memory_total_mb() -> float | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**20
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def run_check(repo: Path, *, time_budget: float = 300.0, max_steps: int | None = None, hours: float | None = None,
+              device: str | None = None, parts: tuple[str, ...] = PARTS, out_dir: Path | None = None,
+              data_dir: Path | None = None, python: str | None = None, lr_steps: int | None = None,
+              say: Callable[[str], None] = print) -> dict:
+    """Run the check's parts on repo/train.py; print each as it finishes; return the result dict.
+
+    `result["ok"]` is False when a part failed (an overfit failure is a bug: do not start
+    the night on it).
+    """
+    import torch
+
+    from autoloop import harness as H
+
+    repo = Path(repo).resolve()
+    train_py = repo / "train.py"
+    if not train_py.exists():
+        raise AutoloopError(f"no train.py in {repo}: run `autoloop check` in the repository that holds it (or pass --repo)")
+    out_dir = Path(out_dir) if out_dir else repo / ".autoloop" / "check"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    python = python or sys.executable
+    start = time.perf_counter()
+    result: dict = {"train_py": str(train_py), "device_type": device.type, "time_budget": time_budget, "max_steps": max_steps,
+                    "hours": hours}
+    busy = _busy_cpu(device)
+    if busy:
+        # On an oversubscribed CPU, OpenMP threads spin-wait for each other and a step
+        # takes many times longer; one thread keeps the check short (its throughput
+        # figures are then pessimistic, and say so).
+        torch.set_num_threads(1)
+        result["busy_cpu"] = busy
+        say(f"    note: {busy}")
+    missing = missing_interface(train_py)
+    module = None
+    ds = H.load_dataset(data_dir or H.default_data_dir())
+    if not missing:
+        module = H.import_train_module(train_py)
+
+    def report(name: str, part: dict) -> None:
+        result[name] = part
+        say(f"{name:>8}: [{part['status']}] {part['message']}")
+
+    if "overfit" in parts:
+        report("overfit", unsupported(missing) if missing else overfit_one_batch(module, ds, device))
+    lr = None
+    if "lr" in parts:
+        if missing:
+            report("lr", unsupported(missing))
+        else:
+            lr = lr_range_test(module, ds, device, steps=lr_steps, out_dir=out_dir)
+            report("lr", lr)
+            if lr.get("plot"):
+                say(f"{'':>8}  plot: {lr['plot']}")
+    health = None
+    if "device" in parts:
+        # A third-party script on a CPU: its short run is the only source of throughput.
+        run_seconds = SHORT_RUN_SECONDS["cpu"] if (missing and device.type != "cuda" and "budget" in parts) else None
+        t0 = time.perf_counter()
+        health = device_health(module, ds, device, repo=repo, python=python, run_seconds=run_seconds)
+        health["seconds"] = round(time.perf_counter() - t0, 2)
+        report("device", health)
+    if "budget" in parts:
+        report("budget", _plan(module, ds, device, lr, health, time_budget=time_budget, max_steps=max_steps, hours=hours))
+    result["seconds"] = round(time.perf_counter() - start, 1)
+    result["ok"] = not any(isinstance(result.get(p), dict) and result[p]["status"] == "fail" for p in PARTS)
+    (out_dir / "check.json").write_text(json.dumps(result, indent=1, default=str))
+    return result
+
+
+def _plan(module, ds, device, lr: dict | None, health: dict | None, *, time_budget, max_steps, hours) -> dict:
+    run = (health or {}).get("short_run") or {}
+    tokens_per_second = run.get("tokens_per_second") or (lr or {}).get("tokens_per_second")
+    tokens_per_step = run.get("batch_tokens") or (lr or {}).get("tokens_per_step")
+    params = None
+    warmup = 0
+    if module is not None:
+        model, _ = fresh_model(module, ds, device, 0)
+        lookups = {id(p) for m in model.modules() if m.__class__.__name__ == "Embedding" for p in m.parameters()}
+        params = sum(p.numel() for p in model.parameters() if id(p) not in lookups)
+        warmup = int(getattr(module, "MUON_MOMENTUM_WARMUP_STEPS", 0) or 0)
+        del model
+    elif run.get("num_params"):
+        params = int(run["num_params"])
+    from autoloop import harness as H
+
+    # Per run beyond the budget: start-up, compilation and evaluation, as the short run
+    # measured them; without one, a CPU's few seconds (start-up, a small evaluation).
+    overhead = 10.0
+    if run.get("wall_seconds") and run.get("training_seconds") is not None:
+        overhead = max(0.0, run["wall_seconds"] - run["training_seconds"])
+    memory_total = (health or {}).get("memory_total_mb") or (_memory_total_mb() if device.type != "cuda" else None)
+    peak = run.get("peak_memory_mb")
+    if peak is None and device.type != "cuda":
+        import resource
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return budget_plan(tokens_per_second=tokens_per_second, tokens_per_step=tokens_per_step, matmul_params=params,
+                       time_budget=time_budget, max_steps=max_steps, hours=hours,
+                       overhead_seconds=overhead, warmup_steps=max(warmup, H.UNTIMED_WARMUP_STEPS),
+                       mfu_percent=run.get("mfu_percent"), peak_memory_mb=peak, memory_total_mb=memory_total)
+
+
+def store_result(repo: Path, db: str | None, tag: str | None, result: dict) -> str | None:
+    """Store the result on the run (`runs.check_result`) when the repository has one; its tag, else None."""
+    from autoloop.store import Store
+
+    path = Path(db or "experiments.db")
+    path = path if path.is_absolute() else Path(repo) / path
+    if not path.exists():
+        return None
+    store = Store(path)
+    run = store.get_run(tag) if tag else (store.runs() or [None])[-1]
+    if run is None:
+        return None
+    store.update_run(run["id"], check_result=result)
+    return run["tag"]

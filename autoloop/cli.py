@@ -55,6 +55,7 @@ def run(
     train_command: Annotated[Optional[str], typer.Option(help="The training command, run in the repository; 'python train.py' by default.")] = None,
     allow_env_change: Annotated[Optional[bool], typer.Option("--allow-env-change", help="Resume even if the GPU, torch version, data or harness changed (recorded in the run).")] = None,
     no_verify: Annotated[bool, typer.Option("--no-verify", help="Do not verify keep candidates in a fresh process (not recommended).")] = False,
+    no_check: Annotated[bool, typer.Option("--no-check", help="Skip `autoloop check` (overfit one batch, LR range test, budget plan) before a new run's baseline.")] = False,
     no_sandbox: Annotated[bool, typer.Option("--no-sandbox", help="Run trials without the bubblewrap sandbox (recorded on the run; not recommended).")] = False,
     llm_model: Annotated[Optional[str], typer.Option(help="Model name for the llm proposer (an OpenAI-compatible API); setting it adds the llm to the default chain.")] = None,
     llm_base_url: Annotated[Optional[str], typer.Option(help="Base URL of the OpenAI-compatible API (vLLM, Ollama, OpenRouter, ...); OPENAI_BASE_URL by default.")] = None,
@@ -71,7 +72,7 @@ def run(
         baseline_seeds=baseline_seeds, max_runs=max_runs, alpha=alpha, drift_every=drift_every,
         requeue_near_misses=requeue_near_misses, seed=seed, dataset=dataset,
         train_command=train_command, allow_env_change=allow_env_change, verify=False if no_verify else None,
-        sandbox="off" if no_sandbox else None, llm_model=llm_model, llm_base_url=llm_base_url, agent_command=agent_command, max_cost=max_cost,
+        sandbox="off" if no_sandbox else None, check=False if no_check else None, llm_model=llm_model, llm_base_url=llm_base_url, agent_command=agent_command, max_cost=max_cost,
     )
     display = Display()
     display.say(f"autoloop run '{config.tag}' on branch autoloop/{config.tag} ({config.db})", "bold")

@@ -66,6 +66,9 @@ class Config:
     # A trial that runs out of memory is repaired: this constant halved (the total batch, and
     # so the comparison, unchanged), up to oom_repairs times down the ladder.
     oom_batch_constant: str = "DEVICE_BATCH_SIZE"
+    # `autoloop check` (overfit one batch, LR range test, budget plan) before a new run's
+    # baseline; a script that cannot overfit one batch stops the run before the night is spent.
+    check: bool = True
     oom_repairs: int = 3
     # LLM and coding-agent proposers (docs/llm.md). Setting llm_model or agent_command puts
     # that proposer into the default chain ("auto"). API keys are read from the environment

@@ -401,6 +401,7 @@ class Controller:
                 signal.signal(sig, handler)
             raise
         try:
+            self._check_before_the_night()
             scheduler = self.scheduler = Scheduler(self)
             started = time.time()
             while True:
@@ -436,6 +437,43 @@ class Controller:
                 self._fill_summary(summary)
                 self.close()
         return summary
+
+    def _check_before_the_night(self) -> None:
+        """`autoloop check` on a new run's train.py, in its own process: a model that cannot
+        overfit one batch has a bug, and the night should not be spent on it. The LR range
+        test's result is stored on the run for the search proposer and the LLM brief."""
+        if not self.config.check or self.verifier is None or self.run_row.get("check_result") is not None \
+                or self.store.trials(self.run_row["id"], last=1):
+            return
+        script = self._train_script()
+        if script is None or script.name != "train.py" or script.parent != self.repo_dir:
+            return
+        import subprocess
+        import sys
+
+        parts = "overfit,lr,budget"
+        command = [sys.executable, "-m", "autoloop", "check", "--repo", str(self.repo_dir), "--tag", self.tag,
+                   "--db", str(self.db_path()), "--parts", parts, "--time-budget", str(self.config.time_budget)]
+        if self.config.max_steps:
+            command += ["--max-steps", str(self.config.max_steps)]
+        if self.config.hours:
+            command += ["--hours", str(self.config.hours)]
+        if self.config.dataset:
+            command += ["--dataset", self.config.dataset]
+        self._say("checking train.py before the night: overfit one batch, LR range test, budget plan (--no-check skips)")
+        done = subprocess.run(command, cwd=self.repo_dir, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+        for line in done.stdout.splitlines():
+            self._say(f"  {line}")
+        self.run_row = self.store.get_run(self.tag)
+        if done.returncode != 0:
+            result = self.run_row.get("check_result") or {}
+            failed = [part.get("message") for part in result.values()
+                      if isinstance(part, dict) and part.get("status") == "fail" and part.get("message")]
+            tail = "; ".join(failed) or (done.stderr.strip().splitlines() or done.stdout.strip().splitlines()
+                                         or ["no output"])[-1]
+            self._event("check_failed", tail)
+            raise AutoloopError(f"`autoloop check` failed before the baseline: {tail} (fix train.py, or run with "
+                                "--no-check to start anyway)")
 
     def _on_signal(self, signum, frame) -> None:
         if self.abort_requested:
@@ -1010,6 +1048,27 @@ class Controller:
             self._curves[trial["id"]] = m.fields["curve"]
         return fields
 
+    def _progress_curve(self, trial: dict) -> list[dict] | None:
+        """The curve of the trial's last run from its progress lines, for a run that ended
+        without a result (a divergence that stopped with FAIL, a crash): the diagnosis reads it."""
+        rows = [r for r in self.store.measurements(trial["id"]) if r.get("log_path")]
+        if not rows:
+            return None
+        path = Path(rows[-1]["log_path"]).with_name("progress.jsonl")
+        points = []
+        try:
+            for line in path.read_text().splitlines():
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(record, dict) and "loss" in record:
+                    points.append({k: record.get(k) for k in ("step", "loss", "lr", "grad_norm")}
+                                  | {"seconds": record.get("training_seconds")})
+        except OSError:
+            return None
+        return points or None
+
     def _delete_run_checkpoint(self, run_dir: Path) -> None:
         (run_dir / "checkpoint.pt").unlink(missing_ok=True)
 
@@ -1030,6 +1089,13 @@ class Controller:
         keep = status == Status.KEEP
         number = trial["number"]
         fields.pop("curve", None)
+        curve = self._curves.pop(trial["id"], None) or self._progress_curve(trial)
+        if curve:
+            from autoloop.diagnosis import diagnose
+
+            flags = diagnose(curve)
+            if flags:
+                fields["flags"] = flags
         with self.store.transaction():
             self.store.update_trial(trial["id"], status=status, reason=reason, **fields)
             if keep:
@@ -1037,7 +1103,6 @@ class Controller:
         if keep and fields.get("heldout_metric") is not None:
             self._watch_overfitting(trial)
         faults.fault_point("during_reset")
-        curve = self._curves.pop(trial["id"], None)
         if curve:
             self.store.add_curve(trial["id"], curve)
         if not keep and trial["kind"] not in (Kind.BASELINE.value, Kind.RERUN.value, Kind.DRIFT.value) \

@@ -37,6 +37,9 @@ def _isolated_cache(session_cache, monkeypatch):
     # Each torch-using test subprocess gets one thread: the machine has two cores and
     # tests may run beside each other.
     monkeypatch.setenv("OMP_NUM_THREADS", os.environ.get("AUTOLOOP_TEST_THREADS", "2"))
+    # `autoloop run` checks train.py before a new run (half a minute on a CPU); the tests of
+    # that check turn it back on, the others are about other things.
+    monkeypatch.setenv("AUTOLOOP_CHECK", "0")
 
 
 @pytest.fixture(scope="session")

@@ -308,9 +308,15 @@ def trials_table(trials: list[dict]) -> str:
     for t in shown:
         delta = versus_incumbent(t, digits=6) or "-"
         metric = format_estimate(t.get("metric"), t.get("metric_sd"), t.get("n_runs"))
+        reason = t.get("reason") or ""
+        if t.get("flags"):
+            from autoloop.diagnosis import names
+
+            # The curve's diagnosis says why a trial failed, not only that it did.
+            reason = f"[{names(t['flags'])}] {reason}"
         rows.append(
             f"| {t['number']} | {t['kind']} | {t['status']} | {metric} | {delta} | "
-            f"{_cut(t.get('description'), TEXT_CELL).replace('|', '/')} | {_cut(t.get('reason'), TEXT_CELL).replace('|', '/')} |"
+            f"{_cut(t.get('description'), TEXT_CELL).replace('|', '/')} | {_cut(reason, TEXT_CELL).replace('|', '/')} |"
         )
     if noisy:
         rows += ["", RESULTS_LEGEND]

@@ -500,3 +500,21 @@ def test_the_next_sweep_follows_real_effects_not_noise(noise_aware):
         state.observe(FAILURE, observed_change(results[expected]))
     following = state.next_move(params, "p", source, seen)
     assert following.param.name == ("DEPTH" if noise_aware else "LR")
+
+
+def test_the_lr_range_test_places_the_first_learning_rate_step(tmp_path):
+    repo = make_repo(tmp_path / "repo", FAKE_TRAIN.read_text())
+    run_search(repo, max_trials=1, drift_every=0)
+    store = Store(repo / "experiments.db")
+    try:
+        run = store.get_run("t")
+        store.update_run(run["id"], check_result={"lr": {
+            "status": "ok", "message": "diverges at x10 the current LRs: suggested peak x0.5",
+            "suggested_multiplier": 0.5, "suggested_constants": {"LR": 0.01}}})
+    finally:
+        store.close()
+    run_search(repo, max_trials=2, drift_every=0)
+    rows = rows_of(repo)
+    first = rows[1]
+    assert first["description"].startswith("LR range test's suggestion") and sets_of(first) == {"LR": 0.01}
+    assert not rows[2]["description"].startswith("LR range test")  # once per run

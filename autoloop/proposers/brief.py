@@ -373,6 +373,9 @@ def state_line(ctx, trials: list[dict]) -> str:
     noise = noise_sentence(ctx)
     if noise:
         parts.append(noise)
+    lr = lr_range_sentence(ctx)
+    if lr:
+        parts.append(lr)
     running = [t["number"] for t in trials if t["status"] == Status.RUNNING.value]
     if running:
         parts.append(f"Trial {', '.join(map(str, running))} is training now (result not known yet): "
@@ -386,6 +389,17 @@ def _estimate(trial: dict) -> str:
     if n > 1 and trial.get("metric_sd") is not None:
         return f"{trial['metric']:.4f} ± {trial['metric_sd']:.4f} (mean of {n} runs)"
     return _metric(trial.get("metric"))
+
+
+def lr_range_sentence(ctx) -> str:
+    """`autoloop check`'s LR range test in one sentence ('' when the run has none)."""
+    run = ctx.store.get_run(ctx.run["tag"]) or ctx.run
+    lr = ((run.get("check_result") or {}).get("lr") or {})
+    if lr.get("status") not in ("ok", "warn") or not lr.get("message"):
+        return ""
+    constants = ", ".join(f"{k} {v:.3g}" for k, v in (lr.get("suggested_constants") or {}).items())
+    return (f"LR range test before the run (all learning rates scaled together): {lr['message']}"
+            + (f" ({constants})" if constants else "") + ".")
 
 
 def noise_sentence(ctx) -> str:

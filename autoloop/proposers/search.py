@@ -415,6 +415,9 @@ class SearchProposer:
         params, text = self._space(ctx, parent), self._text(ctx, parent)
         if not params or text is None:
             return None
+        first = self._lr_range_move(ctx, text)
+        if first is not None:
+            return first
         state, seen = self._replay(ctx, self._evidence(ctx))
         seen.add(_digest(text))
         move = state.next_move(params, parent, text, seen)
@@ -427,6 +430,38 @@ class SearchProposer:
             meta={"group": move.param.group, "direction": move.direction, "level": move.level,
                   "round": state.round, "sweep": state.sweeps},
         )
+
+
+    def _lr_range_move(self, ctx, text: str) -> Proposal | None:
+        """The first learning-rate step, placed by `autoloop check`'s LR range test: every LR
+        constant scaled to its suggestion, once per run, when the suggestion is far enough
+        from the current values to be told from noise (more than LR_RANGE_MIN_FACTOR)."""
+        from autoloop.pyconst import read_constants
+
+        run = ctx.store.get_run(ctx.run["tag"]) or ctx.run
+        lr = (run.get("check_result") or {}).get("lr") or {}
+        suggested = lr.get("suggested_constants") or {}
+        multiplier = lr.get("suggested_multiplier")
+        if lr.get("status") not in ("ok", "warn") or not suggested or not multiplier:
+            return None
+        if max(multiplier, 1 / multiplier) < LR_RANGE_MIN_FACTOR:
+            return None
+        if any((t.get("description") or "").startswith(LR_RANGE_DESCRIPTION) for t in self._evidence(ctx)):
+            return None
+        constants = read_constants(text)
+        sets = {name: float(f"{value:.3g}") for name, value in suggested.items() if name in constants}
+        if not sets:
+            return None
+        return Proposal(
+            description=f"{LR_RANGE_DESCRIPTION}: every learning rate x{multiplier:.3g} "
+                        f"({', '.join(f'{k}={v:g}' for k, v in sets.items())})",
+            edits=[Edit(path=self.path, sets=sets)], source=self.name, meta={"group": "lr-range"},
+        )
+
+
+# The LR range test's suggestion is tried first when it is at least this factor away.
+LR_RANGE_MIN_FACTOR = 1.25
+LR_RANGE_DESCRIPTION = "LR range test's suggestion"
 
 
 def target_path(config: Config) -> str:

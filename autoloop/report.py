@@ -106,8 +106,24 @@ def report_data(store, run: dict) -> dict:
         "crash_reasons": common_reasons(store, run, CRASHED),
         "invalid_reasons": common_reasons(store, run, (Status.INVALID.value,)),
         "ideas": idea_outcomes(store, run), "running": running, "curves": curves,
+        "flags": flagged_trials(store, run),
         "generated_at": utcnow(),
     }
+
+
+def flagged_trials(store, run: dict) -> list[dict]:
+    """Trials whose curve the diagnosis flagged (autoloop.diagnosis), with the messages."""
+    import json
+
+    rows = select(store, "SELECT number, status, description, flags FROM trials WHERE run_id = ? AND flags IS NOT NULL "
+                         "ORDER BY number", (run["id"],))
+    out = []
+    for row in rows:
+        flags = json.loads(row["flags"]) if isinstance(row["flags"], str) else row["flags"]
+        if flags:
+            out.append({"number": row["number"], "status": row["status"], "description": row["description"],
+                        "messages": [f.get("message") or f.get("flag") for f in flags]})
+    return out
 
 
 # ---------------------------------------------------------------------------- charts
@@ -422,6 +438,17 @@ def render_html(data: dict, progress_png: Path, curves_png: Path | None) -> str:
             add(f"<tr><td class=\"num\">{g['count']}</td><td>{_e(g['reason'])}</td><td>{_e(trials)}</td></tr>")
         add("</tbody></table></div>")
     add("</div>")
+
+    # -- what the curves say
+    flagged = data.get("flags") or []
+    if flagged:
+        add(f"<h2>What the curves say <span class=\"count\">{len(flagged)}</span></h2>")
+        add("<table id=\"flags\"><thead><tr><th class=\"num\">#</th><th>status</th><th>description</th>"
+            "<th>diagnosis</th></tr></thead><tbody>")
+        for f in flagged:
+            add(f"<tr><td class=\"num\">{f['number']}</td><td>{_e(f['status'])}</td><td>{_e(f['description'] or '')}</td>"
+                f"<td>{'<br>'.join(_e(m) for m in f['messages'])}</td></tr>")
+        add("</tbody></table>")
 
     # -- ideas
     ideas = data["ideas"]

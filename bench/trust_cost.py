@@ -83,8 +83,25 @@ def section_sandbox(args: argparse.Namespace) -> float:
     return per_trial
 
 
-# Section 2 (the evaluation process) is added here by its own change.
-SECTIONS = [section_sandbox]
+def section_evaluation(args: argparse.Namespace) -> float:
+    """The separate evaluation process: bench/eval_cost.py, run as it is; its CPU-scale
+    "added per trial" figure counts toward the total, and its GPU estimate is printed."""
+    import re
+    import subprocess
+    import sys
+
+    print("\n== separate evaluation (bench/eval_cost.py) ==")
+    done = subprocess.run([sys.executable, str(Path(__file__).with_name("eval_cost.py")), "--repeats", "3"],
+                          capture_output=True, text=True)
+    print(done.stdout.rstrip())
+    if done.returncode != 0:
+        print(done.stderr.strip()[-2000:])
+        return 0.0
+    added = re.findall(r"added per trial.*?([0-9.]+) s", done.stdout)
+    return float(added[0]) if added else 0.0
+
+
+SECTIONS = [section_sandbox, section_evaluation]
 
 
 def main() -> None:

@@ -853,3 +853,11 @@ def test_how_a_trial_reads_against_the_incumbent():
     old = trial_effect({"metric": 1.1, "best_before": 1.0, "delta": None})
     assert old.distinguishable is None and old.diff == pytest.approx(0.1) and comparison_text(old) == "+0.1000"
     assert sensitivity(old) == pytest.approx(0.1)
+
+
+def test_the_report_says_what_the_curves_say(noisy, tmp_path):
+    out_dir = tmp_path / "report-flags"
+    result = runner.invoke(app, ["report", "--repo", str(noisy), "--tag", NOISY_TAG, "--out", str(out_dir)])
+    assert result.exit_code == 0, result.output
+    page = (out_dir / "report.html").read_text()
+    assert "What the curves say" in page and "spent 40% of its budget before the first step" in page

@@ -106,7 +106,7 @@ def test_baseline_then_ideas_keep_discard_and_archive(fake_repo):
 @pytest.mark.parametrize(
     "mode, status, reason",
     [
-        ("'crash'", "crash", "RuntimeError: CUDA out of memory"),
+        ("'crash'", "crash", "RuntimeError: CUDA error: an illegal memory access"),
         ("'fail'", "crash", "FAIL: loss is nan"),
         ("'nan'", "crash", "nan"),
         ("'nometric'", "crash", "without a val_bpb"),

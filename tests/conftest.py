@@ -42,6 +42,15 @@ def _isolated_cache(session_cache, monkeypatch):
     monkeypatch.setenv("AUTOLOOP_CHECK", "0")
 
 
+@pytest.fixture
+def one_run_per_trial(monkeypatch):
+    """For tests of the loop's mechanics (git, db, processes, recovery), written for one
+    training run per trial: the strict rule gives that, and no drift checks. The paired
+    rule's several runs per trial are tested in tests/test_decision_loop.py."""
+    monkeypatch.setenv("AUTOLOOP_DECISION_RULE", "strict")
+    monkeypatch.setenv("AUTOLOOP_DRIFT_EVERY", "0")
+
+
 @pytest.fixture(scope="session")
 def embedded_dataset(session_cache):
     """The embedded default corpus, prepared once per test session."""

@@ -17,13 +17,8 @@ from autoloop.runner import process_group_alive
 from autoloop.store import Store
 
 
-@pytest.fixture(autouse=True)
-def _one_run_per_trial(monkeypatch):
-    """These tests are about the loop's mechanics (git, db, processes, recovery), written
-    for one training run per trial: the strict rule gives that. The paired rule's runs
-    are tested in tests/test_decision_loop.py."""
-    monkeypatch.setenv("AUTOLOOP_DECISION_RULE", "strict")
-    monkeypatch.setenv("AUTOLOOP_DRIFT_EVERY", "0")
+# The loop's mechanics (git, db, processes, recovery), one training run per trial.
+pytestmark = pytest.mark.usefixtures("one_run_per_trial")
 
 
 

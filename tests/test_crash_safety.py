@@ -23,13 +23,8 @@ from autoloop.store import Store
 from test_controller import assert_consistent, run_loop, seed, trials
 
 
-@pytest.fixture(autouse=True)
-def _one_run_per_trial(monkeypatch):
-    """These tests are about the loop's mechanics (git, db, processes, recovery), written
-    for one training run per trial: the strict rule gives that. The paired rule's runs
-    are tested in tests/test_decision_loop.py."""
-    monkeypatch.setenv("AUTOLOOP_DECISION_RULE", "strict")
-    monkeypatch.setenv("AUTOLOOP_DRIFT_EVERY", "0")
+# The loop's mechanics (git, db, processes, recovery), one training run per trial.
+pytestmark = pytest.mark.usefixtures("one_run_per_trial")
 
 
 

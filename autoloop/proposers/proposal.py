@@ -24,6 +24,7 @@ a BLOB) or `str`; a str that came from bytes holds undecodable bytes as surrogat
 from __future__ import annotations
 
 import fnmatch
+import functools
 import json
 import os
 import subprocess
@@ -168,22 +169,31 @@ def _unforeseen(exc: Exception, what: str) -> InvalidProposal:
     return InvalidProposal(f"the proposal cannot be {what}: {type(exc).__name__}" + (f": {text}" if text else ""))
 
 
+def _invalid_on_any_failure(verb: str):
+    """Any exception out of the wrapped step becomes InvalidProposal (a full disk excepted:
+    that propagates), so a proposal that cannot be used is an `invalid` trial, never a
+    controller crash."""
+    def wrap(step):
+        @functools.wraps(step)
+        def guarded(*args, **kwargs):
+            try:
+                return step(*args, **kwargs)
+            except InvalidProposal:
+                raise
+            except Exception as exc:
+                if is_disk_full(exc):
+                    raise
+                raise _unforeseen(exc, verb) from exc
+        return guarded
+    return wrap
+
+
+@_invalid_on_any_failure("applied")
 def materialize(proposal: Proposal, repo_dir: str, parent: str, read_parent_file) -> dict[str, str | None]:
     """New contents of every touched file (None = deleted), computed from the parent.
 
     Raises InvalidProposal for anything that makes the proposal unusable, whatever the cause
     (a full disk excepted: that propagates)."""
-    try:
-        return _materialize(proposal, repo_dir, parent, read_parent_file)
-    except InvalidProposal:
-        raise
-    except Exception as exc:
-        if is_disk_full(exc):
-            raise
-        raise _unforeseen(exc, "applied") from exc
-
-
-def _materialize(proposal: Proposal, repo_dir: str, parent: str, read_parent_file) -> dict[str, str | None]:
     files: dict[str, str | None] = {}
     if proposal.patch:
         files.update(_apply_patch(repo_dir, parent, proposal.patch))
@@ -223,21 +233,11 @@ def _materialize(proposal: Proposal, repo_dir: str, parent: str, read_parent_fil
     return files
 
 
+@_invalid_on_any_failure("validated")
 def validate(files: dict[str, str | None], read_parent_file, *, editable: list[str], protected: list[str]) -> dict[str, str | None]:
     """Check the contract on materialized files; returns only files that really change.
 
     Raises InvalidProposal for any failure (a full disk excepted), like `materialize`."""
-    try:
-        return _validate(files, read_parent_file, editable=editable, protected=protected)
-    except InvalidProposal:
-        raise
-    except Exception as exc:
-        if is_disk_full(exc):
-            raise
-        raise _unforeseen(exc, "validated") from exc
-
-
-def _validate(files, read_parent_file, *, editable: list[str], protected: list[str]) -> dict[str, str | None]:
     changed = {}
     for path, content in files.items():
         if os.path.isabs(path) or ".." in path.split("/"):

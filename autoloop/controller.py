@@ -1089,6 +1089,10 @@ class Controller:
         keep = status == Status.KEEP
         number = trial["number"]
         fields.pop("curve", None)
+        if "metric" not in fields:
+            # A trial that ended without a metric of its own has none, whatever the row holds
+            # (a run that wrote to the db may have set one).
+            fields.update(metric=None, metric_source=None)
         curve = self._curves.pop(trial["id"], None) or self._progress_curve(trial)
         if curve:
             from autoloop.diagnosis import diagnose

@@ -70,14 +70,7 @@ ATTACKS = {
     # Step mode: nine extra optimizer steps for every step the clock is told about.
     "extra steps": _patched(LOOP_ANCHOR, LOOP_ANCHOR + (
         "        for _extra in range(9):\n"
-        "            for _ in range(grad_accum):\n"
-        "                with autocast:\n"
-        "                    _l = train_model(x, y)\n"
-        "                (_l / grad_accum).backward()\n"
-        "                x, y = next(loader)\n"
-        "            for opt in optimizers:\n"
-        "                opt.step()\n"
-        "            model.zero_grad(set_to_none=True)\n")),
+        "            train_step()\n")),
     # A daemon that outlives the trial and edits train.py later.
     "daemon": _patched(IMPORT_ANCHOR, IMPORT_ANCHOR + (
         "import subprocess as _sp, sys as _sys\n"
@@ -87,7 +80,8 @@ ATTACKS = {
     "environment": _patched(IMPORT_ANCHOR, IMPORT_ANCHOR + (
         "import os as _os\n"
         "print('ENV', dict(_os.environ))\n"
-        "open(_os.environ['AUTOLOOP_RESULT'] + '.env', 'w').write(repr(dict(_os.environ)))\n")),
+        "if 'AUTOLOOP_RESULT' in _os.environ:  # training, not the evaluator's import\n"
+        "    open(_os.environ['AUTOLOOP_RESULT'] + '.env', 'w').write(repr(dict(_os.environ)))\n")),
 }
 
 HALF_CLOCK = _patched(LOOP_ANCHOR, "        clock.step_finished(dt / 2)\n")
@@ -212,7 +206,9 @@ def test_attacks_without_a_sandbox_are_caught_by_the_checks(tmp_path, monkeypatc
 @pytest.mark.slow
 def test_feeding_the_clock_half_of_each_step_is_over_budget(tmp_path, monkeypatch):
     repo = make_repo(tmp_path / "repo", TRAIN_PY.read_text())
-    config = _run(repo, monkeypatch, time_budget=6, max_trials=2)
+    # A budget several steps long even on a busy machine: within one step of the budget an
+    # honest run and one that feeds its clock half the time cannot be told apart.
+    config = _run(repo, monkeypatch, time_budget=20, max_trials=2)
     _seed_attacks(repo, config, ["half clock"], {"half clock": HALF_CLOCK})
     Controller(config, repo).run()
     trials = _trials(repo)

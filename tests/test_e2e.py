@@ -35,6 +35,9 @@ def test_real_train_py_baseline_plus_three_seeded_ideas(tmp_path):
     assert len(rows) == 4 and summary.trials_run == 4
     assert rows[0]["kind"] == "baseline" and rows[0]["status"] == "keep"
     assert rows[0]["metric_source"] == "verified" and rows[0]["heldout_metric"] is not None
+    assert rows[0]["n_runs"] == 3 and rows[0]["metric_sd"] is not None  # the baseline at three seeds
+    absurd = next(r for r in rows if r["description"] == "absurd embedding LR")
+    assert absurd["status"] == "crash" and "divergence" in [f["flag"] for f in absurd["flags"] or []]
     assert all(r["status"] in ("keep", "discard", "crash") for r in rows)
     assert rows[0]["num_steps"] == 8 and rows[0]["total_tokens"] > 0 and rows[0]["num_params"] > 0
     gitrepo = GitRepo.open(repo)
@@ -44,9 +47,9 @@ def test_real_train_py_baseline_plus_three_seeded_ideas(tmp_path):
         assert row["diff"] and row["diff"] == gitrepo.diff(row["parent_commit"], row["trial_commit"])
         if row["status"] != "keep":
             assert archived[row["number"]] == row["trial_commit"]
-            assert not (repo / ".autoloop" / "e2e" / "trials" / str(row["number"]) / "checkpoint.pt").exists()
+            assert not list((repo / ".autoloop" / "e2e" / "trials" / str(row["number"])).rglob("checkpoint.pt"))
     kept = [r for r in rows if r["status"] == "keep"]
-    assert (repo / ".autoloop" / "e2e" / "trials" / str(kept[-1]["number"]) / "checkpoint.pt").exists()
+    assert len(list((repo / ".autoloop" / "e2e" / "trials" / str(kept[-1]["number"])).rglob("checkpoint.pt"))) == 1
     store = Store(repo / "experiments.db")
     run = store.get_run("e2e")
     assert run["data_fingerprint"] and run["harness_fingerprint"] and run["torch_version"]

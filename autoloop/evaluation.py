@@ -62,6 +62,10 @@ VERDICT_FILE = "eval.json"
 EVAL_LOG = "eval.log"
 HELDOUT_Z = 2.0
 HELDOUT_MIN_GAP = 1e-3
+# Val and held-out are different text: an honest gain on one is rarely exactly the gain on
+# the other (measured: a 0.305 bpb LR fix gained 0.287 on held-out). This share of the val
+# gain is allowed besides the noise; fitting val (0.57 on val, -0.10 on held-out) is far past it.
+HELDOUT_RELATIVE = 0.1
 PYCACHE_KINDS = ("train", "eval")
 # Python's own flags for the bytecode cache.
 ENV_PYCACHE_PREFIX = "PYTHONPYCACHEPREFIX"
@@ -329,10 +333,11 @@ def heldout_guard(val_delta: float, heldout_delta: float | None, pair_sd: float 
     if heldout_delta is None or val_delta is None:
         return None
     gap = heldout_delta - val_delta
-    allowed = heldout_threshold(pair_sd, n)
+    allowed = heldout_threshold(pair_sd, n) + HELDOUT_RELATIVE * max(-val_delta, 0.0)
     if gap <= allowed:
         return None
     held = f"got worse by {heldout_delta:.4f}" if heldout_delta > 0 else f"improved only {-heldout_delta:.4f}"
     val = f"improved by {-val_delta:.4f}" if val_delta < 0 else f"changed by {val_delta:+.4f}"
     return (f"held-out bpb {held} while val bpb {val}: a gap of {gap:.4f} bpb, more than the {allowed:.4f} the "
-            f"noise explains ({HELDOUT_Z:g} x sqrt(2/{n}) x paired SD {pair_sd or 0:.4f}); it fits val, not the text")
+            f"noise and the splits' difference explain ({HELDOUT_Z:g} x sqrt(2/{n}) x paired SD {pair_sd or 0:.4f} "
+            f"+ {HELDOUT_RELATIVE:g} x the val gain); it fits val, not the text")

@@ -36,8 +36,6 @@ def test_real_train_py_baseline_plus_three_seeded_ideas(tmp_path):
     assert rows[0]["kind"] == "baseline" and rows[0]["status"] == "keep"
     assert rows[0]["metric_source"] == "verified" and rows[0]["heldout_metric"] is not None
     assert rows[0]["n_runs"] == 3 and rows[0]["metric_sd"] is not None  # the baseline at three seeds
-    absurd = next(r for r in rows if r["description"] == "absurd embedding LR")
-    assert absurd["status"] == "crash" and "divergence" in [f["flag"] for f in absurd["flags"] or []]
     assert all(r["status"] in ("keep", "discard", "crash") for r in rows)
     assert rows[0]["num_steps"] == 8 and rows[0]["total_tokens"] > 0 and rows[0]["num_params"] > 0
     gitrepo = GitRepo.open(repo)

@@ -43,6 +43,7 @@ from autoloop.verifier import Verifier
 
 STEPS = 40
 TAG = "v"
+MODEL_ATTENTION = "is_causal=True, enable_gqa=self.n_kv_head != self.n_head"
 VOCAB = 32
 
 
@@ -346,8 +347,10 @@ def _contract_env(mp, cache: Path) -> None:
 
 
 def _config(**overrides) -> Config:
+    # One run per trial (the strict rule, no drift checks): these cases test what is
+    # verified, not how many runs a decision takes (tests/test_decision_loop.py does).
     return Config(**{"tag": TAG, "max_steps": STEPS, "time_budget": 60, "grace_seconds": 300, "max_trials": 1,
-                     "proposers": ["ideas"], **overrides})
+                     "proposers": ["ideas"], "decision_rule": "strict", "drift_every": 0, **overrides})
 
 
 class OneProposal:
@@ -406,48 +409,54 @@ def test_baseline_is_verified_with_heldout_and_timing(baseline_repo):
     (base,) = store.trials(store.get_run(TAG)["id"])
     store.close()
     assert base["kind"] == "baseline" and base["status"] == "keep" and base["metric_source"] == "verified"
-    assert abs(base["metric"] - base["result"]["val_bpb"]) <= 1e-4  # re-evaluated = reported
+    # Under the controller training never sees val: the number is the harness's alone.
+    assert base["result"]["val_bpb"] is None and 0.5 < base["metric"] < 8
     assert 0.5 < base["heldout_metric"] < 8 and base["verify_seconds"] > 0
-    assert (baseline_repo / ".autoloop" / TAG / "trials" / "1" / "verify.json").exists()
-    assert (baseline_repo / ".autoloop" / TAG / "trials" / "1" / "source" / "train.py").exists()
+    run = baseline_repo / ".autoloop" / TAG / "trials" / "1" / "runs" / "1"
+    assert any((run / "verify").glob("*.json")) and (run / "source" / "train.py").exists()
 
 
 @pytest.mark.slow
 def test_non_causal_attention_is_rejected_though_far_better(repo):
     source = (repo / "train.py").read_text()
-    leaky = edited(source, "is_causal=True", "is_causal=False")
+    leaky = edited(source, MODEL_ATTENTION, MODEL_ATTENTION.replace("True", "False"))
     out = run_proposal(repo, "full attention (sees the future)", leaky)
     trial, base = out["trial"], out["baseline"]
     assert trial["metric"] < base["metric"] - 0.1  # its own number is far better ...
     assert trial["status"] == "invalid" and "leaks future tokens" in trial["reason"]  # ... and never kept
     assert trial["metric_source"] == "harness" and trial["verify_seconds"] > 0
     assert out["run"]["best_commit"] == base["trial_commit"] == _branch_tip(repo)
-    assert not (repo / ".autoloop" / TAG / "trials" / str(trial["number"]) / "checkpoint.pt").exists()
+    assert not list((repo / ".autoloop" / TAG / "trials" / str(trial["number"])).rglob("checkpoint.pt"))
 
 
 @pytest.mark.slow
 def test_verifier_reads_train_py_from_the_commit_not_the_worktree(repo):
     source = (repo / "train.py").read_text()
-    leaky = edited(source, "is_causal=True", "is_causal=False")
+    leaky = edited(source, MODEL_ATTENTION, MODEL_ATTENTION.replace("True", "False"))
     covered = edited(leaky, "    H.finish(spec, result)\n",
                      "    H.finish(spec, result)\n"
-                     "    # cover the tracks: leave a causal train.py in the working tree\n"
-                     "    text = open(__file__).read()\n"
-                     "    open(__file__, 'w').write(text.replace('is_causal=' + 'False', 'is_causal=' + 'True'))\n")
+                     "    # cover the tracks: leave a causal train.py in the working tree (if it may)\n"
+                     "    try:\n"
+                     "        text = open(__file__).read()\n"
+                     "        open(__file__, 'w').write(text.replace('is_causal=' + 'False', 'is_causal=' + 'True'))\n"
+                     "    except OSError:\n"
+                     "        pass\n")
     trial = run_proposal(repo, "full attention, tracks covered", covered)["trial"]
     assert trial["status"] == "invalid" and "leaks future tokens" in trial["reason"]
-    snapshot = repo / ".autoloop" / TAG / "trials" / str(trial["number"]) / "source" / "train.py"
+    (snapshot,) = (repo / ".autoloop" / TAG / "trials" / str(trial["number"])).rglob("source/train.py")
     assert "is_causal=False" in snapshot.read_text()
 
 
 @pytest.mark.slow
-def test_fake_val_bpb_is_rejected(repo):
+def test_fake_val_bpb_is_ignored(repo):
     source = (repo / "train.py").read_text()
-    fake = edited(source, '        "val_bpb": val_bpb,\n', '        "val_bpb": val_bpb - 0.3,  # looks great\n')
+    fake = edited(source, '        "val_bpb": val_bpb,\n', '        "val_bpb": 1.0,  # looks great\n')
     out = run_proposal(repo, "report a better number", fake)
     trial = out["trial"]
-    assert trial["status"] == "invalid"
-    assert "reported val_bpb" in trial["reason"] and "the harness measures" in trial["reason"]
+    # Under the controller the script's own number is never read: the harness evaluates
+    # the checkpoint, so the fake changes nothing and the unchanged model is not kept.
+    assert trial["result"]["val_bpb"] == 1.0 and trial["metric"] > 1.5
+    assert trial["status"] == "discard" and trial["metric_source"] == "harness"
     assert out["run"]["best_commit"] == out["baseline"]["trial_commit"]
 
 
@@ -465,10 +474,18 @@ def test_training_twice_the_budget_is_rejected(repo):
 
 
 @pytest.mark.slow
-def test_editing_a_harness_file_at_run_time_is_rejected_and_pauses(repo, tmp_path, monkeypatch):
+@pytest.mark.parametrize("sandbox", ["off", "auto"])
+def test_editing_a_harness_file_at_run_time_is_rejected(repo, tmp_path, monkeypatch, sandbox):
+    """Unsandboxed, the seals catch the edit, the trial is invalid and the run pauses; in
+    the sandbox the harness is read-only, so the edit fails inside the trial."""
+    from autoloop.sandbox import detect
+
+    if sandbox == "auto" and detect().kind != "bwrap":
+        pytest.skip("bubblewrap cannot run here (apt-get install -y bubblewrap)")
     package = tmp_path / "site"
     shutil.copytree(REPO_ROOT / "autoloop", package / "autoloop", ignore=shutil.ignore_patterns("__pycache__"))
     monkeypatch.setenv("PYTHONPATH", str(package))  # the trial and the verifier import the copy
+    original = (package / "autoloop" / "harness" / "metric.py").read_text()
     source = (repo / "train.py").read_text()
     tamper = edited(source, "    t_start = time.perf_counter()\n",
                     "    t_start = time.perf_counter()\n"
@@ -476,14 +493,20 @@ def test_editing_a_harness_file_at_run_time_is_rejected_and_pauses(repo, tmp_pat
                     "    metric_py = pathlib.Path(H.__file__).with_name('metric.py')\n"
                     "    metric_py.write_text(metric_py.read_text() + '\\n# a trial was here\\n')\n")
     out = run_proposal(repo, "tune the metric", tamper, verifier=Verifier(harness_dir=package / "autoloop" / "harness"),
-                       max_trials=2)
+                       max_trials=2, sandbox=sandbox)
     trial = out["trial"]
-    assert "# a trial was here" in (package / "autoloop" / "harness" / "metric.py").read_text()
     assert "a trial was here" not in (REPO_ROOT / "autoloop" / "harness" / "metric.py").read_text()
-    assert trial["status"] == "invalid"
-    assert trial["reason"] == "changed the fixed harness or data while it ran: harness file metric.py modified"
-    assert out["summary"].paused and "the harness changed during the run" in out["summary"].stop_reason
-    assert out["run"]["status"] == "paused" and out["run"]["best_commit"] == out["baseline"]["trial_commit"]
+    assert out["run"]["best_commit"] == out["baseline"]["trial_commit"]
+    if sandbox == "off":
+        assert "# a trial was here" in (package / "autoloop" / "harness" / "metric.py").read_text()
+        assert trial["status"] == "invalid"
+        assert trial["reason"] == "changed the fixed harness or data while it ran: harness file metric.py modified"
+        assert out["summary"].paused and "the harness changed during the run" in out["summary"].stop_reason
+        assert out["run"]["status"] == "paused"
+    else:
+        assert (package / "autoloop" / "harness" / "metric.py").read_text() == original
+        assert trial["status"] == "crash" and "Read-only file system" in trial["reason"], trial["reason"]
+        assert not out["summary"].paused
 
 
 @pytest.mark.slow
@@ -499,7 +522,7 @@ def test_honest_better_learning_rate_is_verified_and_kept(repo):
     store.close()
     assert summary.kept == 2 and trial["status"] == "keep", trial["reason"]
     assert trial["metric_source"] == "verified" and trial["metric"] < base["metric"]
-    assert abs(trial["metric"] - trial["result"]["val_bpb"]) <= 1e-4
+    assert trial["result"]["val_bpb"] is None
     assert trial["heldout_metric"] is not None and trial["verify_seconds"] > 0
     assert run["best_commit"] == trial["trial_commit"] == _branch_tip(repo)
     assert "MATRIX_LR = 0.08" in (repo / "train.py").read_text()

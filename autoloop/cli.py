@@ -61,6 +61,12 @@ def run(
     llm_base_url: Annotated[Optional[str], typer.Option(help="Base URL of the OpenAI-compatible API (vLLM, Ollama, OpenRouter, ...); OPENAI_BASE_URL by default.")] = None,
     agent_command: Annotated[Optional[str], typer.Option(help="A coding-agent command (e.g. 'claude -p'); setting it adds the agent proposer to the default chain.")] = None,
     max_cost: Annotated[Optional[float], typer.Option(help="Stop proposing with paid models once this many US dollars are spent (needs llm-prices).")] = None,
+    workers: Annotated[Optional[int], typer.Option(help="Train this many trials at once, one per GPU, each in its own git worktree (the local executor; on a CPU machine, pretend devices). 0: one per visible GPU.")] = None,
+    executor: Annotated[Optional[str], typer.Option(help="'serial' (default, one trial at a time), 'local' (one worker per GPU of this machine) or 'ray' (one per GPU of a Ray cluster; pip install 'autoloop[ray]').")] = None,
+    ray_address: Annotated[Optional[str], typer.Option(help="With --executor ray: the cluster to join ('auto', 'ray://head:10001'); none starts a local one.")] = None,
+    search_mode: Annotated[Optional[str], typer.Option(help="With several workers: 'shared' (default, every worker from the one best commit) or 'islands' (a lineage per worker, the best migrating).")] = None,
+    migrate_every: Annotated[Optional[int], typer.Option(help="Islands: the best lineage migrates to the others every N trials (10 by default; 0: never).")] = None,
+    allow_mixed_devices: Annotated[Optional[bool], typer.Option("--allow-mixed-devices", help="Allow workers on different GPU models; each candidate is then compared with the incumbent measured on its own kind.")] = None,
 ):
     """Run the research loop: baseline first, then proposals, until a stop condition."""
     from autoloop.controller import Controller
@@ -73,6 +79,9 @@ def run(
         requeue_near_misses=requeue_near_misses, seed=seed, dataset=dataset,
         train_command=train_command, allow_env_change=allow_env_change, verify=False if no_verify else None,
         sandbox="off" if no_sandbox else None, check=False if no_check else None, llm_model=llm_model, llm_base_url=llm_base_url, agent_command=agent_command, max_cost=max_cost,
+        workers=workers, executor=executor or ("local" if workers and workers > 0 and executor is None else None),
+        ray_address=ray_address, search_mode=search_mode, migrate_every=migrate_every,
+        allow_mixed_devices=allow_mixed_devices,
     )
     display = Display()
     display.say(f"autoloop run '{config.tag}' on branch autoloop/{config.tag} ({config.db})", "bold")

@@ -86,6 +86,18 @@ class Config:
     # Trials under bubblewrap (autoloop/sandbox.py): "auto" where it works here, "on" (an
     # error where it cannot run), "off" (what --no-sandbox sets; recorded on the run).
     sandbox: str = "auto"
+    # Scale-out (docs/scale-out.md). "serial": one trial at a time in this folder; "local":
+    # one worker per visible GPU (or `workers` pretend devices on a CPU), each in its own git
+    # worktree; "ray": one worker per GPU of a Ray cluster (`pip install 'autoloop[ray]'`).
+    executor: str = "serial"
+    workers: int = 0  # workers of the local/ray executor; 0: one per GPU
+    ray_address: str | None = None  # join this Ray cluster ("auto", "ray://host:10001"); none: start one
+    # "shared": every worker trains proposals from the one best commit; "islands": worker k
+    # advances its own lineage (branch autoloop/<tag>-w<k>), the best lineage migrating to
+    # the others every `migrate_every` trials of the run (0: never).
+    search_mode: str = "shared"
+    migrate_every: int = 10
+    allow_mixed_devices: bool = False  # workers on different GPU models in one run (their numbers differ)
 
     def train_argv(self) -> list[str]:
         argv = shlex.split(self.train_command)
@@ -105,7 +117,8 @@ class Config:
 _FIELDS = {f.name: f for f in fields(Config)}
 _HINTS = get_type_hints(Config)
 # Fields with a fixed vocabulary; TOML's true/false mean on/off.
-_CHOICES = {"sandbox": ("auto", "on", "off"), "decision_rule": ("paired", "strict")}
+_CHOICES = {"sandbox": ("auto", "on", "off"), "decision_rule": ("paired", "strict"),
+            "executor": ("serial", "local", "ray"), "search_mode": ("shared", "islands")}
 
 
 def _coerce(name: str, raw: Any, source: str) -> Any:

@@ -36,6 +36,7 @@ import os
 import shutil
 import signal
 import statistics
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -102,6 +103,13 @@ class Controller:
         self.measurer = Measurer(self)
         self._noise_cache: Noise | None = None
         self._curves: dict[int, list] = {}  # a trial's curve (of its last run), stored when it ends
+        # Several trials at once (autoloop.parallel): each thread's slot and lineage, the
+        # trials in flight, one lock for git and decisions, edits waiting to be re-based.
+        self._local = threading.local()
+        self._git_lock = threading.RLock()
+        self._in_flight: set[int] = set()
+        self._requeue: list[int] = []
+        self.executor = None
 
     # ------------------------------------------------------------------ paths and setup
 
@@ -293,6 +301,191 @@ class Controller:
         run = self.store.get_run(self.tag)
         return run["best_commit"] or run["base_commit"]
 
+    # ------------------------------------------------------------------ several workers
+
+    @property
+    def parallel(self) -> bool:
+        return self.executor is not None
+
+    def current_slot(self):
+        """The slot of the calling thread's trial (autoloop.executors); None: the serial path."""
+        return getattr(self._local, "slot", None)
+
+    def current_lineage(self) -> str | None:
+        return getattr(self._local, "lineage", None)
+
+    def lineage_of(self, slot) -> str | None:
+        """Islands: worker k advances lineage w<k>; shared: one lineage for all."""
+        return slot.name if self.config.search_mode == "islands" else None
+
+    def trials_in_flight(self) -> list[int]:
+        with self._git_lock:
+            return list(self._in_flight)
+
+    def execute_on(self, slot, item: WorkItem, lineage: str | None) -> dict:
+        """`execute(item)` in a worker thread: its measurements go through `slot`."""
+        self._local.slot = slot
+        if item.kind == "resume" and self.config.search_mode == "islands":
+            row = self.store.trial_by_id(item.derived_from)
+            lineage = row.get("lineage") if row and row.get("lineage") not in (None, "main") else lineage
+        self._local.lineage = lineage
+        try:
+            return self.execute(item)
+        finally:
+            self._local.slot = None
+            self._local.lineage = None
+
+    def _islands(self) -> dict[str, int]:
+        raw = (self.store.get_run(self.tag) or {}).get("islands")
+        if isinstance(raw, str):
+            try:
+                raw = json.loads(raw)
+            except ValueError:
+                raw = None
+        return dict(raw or {})
+
+    def incumbent_trial(self, lineage: str | None = None) -> dict | None:
+        """What a trial of `lineage` (default: the calling thread's) is compared with: the
+        run's incumbent, or in islands mode the lineage's own."""
+        lineage = lineage or self.current_lineage()
+        if lineage and self.config.search_mode == "islands":
+            trial_id = self._islands().get(lineage)
+            if trial_id is not None:
+                row = self.store.trial_by_id(trial_id)
+                if row is not None:
+                    return row
+            return self.store.best_trial(self.run_row["id"], lineage="main")
+        return self.store.best_trial(self.run_row["id"])
+
+    def parent_for(self, lineage: str | None) -> str:
+        """The commit new proposals of `lineage` start from."""
+        if lineage and self.config.search_mode == "islands":
+            incumbent = self.incumbent_trial(lineage)
+            if incumbent is not None and incumbent.get("trial_commit"):
+                return incumbent["trial_commit"]
+        return self.best_commit()
+
+    def _lineage_branch(self, lineage: str) -> str:
+        return f"{self.branch}-{lineage}"
+
+    def _keep_in_lineage(self, trial: dict, lineage: str) -> str:
+        """Islands: `trial` is its lineage's incumbent now; returns the run's best commit
+        (the best incumbent over the lineages)."""
+        islands = self._islands()
+        islands[lineage] = trial["id"]
+        self.store.update_run(self.run_row["id"], islands=islands)
+        self.repo.set_ref(f"refs/heads/{self._lineage_branch(lineage)}", trial["trial_commit"])
+        return self._best_of_islands(islands, extra=trial)["trial_commit"]
+
+    def _best_of_islands(self, islands: dict[str, int], extra: dict | None = None) -> dict:
+        rows = [self.store.trial_by_id(tid) for tid in islands.values()]
+        if extra is not None:
+            rows.append({**self.store.trial_by_id(extra["id"]), **{k: v for k, v in extra.items() if v is not None}})
+        rows = [r for r in rows if r is not None and r.get("metric") is not None]
+        return min(rows, key=lambda r: r["metric"])
+
+    def after_parallel_trial(self, trial: dict) -> None:
+        """In the main thread after each trial of the parallel loop: islands migrate."""
+        every = self.config.migrate_every
+        if self.config.search_mode != "islands" or not every:
+            return
+        finished = [t for t in self.store.trials(self.run_row["id"])
+                    if t["status"] != Status.RUNNING.value and t["kind"] != Kind.BASELINE.value]
+        if len(finished) % every == 0:
+            self.migrate()
+
+    def migrate(self) -> list[str]:
+        """The best lineage's incumbent becomes the incumbent of every lineage it beats."""
+        with self._git_lock:
+            islands = self._islands()
+            lineages = [self.lineage_of(slot) for slot in (self.executor.slots if self.executor else [])]
+            base = self.store.best_trial(self.run_row["id"], lineage="main")
+            for lineage in lineages:
+                if lineage and lineage not in islands and base is not None:
+                    islands[lineage] = base["id"]
+            if len(islands) < 2:
+                return []
+            best = self._best_of_islands(islands)
+            moved = []
+            for lineage, trial_id in sorted(islands.items()):
+                row = self.store.trial_by_id(trial_id)
+                if trial_id == best["id"] or row is None or row.get("metric") is None or row["metric"] <= best["metric"]:
+                    continue
+                islands[lineage] = best["id"]
+                self.repo.set_ref(f"refs/heads/{self._lineage_branch(lineage)}", best["trial_commit"])
+                moved.append(f"{lineage} adopts trial {best['number']} ({best['metric']:.4f} < {row['metric']:.4f})")
+            if moved:
+                self.store.update_run(self.run_row["id"], islands=islands)
+                self._event("migration", "; ".join(moved))
+                self._say("migration: " + "; ".join(moved))
+            return moved
+
+    def _stale_keep(self, trial: dict, outcome: "TrialOutcome") -> "TrialOutcome":
+        """Shared incumbent: a keep decided against an incumbent that is no longer the best
+        (another trial was kept while it trained) is not kept over the newer best; its edit
+        is re-queued on the new best when it still applies."""
+        if outcome.status != Status.KEEP or trial["kind"] == Kind.BASELINE.value or not self.parallel:
+            return outcome
+        compared = (outcome.fields.get("decision") or {}).get("incumbent_id")
+        current = self.incumbent_trial()
+        if compared is None or current is None or current["id"] == compared:
+            return outcome
+        old = self.store.trial_by_id(compared)
+        files, problem = self._rebased_files(trial, current["trial_commit"])
+        what = (f"better than its incumbent, trial {old['number'] if old else compared} ({outcome.reason}), but trial "
+                f"{current['number']} was kept while it trained")
+        if problem:
+            reason = f"{what}; not re-queued: {problem}"
+        else:
+            self._requeue.append(trial["id"])
+            reason = f"{what}; its edit is re-queued on the new best"
+        self._event("rebase", f"trial {trial['number']}: {reason}", trial_id=trial["id"])
+        return TrialOutcome(Status.DISCARD, reason, outcome.fields)
+
+    def _rebased_files(self, trial: dict, onto: str) -> tuple[dict[str, str], str | None]:
+        """The trial's edit (parent -> trial commit) merged onto `onto`, file by file
+        (`git merge-file`): ({path: content}, None), or ({}, why it does not apply)."""
+        import subprocess
+        import tempfile
+
+        parent, mine = trial.get("parent_commit"), trial.get("trial_commit")
+        if not parent or not mine:
+            return {}, "it has no commit"
+        merged = {}
+        for path in self.repo.changed_paths(parent, mine):
+            read = lambda sha: self.repo.file_reader(sha)(path)  # noqa: E731
+            base, theirs, ours = read(parent), read(mine), read(onto)
+            if theirs is None or base is None or ours is None:
+                return {}, f"{path} was added or deleted"
+            with tempfile.TemporaryDirectory(prefix="autoloop-rebase-") as tmp:
+                names = []
+                for name, text in (("ours", ours), ("base", base), ("theirs", theirs)):
+                    (Path(tmp) / name).write_text(text)
+                    names.append(str(Path(tmp) / name))
+                done = subprocess.run(["git", "merge-file", "-p", *names], capture_output=True, text=True)
+            if done.returncode != 0:
+                return {}, f"its change to {path} conflicts with the new best"
+            merged[path] = done.stdout
+        return merged, None
+
+    def take_requeued(self, lineage: str | None = None) -> WorkItem | None:
+        """A re-queued edit, re-based onto the current best now (it may have moved again)."""
+        while self._requeue:
+            trial = self.store.trial_by_id(self._requeue.pop(0))
+            parent = self.parent_for(lineage)
+            files, problem = self._rebased_files(trial, parent)
+            if problem:
+                self._event("rebase", f"trial {trial['number']} is not tried again: {problem}", trial_id=trial["id"])
+                continue
+            from autoloop.proposers.proposal import Edit
+
+            proposal = Proposal(f"{trial.get('description') or 'edit'} (re-based from trial {trial['number']})",
+                                [Edit(path=p, content=text) for p, text in files.items()],
+                                source=trial.get("proposer") or "controller")
+            return WorkItem("proposal", reason=proposal.description, proposal=proposal, parent=parent,
+                            derived_from=trial["id"])
+        return None
+
     def recover(self) -> list[int]:
         """Make processes, git and db agree after a dead controller. Returns recovered trial numbers."""
         run_id = self.run_row["id"]
@@ -404,7 +597,16 @@ class Controller:
             self._check_before_the_night()
             scheduler = self.scheduler = Scheduler(self)
             started = time.time()
-            while True:
+            if self.config.executor != "serial":
+                from autoloop.executors import make_executor
+                from autoloop.parallel import ParallelLoop
+
+                self.executor = make_executor(self)
+                self._say(f"{self.config.executor} executor: {len(self.executor.slots)} workers "
+                          f"({', '.join(f'{s.name} on {s.device}' for s in self.executor.slots)}), "
+                          f"{self.config.search_mode} search")
+                ParallelLoop(self, self.executor).run(summary, started)
+            while self.executor is None:
                 reason = self._stop_reason(started, summary.trials_run)
                 if reason:
                     summary.stop_reason = reason
@@ -429,6 +631,8 @@ class Controller:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
             try:
+                if self.executor is not None:
+                    self.executor.close()
                 if self.scheduler is not None:
                     self.scheduler.close()  # hands back a proposal prepared for a trial that will not run
                 if self.repo is not None and self.store is not None and self.run_row is not None:
@@ -524,7 +728,7 @@ class Controller:
 
     def proposal_context(self, parent: str, repo: GitRepo | None = None) -> ProposalContext:
         """`repo`: a GitRepo of the same repository for use from another thread (prefetch)."""
-        best = self.store.best_trial(self.run_row["id"])
+        best = self.incumbent_trial()
         repo = repo or self.repo
 
         read_parent_file = repo.file_reader(parent)
@@ -625,7 +829,13 @@ class Controller:
     def _common_fields(self, proposal: Proposal | None = None) -> dict:
         # An LLM/agent proposal carries the hash of the program.md it was written from.
         program_hash = (proposal.meta.get("program_hash") if proposal else None) or self._program_hash()
-        return {"seed": self.config.seed, "program_hash": program_hash, "started_at": _now()}
+        fields = {"seed": self.config.seed, "program_hash": program_hash, "started_at": _now()}
+        slot = self.current_slot()
+        if slot is not None:
+            fields["worker"] = slot.name
+        if self.current_lineage():
+            fields["lineage"] = self.current_lineage()
+        return fields
 
     def _record_proposal_calls(self, proposal: Proposal, trial_id: int) -> None:
         """Tokens, cost and latency of the calls that produced the proposal, now that its trial exists."""
@@ -649,7 +859,7 @@ class Controller:
         return self.store.trial_by_id(trial["id"])
 
     def _best_metric(self) -> float | None:
-        best = self.store.best_trial(self.run_row["id"])
+        best = self.incumbent_trial()
         return best["metric"] if best else None
 
     def _execute_proposal(self, proposal: Proposal, parent: str, *, derived_from=None, kind=Kind.PROPOSAL) -> dict:
@@ -674,10 +884,12 @@ class Controller:
             self.store.set_idea_status(proposal.idea_id, IdeaStatus.TAKEN, trial_id=trial["id"])
         faults.fault_point("after_row")
         message = f"autoloop {self.tag} trial {trial['number']}: {proposal.description}"
-        sha = self.repo.commit_files(parent, changed, message)
-        self.store.update_trial(trial["id"], trial_commit=sha, diff=self.repo.diff(parent, sha))
+        with self._git_lock:
+            sha = self.repo.commit_files(parent, changed, message)
+            self.store.update_trial(trial["id"], trial_commit=sha, diff=self.repo.diff(parent, sha))
         faults.fault_point("after_commit")
-        self._checkout(sha)
+        if not self.parallel:  # workers check the commit out in their own worktrees
+            self._checkout(sha)
         return self._train_and_decide(self.store.trial_by_id(trial["id"]))
 
     def _execute_rerun(self, item: WorkItem) -> dict:
@@ -687,7 +899,8 @@ class Controller:
             trial_commit=best, derived_from=item.derived_from, best_before=self._best_metric(), **self._common_fields(),
         )
         faults.fault_point("after_row")
-        self._converge_git()
+        if not self.parallel:
+            self._converge_git()
         return self._train_and_decide(self.store.trial_by_id(trial["id"]))
 
     # ------------------------------------------------------------------ measurements
@@ -766,19 +979,24 @@ class Controller:
         return DecisionConfig(rule=cfg.decision_rule, baseline_seeds=cfg.baseline_seeds, max_runs=cfg.max_runs,
                               alpha=cfg.alpha, futility=cfg.futility, margin=cfg.keep_margin)
 
-    def _runs(self, trial: dict, roles: tuple[str, ...] | None = None) -> dict[int, float]:
-        """{seed: metric} of a trial's successful runs (the first run per seed)."""
+    def _runs(self, trial: dict, roles: tuple[str, ...] | None = None, device: str | None = None) -> dict[int, float]:
+        """{seed: metric} of a trial's successful runs (the first run per seed); with
+        `device`, only runs on that kind of device (or of unknown kind)."""
         runs: dict[int, float] = {}
         for row in self.store.measurements(trial["id"]):
             if row.get("status") not in (None, "ok") or row.get("metric") is None or row.get("seed") is None:
+                continue
+            if device is not None and row.get("device") not in (None, device):
                 continue
             if roles is not None and (row.get("role") or "candidate") not in roles:
                 continue
             runs.setdefault(int(row["seed"]), float(row["metric"]))
         return runs
 
-    def incumbent_runs(self, incumbent: dict) -> dict[int, float]:
-        return self._runs(incumbent, ("baseline", "candidate", "incumbent"))
+    def incumbent_runs(self, incumbent: dict, device: str | None = None) -> dict[int, float]:
+        """The incumbent's runs a candidate is paired with: in time mode a faster GPU buys
+        more steps, so with several kinds of device only those on the candidate's kind."""
+        return self._runs(incumbent, ("baseline", "candidate", "incumbent"), device)
 
     def noise(self) -> Noise | None:
         return self._noise_cache
@@ -812,6 +1030,15 @@ class Controller:
 
     def _train_and_decide(self, trial: dict) -> dict:
         """Measure the trial as often as its decision needs, then keep or discard it."""
+        with self._git_lock:
+            self._in_flight.add(trial["id"])
+        try:
+            return self._train_and_decide_once(trial)
+        finally:
+            with self._git_lock:
+                self._in_flight.discard(trial["id"])
+
+    def _train_and_decide_once(self, trial: dict) -> dict:
         trial_dir = self.trial_dir(trial["number"])
         if not self.store.measurements(trial["id"]) and trial_dir.exists():
             shutil.rmtree(trial_dir)  # left by an interrupted attempt with this number
@@ -912,14 +1139,15 @@ class Controller:
     def _compare(self, trial: dict) -> TrialOutcome:
         """The paired, sequential comparison of a candidate with the incumbent (autoloop.decide)."""
         cfg = self.decision_config()
-        incumbent = self.store.best_trial(self.run_row["id"])
+        incumbent = self.incumbent_trial()
         seeds = self.seeds(max(cfg.max_runs, cfg.baseline_seeds, 1) + 1)
         last = None
         while True:
             if self.abort_requested:
                 return TrialOutcome(Status.INTERRUPTED, "interrupted by the user", {})
             candidate = self._runs(trial, ("candidate",))
-            inc_runs = self.incumbent_runs(incumbent) if incumbent is not None else {}
+            device = getattr(self.current_slot(), "device", None) if self.config.allow_mixed_devices else None
+            inc_runs = self.incumbent_runs(incumbent, device) if incumbent is not None else {}
             if incumbent is not None and incumbent.get("metric_source") == MetricSource.REPORTED.value:
                 cfg = DecisionConfig(rule="strict", margin=self.config.keep_margin)
             verdict = decide(candidate, inc_runs, self.noise(), cfg, seeds)
@@ -1084,7 +1312,13 @@ class Controller:
                 self._delete_run_checkpoint(run_dir)
 
     def _finish(self, trial: dict, outcome: TrialOutcome) -> dict:
-        """Record the decision and the new best in one transaction, then make git agree."""
+        """Record the decision and the new best in one transaction, then make git agree.
+        With several workers, finishes take turns: each keep is judged against the best
+        as it is at that moment."""
+        with self._git_lock:
+            return self._finish_now(trial, self._stale_keep(trial, outcome))
+
+    def _finish_now(self, trial: dict, outcome: TrialOutcome) -> dict:
         status, reason, fields = outcome.status, outcome.reason, dict(outcome.fields)
         keep = status == Status.KEEP
         number = trial["number"]
@@ -1100,10 +1334,14 @@ class Controller:
             flags = diagnose(curve)
             if flags:
                 fields["flags"] = flags
+        lineage = trial.get("lineage") if self.config.search_mode == "islands" else None
+        best = trial["trial_commit"]
+        if keep and lineage and lineage != "main":
+            best = self._keep_in_lineage({**trial, "metric": fields.get("metric")}, lineage)
         with self.store.transaction():
             self.store.update_trial(trial["id"], status=status, reason=reason, **fields)
             if keep:
-                self.store.update_run(self.run_row["id"], best_commit=trial["trial_commit"])
+                self.store.update_run(self.run_row["id"], best_commit=best)
         if keep and fields.get("heldout_metric") is not None:
             self._watch_overfitting(trial)
         faults.fault_point("during_reset")

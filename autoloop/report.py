@@ -106,9 +106,21 @@ def report_data(store, run: dict) -> dict:
         "crash_reasons": common_reasons(store, run, CRASHED),
         "invalid_reasons": common_reasons(store, run, (Status.INVALID.value,)),
         "ideas": idea_outcomes(store, run), "running": running, "curves": curves,
-        "flags": flagged_trials(store, run),
+        "flags": flagged_trials(store, run), "workers": worker_counts(store, run),
         "generated_at": utcnow(),
     }
+
+
+def worker_counts(store, run: dict) -> list[dict]:
+    """Trials per worker of a run on several workers (empty for a serial run)."""
+    rows = select(store, "SELECT worker, status, COUNT(*) AS n FROM trials WHERE run_id = ? AND worker IS NOT NULL "
+                         "GROUP BY worker, status ORDER BY worker", (run["id"],))
+    workers: dict[str, dict] = {}
+    for row in rows:
+        entry = workers.setdefault(row["worker"], {"worker": row["worker"], "trials": 0, "statuses": {}})
+        entry["trials"] += row["n"]
+        entry["statuses"][row["status"]] = row["n"]
+    return list(workers.values())
 
 
 def flagged_trials(store, run: dict) -> list[dict]:
@@ -466,6 +478,17 @@ def render_html(data: dict, progress_png: Path, curves_png: Path | None) -> str:
         add("</tbody></table>")
         if len(ideas) > MAX_TABLE_ROWS:
             add(f"<p class=\"muted\">First {MAX_TABLE_ROWS} of {len(ideas)}; `autoloop ideas` lists all.</p>")
+
+    # -- workers
+    workers = data.get("workers") or []
+    if workers:
+        add(f"<h2>Workers <span class=\"count\">{len(workers)}</span></h2>")
+        add("<table id=\"workers\"><thead><tr><th>worker</th><th class=\"num\">trials</th><th>outcomes</th>"
+            "</tr></thead><tbody>")
+        for w in workers:
+            outcomes = ", ".join(f"{n} {s}" for s, n in sorted(w["statuses"].items()))
+            add(f"<tr><td>{_e(w['worker'])}</td><td class=\"num\">{w['trials']}</td><td>{_e(outcomes)}</td></tr>")
+        add("</tbody></table>")
 
     # -- environment
     add("<h2>Run</h2><table class=\"kv\" id=\"run\"><tbody>")

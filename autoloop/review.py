@@ -749,24 +749,33 @@ def run_status(store, run: dict, repo: Path) -> dict:
     info["controller"] = holder(repo)
     info["overfitting"] = (current_signal(store, run["id"]) or {}).get("message")
     running = [t for t in trials if t["status"] == "running"]
-    if running:
-        t = running[-1]
-        progress = None
-        if t.get("log_path"):
-            progress = last_progress(Path(t["log_path"]).with_name("progress.jsonl"))
-        started = t.get("started_at") or t.get("created_at")
-        elapsed = None
-        if started:
-            elapsed = time.time() - datetime.fromisoformat(started).timestamp()
-        budget = (run.get("config") or {}).get("time_budget")
-        info["running"] = {
-            "number": t["number"], "kind": t["kind"], "description": t.get("description"),
-            "elapsed_seconds": elapsed, "step": (progress or {}).get("step"), "loss": (progress or {}).get("loss"),
-            "training_seconds": (progress or {}).get("training_seconds"),
-            "seconds_left": (progress or {}).get("seconds_left",
-                                                 (budget - progress["training_seconds"]) if progress and budget and progress.get("training_seconds") is not None else None),
-        }
+    budget = (run.get("config") or {}).get("time_budget")
+    info["running_all"] = [_running_info(t, budget) for t in running]  # one per worker
+    info["running"] = info["running_all"][-1] if running else None
+    workers: dict[str, dict[str, int]] = {}
+    for t in trials:
+        if t.get("worker"):
+            counts_of = workers.setdefault(t["worker"], {})
+            counts_of[t["status"]] = counts_of.get(t["status"], 0) + 1
+    info["workers"] = workers
     return info
+
+
+def _running_info(t: dict, budget) -> dict:
+    progress = None
+    if t.get("log_path"):
+        progress = last_progress(Path(t["log_path"]).with_name("progress.jsonl"))
+    started = t.get("started_at") or t.get("created_at")
+    elapsed = None
+    if started:
+        elapsed = time.time() - datetime.fromisoformat(started).timestamp()
+    return {
+        "number": t["number"], "kind": t["kind"], "description": t.get("description"), "worker": t.get("worker"),
+        "elapsed_seconds": elapsed, "step": (progress or {}).get("step"), "loss": (progress or {}).get("loss"),
+        "training_seconds": (progress or {}).get("training_seconds"),
+        "seconds_left": (progress or {}).get("seconds_left",
+                                             (budget - progress["training_seconds"]) if progress and budget and progress.get("training_seconds") is not None else None),
+    }
 
 
 def format_status(info: dict) -> str:
@@ -787,9 +796,10 @@ def format_status(info: dict) -> str:
         folder = f" (project {held['folder']})" if held.get("folder") else ""
         lines.append(f"controller: pid {held['pid']} runs '{held.get('tag')}' in this working tree since "
                      f"{held.get('since', '?')}{folder}")
-    r = info.get("running")
-    if r:
-        parts = [f"running: trial {r['number']} [{r['kind']}] {r.get('description') or ''}"]
+    running = info.get("running_all") or ([info["running"]] if info.get("running") else [])
+    for r in running:
+        worker = f"[{r['worker']}] " if r.get("worker") else ""
+        parts = [f"running: {worker}trial {r['number']} [{r['kind']}] {r.get('description') or ''}"]
         if r.get("step") is not None:
             parts.append(f"step {r['step']}")
         if r.get("loss") is not None:
@@ -799,8 +809,12 @@ def format_status(info: dict) -> str:
         elif r.get("elapsed_seconds") is not None:
             parts.append(f"{r['elapsed_seconds']:.0f}s elapsed")
         lines.append(" | ".join(parts))
-    else:
+    if not running:
         lines.append("nothing running")
+    if len(info.get("workers") or {}) > 1:
+        lines.append("workers: " + "; ".join(
+            f"{name} {sum(c.values())} trials ({', '.join(f'{n} {s}' for s, n in sorted(c.items()))})"
+            for name, c in sorted(info["workers"].items())))
     return "\n".join(lines)
 
 

@@ -63,8 +63,11 @@ class Scheduler:
         return [t for t in self._trials(last=window)
                 if t["status"] != Status.INTERRUPTED.value and t["number"] >= self.first_number]
 
-    def next_item(self) -> WorkItem | None:
-        running = self.store.running_trials(self.controller.run_row["id"])
+    def next_item(self, lineage: str | None = None, busy=()) -> WorkItem | None:
+        """The next work item; with several workers, `lineage` is the free worker's
+        (islands mode) and `busy` the trials in flight (never resumed twice)."""
+        running = [t for t in self.store.running_trials(self.controller.run_row["id"])
+                   if t["id"] not in busy and t["number"] < self.first_number]
         if running:
             return WorkItem("resume", reason=f"resume trial {running[0]['number']}", derived_from=running[0]["id"],
                             trial_kind=Kind(running[0]["kind"]))
@@ -91,7 +94,10 @@ class Scheduler:
         drift = self._drift_item()
         if drift is not None:
             return drift
-        parent = self.controller.best_commit()
+        requeued = self.controller.take_requeued(lineage)
+        if requeued is not None:
+            return requeued
+        parent = self.controller.parent_for(lineage)
         again = self._near_miss_item(parent)
         if again is not None:
             return again

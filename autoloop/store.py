@@ -140,7 +140,7 @@ FINAL_STATUSES = frozenset(s for s in Status if s is not Status.RUNNING)
 
 # Columns holding JSON text; the Store converts to and from Python objects.
 JSON_COLUMNS: dict[str, frozenset[str]] = {
-    "runs": frozenset({"config", "env_changes", "check_result"}),
+    "runs": frozenset({"config", "env_changes", "check_result", "islands"}),
     "trials": frozenset({"edits", "result", "flags", "decision", "budget"}),
     "ideas": frozenset({"sets"}),
     "measurements": frozenset({"budget"}),
@@ -374,9 +374,17 @@ def _m0002_trust_and_noise(conn: sqlite3.Connection) -> None:
     conn.execute("CREATE INDEX measurements_for ON measurements(for_trial_id)")
 
 
+def _m0004_workers(conn: sqlite3.Connection) -> None:
+    """Several workers (autoloop.executors): which worker trained a trial (`trials.worker`),
+    and in islands mode each lineage's incumbent (`runs.islands`: {lineage: trial id})."""
+    conn.execute("ALTER TABLE trials ADD COLUMN worker TEXT")
+    conn.execute("ALTER TABLE runs ADD COLUMN islands TEXT")
+
+
 MIGRATIONS: list[tuple[str, Callable[[sqlite3.Connection], None]]] = [
     ("0001_initial", _m0001_initial),
     ("0002_trust_and_noise", _m0002_trust_and_noise),
+    ("0004_workers", _m0004_workers),
 ]
 
 
@@ -760,6 +768,13 @@ class Store:
         if lineage is not None:
             sql += " AND lineage = ?"
             params.append(lineage)
+        else:
+            # With parallel lineages (islands) the run's best is the best lineage's incumbent,
+            # which need not be the latest keep: the run row names its commit.
+            rows = self._rows("trials", sql + " AND trial_commit = (SELECT best_commit FROM runs WHERE id = ?)"
+                              " ORDER BY number DESC LIMIT 1", [*params, run_id])
+            if rows:
+                return rows[0]
         rows = self._rows("trials", sql + " ORDER BY number DESC LIMIT 1", params)
         return rows[0] if rows else None
 

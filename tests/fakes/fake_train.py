@@ -20,6 +20,7 @@ MODE = "ok"  # ok | crash | hang | nan | nometric | reported | stubborn_child | 
 NOISE = 0.0  # sd of a per-seed draw added to val_bpb (seed noise, as in real training)
 SALT = 0  # which random stream the seed draws from: a change re-draws the noise (an init-only change)
 OFFSET_FILE = ""  # a file holding a number added to val_bpb (a machine that drifts)
+RECORD_WORKER = False  # put CUDA_VISIBLE_DEVICES and the working folder into the result (executor tests)
 
 
 def val_bpb() -> float:
@@ -65,6 +66,9 @@ def main() -> None:
         "num_params": 1000, "mfu_percent": None, "peak_memory_mb": 1.0, "device": "cpu", "seed": 0,
         "curve": [{"step": 1, "seconds": 0.0, "loss": 3.0, "lr": LR, "grad_norm": 1.0}],
     }
+    if RECORD_WORKER:
+        result["worker"] = {"CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES"), "cwd": os.getcwd(),
+                            "pid": os.getpid()}
     if MODE == "nometric":
         print("done, but no metric", flush=True)
         return

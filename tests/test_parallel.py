@@ -1,0 +1,236 @@
+"""Several workers: the local executor with pretend devices, both search modes, a worker
+killed mid-trial, and recovery of a controller that died with two trials running.
+
+Real git repositories, real SQLite files, real worker and training processes; the fake
+training script (tests/fakes/fake_train.py) stands in for a GPU run, and on this CPU
+machine `--workers N` gives N pretend devices. One training run per trial (the strict
+rule): these tests are about scheduling, not about the decision rule.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from conftest import FAKE_TRAIN, make_repo
+
+from autoloop.gitops import GitRepo
+from autoloop.runner import process_group_alive
+from autoloop.store import Store
+
+from test_controller import assert_consistent, run_loop, seed, trials
+
+pytestmark = pytest.mark.usefixtures("one_run_per_trial")
+
+TAG = "t"
+
+
+def fake_source(**constants) -> str:
+    """The fake training script with its constants a few lines apart, so edits to two of
+    them merge cleanly (as separate hyperparameters in a real train.py would)."""
+    source = FAKE_TRAIN.read_text().replace("RECORD_WORKER = False", "RECORD_WORKER = True")
+    for name, value in constants.items():
+        line = next(line for line in source.splitlines() if line.startswith(f"{name} = "))
+        source = source.replace(line + "\n", f"\n# {name.lower()}\n{name} = {value!r}  # set by the test\n\n")
+    return source
+
+
+@pytest.fixture
+def wide_repo(tmp_path) -> Path:
+    """WIDTH 128 and LR 0.02: both WIDTH=64 and LR=0.01 are improvements, on separate lines."""
+    return make_repo(tmp_path / "repo", fake_source(WIDTH=128, LR=0.02, SLEEP=0.0))
+
+
+def overlapping(a: dict, b: dict) -> bool:
+    return a["started_at"] < b["finished_at"] and b["started_at"] < a["finished_at"]
+
+
+def test_local_workers_train_at_once_each_on_its_device_and_worktree(wide_repo):
+    for k, lr in enumerate((0.03, 0.04, 0.05, 0.06)):
+        seed(wide_repo, f"lr {lr}", f"LR={lr}", "SLEEP=1.5")
+    summary = run_loop(wide_repo, executor="local", workers=2, max_trials=5)
+    assert summary.stop_reason == "reached --max-trials 5", summary
+    rows = trials(wide_repo)
+    assert [r["status"] for r in rows] == ["keep"] + ["discard"] * 4
+    proposals = rows[1:]
+    assert {r["worker"] for r in proposals} == {"w0", "w1"}
+    for row in proposals:
+        seen = row["result"]["worker"]
+        k = int(row["worker"][1:])
+        assert seen["CUDA_VISIBLE_DEVICES"] == str(k)  # pinned to its own (pretend) device
+        assert Path(seen["cwd"]) == wide_repo / ".autoloop" / TAG / "workers" / row["worker"]
+    # Two trials trained at the same time, on different workers.
+    assert any(overlapping(a, b) for a in proposals for b in proposals if a["worker"] != b["worker"])
+    assert_consistent(wide_repo)
+    store = Store(wide_repo / "experiments.db")
+    assert store.live_processes() == []  # every worker process ended and was recorded so
+    store.close()
+
+
+def test_shared_incumbent_rebases_a_keep_that_a_newer_best_overtook(wide_repo):
+    seed(wide_repo, "lr 0.01", "LR=0.01", "SLEEP=0.2")
+    seed(wide_repo, "width 64", "WIDTH=64", "SLEEP=4.0")  # slower: still training when the first is kept
+    summary = run_loop(wide_repo, executor="local", workers=2, max_trials=4)
+    rows = trials(wide_repo)
+    by_description = {r["description"]: r for r in rows}
+    fast, slow = by_description["lr 0.01"], by_description["width 64"]
+    assert overlapping(fast, slow) and fast["status"] == "keep"
+    assert slow["status"] == "discard" and f"trial {fast['number']} was kept while it trained" in slow["reason"]
+    assert "re-queued on the new best" in slow["reason"]
+    rebased = [r for r in rows if r["derived_from"] == slow["id"]]
+    assert len(rebased) == 1 and "re-based from trial" in rebased[0]["description"]
+    assert rebased[0]["parent_commit"] == fast["trial_commit"] and rebased[0]["status"] == "keep"
+    source = GitRepo.open(wide_repo).show_file(rebased[0]["trial_commit"], "train.py")
+    assert "LR = 0.01" in source and "WIDTH = 64" in source  # both edits, neither lost
+    assert summary.best_metric == pytest.approx(1.0)
+    assert_consistent(wide_repo)
+
+
+def test_islands_advance_their_own_lineages_and_migrate(wide_repo):
+    seed(wide_repo, "lr 0.01", "LR=0.01", "SLEEP=0.3")  # the better island
+    seed(wide_repo, "lr 0.05", "LR=0.05", "SLEEP=0.3")
+    seed(wide_repo, "lr 0.015", "LR=0.015", "SLEEP=0.3")
+    seed(wide_repo, "lr 0.03", "LR=0.03", "SLEEP=0.3")
+    run_loop(wide_repo, executor="local", workers=2, max_trials=5, search_mode="islands", migrate_every=2)
+    store = Store(wide_repo / "experiments.db")
+    run = store.get_run(TAG)
+    rows = store.trials(run["id"])
+    events = [e for e in store.events(run["id"]) if e["kind"] == "migration"]
+    store.close()
+    proposals = rows[1:]
+    assert {r["lineage"] for r in proposals} == {"w0", "w1"} and rows[0]["lineage"] == "main"
+    repo = GitRepo.open(wide_repo)
+    islands = run["islands"]
+    for lineage, trial_id in islands.items():
+        incumbent = next(r for r in rows if r["id"] == trial_id)
+        assert repo.branch_commit(f"autoloop/{TAG}-{lineage}") == incumbent["trial_commit"]
+    for row in proposals:  # each proposal started from its own lineage's incumbent of the time
+        earlier = [r for r in rows if r["number"] < row["number"] and r["status"] == "keep"
+                   and r["lineage"] in (row["lineage"], "main")]
+        assert row["parent_commit"] in {r["trial_commit"] for r in earlier} | {
+            r["trial_commit"] for r in rows if r["status"] == "keep"}
+    best = min((r for r in rows if r["status"] == "keep"), key=lambda r: r["metric"])
+    assert run["best_commit"] == best["trial_commit"]
+    assert events, "the better lineage's incumbent migrated to the other"
+    assert len(set(islands.values())) == 1  # after the migration both lineages hold the best
+
+
+def _kill_first_worker_of(repo: Path, description: str, done: threading.Event, killed: list) -> None:
+    """Wait for the trial `description` to train on a worker, then SIGKILL that worker."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not done.is_set():
+        time.sleep(0.2)
+        if not (repo / "experiments.db").exists():
+            continue
+        store = Store(repo / "experiments.db")
+        try:
+            run = store.get_run(TAG)
+            if run is None:
+                continue
+            victim = next((t for t in store.running_trials(run["id"]) if t["description"] == description
+                           and t.get("pgid")), None)
+            workers = [p for p in store.live_processes(run["id"]) if p["what"] == "worker"]
+        finally:
+            store.close()
+        if victim is None:
+            continue
+        worker = next((p for p in workers if Path(p["path"]).name == victim["worker"]), None)
+        if worker is None:
+            continue
+        time.sleep(0.5)
+        os.killpg(worker["pgid"], signal.SIGKILL)
+        killed.append({"trial": victim["number"], "worker": victim["worker"], "training_pgid": victim["pgid"]})
+        return
+
+
+def test_a_worker_killed_mid_trial_interrupts_its_trial_and_the_idea_runs_again(wide_repo):
+    seed(wide_repo, "victim", "LR=0.03", "SLEEP=6.0")
+    seed(wide_repo, "bystander", "LR=0.04", "SLEEP=2.0")
+    done, killed = threading.Event(), []
+    killer = threading.Thread(target=_kill_first_worker_of, args=(wide_repo, "victim", done, killed), daemon=True)
+    killer.start()
+    try:
+        run_loop(wide_repo, executor="local", workers=2, max_trials=4)
+    finally:
+        done.set()
+        killer.join()
+    assert killed, "the victim's worker was never seen training"
+    rows = trials(wide_repo)
+    victims = [r for r in rows if r["description"] == "victim"]
+    assert victims[0]["status"] == "interrupted" and f"worker {killed[0]['worker']} lost" in victims[0]["reason"]
+    assert len(victims) == 2 and victims[1]["status"] == "discard"  # its idea went back to the queue and ran
+    assert [r["status"] for r in rows if r["description"] == "bystander"] == ["discard"]
+    assert not process_group_alive(killed[0]["training_pgid"])  # its training did not outlive it
+    assert_consistent(wide_repo)
+
+
+@pytest.mark.slow
+def test_controller_killed_with_two_trials_running_recovers_both(wide_repo):
+    seed(wide_repo, "first", "LR=0.03", "SLEEP=30.0")
+    seed(wide_repo, "second", "LR=0.04", "SLEEP=30.0")
+    seed(wide_repo, "third", "LR=0.01", "SLEEP=0.1")
+    args = ["autoloop", "run", "--tag", TAG, "--time-budget", "60", "--grace-seconds", "30", "--no-verify",
+            "--no-sandbox", "--proposers", "ideas", "--workers", "2", "--decision-rule", "strict", "--drift-every", "0"]
+    proc = subprocess.Popen(args, cwd=wide_repo, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    running = []
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and len(running) < 2:
+        time.sleep(0.3)
+        if (wide_repo / "experiments.db").exists():
+            store = Store(wide_repo / "experiments.db")
+            run = store.get_run(TAG)
+            running = [t for t in store.running_trials(run["id"]) if t.get("pgid")] if run else []
+            workers = store.live_processes(run["id"]) if run else []
+            store.close()
+    assert len(running) == 2, proc.stderr.read() if proc.poll() is not None else "two trials never ran at once"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    left = [t["pgid"] for t in running] + [w["pgid"] for w in workers]
+    assert any(process_group_alive(g) for g in left)  # the dead controller left its workers behind
+    final = subprocess.run(args + ["--max-trials", "3"], cwd=wide_repo, capture_output=True, text=True, timeout=300)
+    assert final.returncode == 0, final.stdout + final.stderr
+    assert not any(process_group_alive(g) for g in left)  # recovery ended them
+    rows = trials(wide_repo)
+    first = [r for r in rows if r["description"] == "first"]
+    assert first[0]["status"] == "interrupted" and "recovered" in first[0]["reason"]
+    assert {r["description"] for r in rows[:3] if r["status"] == "interrupted"} == {"first", "second"}
+    assert "third" in {r["description"] for r in rows}
+    store = Store(wide_repo / "experiments.db")
+    assert store.live_processes() == []
+    store.close()
+    assert_consistent(wide_repo)
+
+
+def test_mixed_devices_are_refused_unless_allowed(wide_repo):
+    from autoloop.errors import AutoloopError
+    from autoloop.executors import Executor, check_devices
+
+    class Slot:
+        def __init__(self, name, device):
+            self.name, self.device = name, device
+
+        def close(self):
+            pass
+
+    executor = Executor("local", [Slot("w0", "NVIDIA H100 80GB HBM3"), Slot("w1", "NVIDIA A100-SXM4-40GB")])
+    with pytest.raises(AutoloopError, match="different devices .* --allow-mixed-devices"):
+        check_devices(executor, allow_mixed=False)
+    check_devices(executor, allow_mixed=True)
+    check_devices(Executor("local", [Slot("w0", "cpu"), Slot("w1", "cpu")]), allow_mixed=False)
+
+
+def test_local_executor_without_a_gpu_needs_workers(wide_repo, monkeypatch):
+    from autoloop.errors import AutoloopError
+    from autoloop.executors import local
+
+    monkeypatch.setattr(local, "visible_gpus", lambda: [])  # what nvidia-smi says on a machine without one
+
+    with pytest.raises(AutoloopError, match="found no GPU .* --workers N"):
+        run_loop(wide_repo, executor="local", workers=0, max_trials=1)

@@ -136,6 +136,18 @@ def test_slot_runs_a_job_and_sends_back_its_files(executor, embedded_dataset, tm
     assert "autoloop-ray-w0-" not in repr(result)
 
 
+def test_both_slots_run_side_by_side(executor, embedded_dataset, tmp_path):
+    job = make_job(embedded_dataset, sources={"train.py": fake_source().replace("SLEEP = 0.0", "SLEEP = 3.0")})
+    runs = [run_in_thread(slot, job, tmp_path / slot.name) for slot in executor.slots]
+    for _, _, started in runs:
+        assert started.wait(30)
+    assert all(thread.is_alive() for thread, _, _ in runs)  # both train at once
+    for thread, _, _ in runs:
+        thread.join(60)
+    assert [box["result"].status for _, box, _ in runs] == ["ok", "ok"]
+    assert [box["result"].worker for _, box, _ in runs] == ["ray-w0", "ray-w1"]
+
+
 def test_data_fingerprint_mismatch_fails_clearly(executor, embedded_dataset, tmp_path):
     wrong = "f" * 64
     result = executor.slots[1].run(make_job(embedded_dataset, data_fingerprint=wrong), tmp_path / "run")
@@ -171,6 +183,12 @@ def test_abort_stops_the_remote_training(executor, embedded_dataset, tmp_path):
                                          tmp_path / "a", should_abort=asked.is_set)
     assert started.wait(60)
     training = slot.last_state["processes"][0]["pid"]
+    # What the node writes while it trains reaches the controller's run folder as it comes.
+    progress = tmp_path / "a" / "progress.jsonl"
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and '"step": 1' not in (progress.read_text() if progress.exists() else ""):
+        time.sleep(0.2)
+    assert '"step": 1' in progress.read_text()
     t0 = time.monotonic()
     asked.set()
     thread.join(60)
@@ -187,6 +205,7 @@ def test_verify_job_ships_the_checkpoint(executor, embedded_dataset, tmp_path):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / "checkpoint.pt").write_bytes(CHECKPOINT_BYTES)
+    (run_dir / "train.log").write_text("the training's log\n")
     job = make_job(embedded_dataset, kind="verify", checkpoint=str(run_dir / "checkpoint.pt"),
                    result={"device": "cpu"}, harness_mode=True, external_eval=True)
     result = executor.slots[0].run(job, run_dir)
@@ -195,6 +214,7 @@ def test_verify_job_ships_the_checkpoint(executor, embedded_dataset, tmp_path):
     assert str(run_dir / "checkpoint.pt") in result.reason  # the node's path is shown as the controller's
     assert (run_dir / "verify").is_dir()
     assert (run_dir / "checkpoint.pt").read_bytes() == CHECKPOINT_BYTES
+    assert (run_dir / "train.log").read_text() == "the training's log\n"  # the run's own files stay
 
 
 # ---------------------------------------------------------------------------- the dataset on a node (no Ray)

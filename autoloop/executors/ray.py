@@ -52,6 +52,7 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
 from pathlib import Path
 from typing import Any, Callable
 
@@ -396,7 +397,8 @@ class _JobActor:
             base.mkdir(parents=True, exist_ok=True)
         self.scratch = Path(tempfile.mkdtemp(prefix=f"autoloop-{name}-", dir=base))
         self._lock = threading.Lock()
-        self._abort = threading.Event()
+        self._aborted: set[str] = set()  # the ids of jobs told to stop
+        self._job_id: str | None = None
         self._processes: list[dict] = []
         self._run_dir: Path | None = None
         self._started = [0]  # processes started by the current job
@@ -418,8 +420,11 @@ class _JobActor:
                 "gpu_ids": [str(g) for g in ray.get_gpu_ids()], "scratch": str(self.scratch),
                 "guard_pid": self._guard.pid}
 
-    def abort(self) -> None:
-        self._abort.set()
+    def abort(self, job_id: str) -> None:
+        # By id: an abort that arrives before its job starts (or after it ended) still
+        # stops that job and never the next one.
+        with self._lock:
+            self._aborted.add(job_id)
 
     def state(self, offsets: dict[str, int]) -> dict:
         with self._lock:
@@ -449,8 +454,9 @@ class _JobActor:
             os.replace(tmp, self._groups)
 
     def _should_abort(self) -> bool:
-        if self._abort.is_set():
-            return True
+        with self._lock:
+            if self._job_id in self._aborted:
+                return True
         try:
             import ray
 
@@ -460,7 +466,8 @@ class _JobActor:
 
     def run(self, payload: dict) -> dict:
         MeasureJob, JobResult = _job_types()
-        self._abort.clear()
+        with self._lock:
+            self._job_id = payload.get("job_id")
         work = Path(tempfile.mkdtemp(prefix="job-", dir=self.scratch))
         project, run_dir = work / "project", work / "run"
         project.mkdir()
@@ -490,6 +497,8 @@ class _JobActor:
         finally:
             with self._lock:
                 self._run_dir = None
+                self._aborted.discard(self._job_id)
+                self._job_id = None
             shutil.rmtree(work, ignore_errors=True)
         return {"result": result.to_json(), "files": files, "run_dir": str(run_dir), "project_dir": str(project),
                 "host": socket.gethostname(), "started": started[0]}
@@ -607,7 +616,7 @@ class RaySlot:
                 checkpoint = path.read_bytes()
             except OSError as exc:
                 raise AutoloopError(f"cannot read the checkpoint {path} to send it to the Ray worker: {exc.strerror}") from None
-        return {"job": job.to_json(), "dataset": dataset_spec(job), "harness_fingerprint": harness_fp,
+        return {"job_id": uuid.uuid4().hex, "job": job.to_json(), "dataset": dataset_spec(job), "harness_fingerprint": harness_fp,
                 "checkpoint": checkpoint}
 
     def run(self, job, run_dir, on_start: Callable | None = None, should_abort: Callable[[], bool] | None = None):
@@ -621,9 +630,8 @@ class RaySlot:
         self.last_state = {}
         actor = self._ensure_actor()
         ref = actor.run.remote(payload)
+        job_id = payload["job_id"]
         offsets = {name: 0 for name in STREAMED_FILES}
-        for name in STREAMED_FILES:
-            (run_dir / name).unlink(missing_ok=True)
         state_ref = None
         started = False
         abort_at = cancel_at = None
@@ -650,7 +658,7 @@ class RaySlot:
                 now = time.monotonic()
                 if abort_at is None and should_abort is not None and should_abort():
                     abort_at = now
-                    actor.abort.remote()
+                    actor.abort.remote(job_id)
                 elif abort_at is not None and cancel_at is None and now - abort_at > ABORT_GRACE_SECONDS:
                     cancel_at = now
                     ray.cancel(ref)
@@ -681,7 +689,9 @@ class RaySlot:
 
     def _append_chunks(self, run_dir: Path, chunks: dict[str, bytes], offsets: dict[str, int]) -> None:
         for name, data in chunks.items():
-            with open(run_dir / name, "ab") as handle:
+            # The first chunk replaces what a run folder held before (a run the controller did
+            # not live to record); a file the node never writes (a verify job's) is left alone.
+            with open(run_dir / name, "ab" if offsets.get(name) else "wb") as handle:
                 handle.write(data)
             offsets[name] = offsets.get(name, 0) + len(data)
 

@@ -374,9 +374,17 @@ def _m0002_trust_and_noise(conn: sqlite3.Connection) -> None:
     conn.execute("CREATE INDEX measurements_for ON measurements(for_trial_id)")
 
 
+def _m0003_measurement_device(conn: sqlite3.Connection) -> None:
+    """measurements.device: the device a run trained on ("cpu", or the CUDA device's name
+    as nvidia-smi gives it), now that the runs of one night may spread over several
+    workers and GPUs (autoloop.executors); older rows have NULL."""
+    conn.execute("ALTER TABLE measurements ADD COLUMN device TEXT")
+
+
 MIGRATIONS: list[tuple[str, Callable[[sqlite3.Connection], None]]] = [
     ("0001_initial", _m0001_initial),
     ("0002_trust_and_noise", _m0002_trust_and_noise),
+    ("0003_measurement_device", _m0003_measurement_device),
 ]
 
 

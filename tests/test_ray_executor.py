@@ -25,7 +25,7 @@ ray = pytest.importorskip("ray")
 
 from autoloop.executors import ray as R  # noqa: E402
 from autoloop.job import MeasureJob  # noqa: E402
-from tests.conftest import FAKE_TRAIN  # noqa: E402
+from conftest import FAKE_TRAIN  # noqa: E402
 
 CHECKPOINT_BYTES = b"pretend checkpoint \x00\x01\x02"
 
@@ -146,6 +146,32 @@ def test_both_slots_run_side_by_side(executor, embedded_dataset, tmp_path):
         thread.join(60)
     assert [box["result"].status for _, box, _ in runs] == ["ok", "ok"]
     assert [box["result"].worker for _, box, _ in runs] == ["ray-w0", "ray-w1"]
+
+
+def test_the_controller_measures_on_a_ray_slot(executor, fake_repo):
+    """A whole run of the loop (baseline, one proposal) with its trials measured on the cluster."""
+    from autoloop.config import resolve
+    from autoloop.controller import Controller
+    from autoloop.seeding import seed_idea
+    from autoloop.store import Store
+
+    seed_idea(resolve(fake_repo, {}), fake_repo, "lower lr", sets=["LR=0.01"], patch=None)
+    flags = {"tag": "t", "time_budget": 5, "grace_seconds": 20, "proposers": "ideas", "decision_rule": "strict",
+             "drift_every": 0, "max_trials": 2}
+    controller = Controller(resolve(fake_repo, flags), fake_repo, verifier=None)
+    controller.bind_slot(executor.slots[1])
+    assert controller.run().kept == 2
+    store = Store(fake_repo / "experiments.db")
+    try:
+        trials = store.trials(store.get_run("t")["id"])
+        runs = [m for t in trials for m in store.measurements(t["id"])]
+    finally:
+        store.close()
+    assert [m["status"] for m in runs] == ["ok", "ok"] and [m["device"] for m in runs] == ["cpu", "cpu"]
+    assert runs[1]["metric"] < runs[0]["metric"]  # LR 0.01 is the fake's optimum
+    for m in runs:
+        log = Path(m["log_path"])
+        assert "val_bpb:" in log.read_text() and (log.parent / "result.json").exists()
 
 
 def test_data_fingerprint_mismatch_fails_clearly(executor, embedded_dataset, tmp_path):

@@ -165,7 +165,8 @@ def _prepare_command(spec: dict) -> str:
         from autoloop.prepare import find_hub_dataset
 
         hub = find_hub_dataset(source.get("repo_id", ""))
-        what = f"{hub.key if hub else source.get('repo_id')} --shards {len((source.get('files') or {}).get('train') or [])}"
+        shards = len((source.get("files") or {}).get("train") or [])
+        what = f"{hub.key if hub else source.get('repo_id')} --shards {shards}"
     elif source.get("kind") == "local":
         what = source.get("path")
     else:
@@ -202,7 +203,7 @@ def _prepare_on_node(spec: dict, path: Path) -> str | None:
         if recipe.get("sample_chars"):
             options["sample_chars"] = recipe["sample_chars"]
     if source.get("kind") == "hub":
-        from autoloop.prepare import ENV_HUB_DIR, MANIFEST, find_hub_dataset, hub_dir
+        from autoloop.prepare import MANIFEST, find_hub_dataset, hub_dir
 
         hub = find_hub_dataset(source.get("repo_id", ""))
         if hub is None:
@@ -616,8 +617,8 @@ class RaySlot:
                 checkpoint = path.read_bytes()
             except OSError as exc:
                 raise AutoloopError(f"cannot read the checkpoint {path} to send it to the Ray worker: {exc.strerror}") from None
-        return {"job_id": uuid.uuid4().hex, "job": job.to_json(), "dataset": dataset_spec(job), "harness_fingerprint": harness_fp,
-                "checkpoint": checkpoint}
+        return {"job_id": uuid.uuid4().hex, "job": job.to_json(), "dataset": dataset_spec(job),
+                "harness_fingerprint": harness_fp, "checkpoint": checkpoint}
 
     def run(self, job, run_dir, on_start: Callable | None = None, should_abort: Callable[[], bool] | None = None):
         ray = _import_ray()
@@ -829,7 +830,8 @@ class RayExecutor:
 
     def describe(self) -> str:
         kind = f"{self.gpus} GPU(s)" if self.gpus else "no GPU, CPU workers"
-        return f"ray: {len(self.slots)} worker(s) on {'a local cluster' if self.started_ray and not self.address else self.address or 'the cluster'} ({kind})"
+        where = "a local cluster" if self.started_ray and not self.address else self.address or "the cluster"
+        return f"ray: {len(self.slots)} worker(s) on {where} ({kind})"
 
     def close(self) -> None:
         for slot in self.slots:

@@ -10,9 +10,11 @@ corpus or from local files the test writes.
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import threading
@@ -124,7 +126,7 @@ def test_slot_runs_a_job_and_sends_back_its_files(executor, embedded_dataset, tm
     calls = []
     result = slot.run(make_job(embedded_dataset), run_dir, on_start=lambda *a: calls.append(a))
     assert result.status == "ok", result.reason
-    assert result.metric == pytest.approx(1.0 + (__import__("math").log10(0.02) + 2.0) ** 2)
+    assert result.metric == pytest.approx(1.0 + (math.log10(0.02) + 2.0) ** 2)
     assert result.worker == "ray-w0" and result.device == "cpu"  # pretend GPUs: no CUDA device behind them
     assert calls == [(None, None, None)]  # a remote pid means nothing here
     assert (run_dir / "checkpoint.pt").read_bytes() == CHECKPOINT_BYTES
@@ -172,6 +174,25 @@ def test_the_controller_measures_on_a_ray_slot(executor, fake_repo):
     for m in runs:
         log = Path(m["log_path"])
         assert "val_bpb:" in log.read_text() and (log.parent / "result.json").exists()
+
+
+def test_the_commits_other_files_reach_the_node_with_the_repo(executor, embedded_dataset, tmp_path):
+    from conftest import make_repo
+
+    train = "import helper\n" + fake_source().replace("LR = 0.02", "LR = helper.LR")
+    repo = make_repo(tmp_path / "repo", train, {"helper.py": "LR = 0.01\n"})
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True).stdout.strip()
+    job = make_job(embedded_dataset, commit=head, sources={"train.py": train})  # helper.py is not editable
+    slot = executor.slots[0]
+    try:
+        slot.repo_dir = repo
+        result = slot.run(job, tmp_path / "run")
+    finally:
+        slot.repo_dir = None
+    assert result.status == "ok", result.reason
+    assert result.metric == pytest.approx(1.0)  # LR 0.01 came from helper.py
+    without = slot.run(job, tmp_path / "run2")
+    assert without.status == "crash" and "helper" in (without.fields.get("error_tail") or "")
 
 
 def test_data_fingerprint_mismatch_fails_clearly(executor, embedded_dataset, tmp_path):

@@ -8,15 +8,19 @@ told apart from a job that failed. A slot runs one job at a time:
 
 controller side (`RaySlot.run`, in the trial's thread)
     sends the job (MeasureJob as JSON), the controller's dataset name, recipe and
-    fingerprint, the harness fingerprint and, for a verify job, the checkpoint's bytes;
+    fingerprint, the harness fingerprint, the commit's tracked files (`git archive`, with
+    `repo_dir`) and, for a verify job, the checkpoint's bytes;
     polls the actor every half second: new lines of progress.jsonl and train.log are
     appended to the controller's run folder as they come (the live display and `autoloop
     status` read them there), `should_abort()` is asked, `on_start` is called once the
     remote training process has started;
-    writes the files of the node's run folder into the controller's `run_dir` at the end.
+    writes the files of the node's run folder into the controller's `run_dir` at the end
+    (train.log, result.json, progress.jsonl, checkpoint.pt, eval/ or verify/; not the
+    meta-only data/ view nor source/), so the JobResult it returns has `files` empty.
 
 node side (`_JobActor.run`)
-    writes the commit's files (`job.files`) as a node-local project folder; makes sure the
+    writes the commit's files as a node-local project folder (its tracked files when the
+    slot knows the repository, then the editable ones, `job.sources`); makes sure the
     dataset is on the node (prepared into the node's cache with `autoloop prepare`'s code
     if it is not) and that its fingerprint is the controller's, and the same for the
     harness's code: different data or a different harness gives a failed result naming
@@ -76,6 +80,8 @@ SKIPPED_DIRS = ("data", "source")
 # Ray's unix sockets live under its temp folder: sun_path holds 107 bytes, and Ray adds
 # about 60 characters of its own.
 MAX_TEMP_DIR_CHARS = 45
+# The most a commit's tracked files (git archive) may weigh to be sent to a node.
+MAX_PROJECT_BYTES = 256 << 20
 
 
 def _import_ray():
@@ -380,6 +386,22 @@ def _write_tree(root: Path, files: dict[str, Any]) -> None:
             dest.write_bytes(content)
 
 
+def _extract_tar(data: bytes, dest: Path) -> None:
+    """A `git archive` of the commit into the node's project folder (regular files and
+    folders only, nothing outside `dest`)."""
+    import io
+    import tarfile
+
+    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+        members = [m for m in tar.getmembers() if m.isfile() or m.isdir()]
+        for member in members:
+            _inside(dest, member.name)
+        if hasattr(tarfile, "data_filter"):
+            tar.extractall(dest, members=members, filter="data")
+        else:  # pragma: no cover - Python before 3.10.12 / 3.11.4: the names were checked above
+            tar.extractall(dest, members=members)
+
+
 def _inside(root: Path, rel: str) -> Path:
     dest = (root / rel).resolve()
     if not dest.is_relative_to(root.resolve()) or dest == root.resolve():
@@ -508,6 +530,8 @@ class _JobActor:
         from autoloop.harness.fingerprint import harness_fingerprint
 
         host = socket.gethostname()
+        if payload.get("project_tar"):
+            _extract_tar(payload["project_tar"], project)
         _write_tree(project, dict(getattr(job, "sources", None) or {}))
         wanted = payload.get("harness_fingerprint")
         if wanted and harness_fingerprint() != wanted:
@@ -555,13 +579,15 @@ class RaySlot:
     after it is lost. See the module docstring for what `run` does."""
 
     def __init__(self, index: int, *, num_gpus: float, num_cpus: float, env: dict[str, str],
-                 work_dir: str | None):
+                 work_dir: str | None, repo_dir: str | os.PathLike | None = None):
         self.index = index
         self.name = f"ray-w{index}"
         self.project_dir = None  # remote: the job carries its files
         self.device_env: dict[str, str] = {}
         self._num_gpus, self._num_cpus = num_gpus, num_cpus
         self._env, self._work_dir = dict(env), work_dir
+        self.repo_dir = Path(repo_dir) if repo_dir is not None else None
+        self._archive: tuple[str, bytes] | None = None  # (commit, git archive) of the last job
         self._actor = None
         self._harness_fps: dict[str, str] = {}
         self.last_state: dict = {}  # the node's last report while a job ran (processes, ...)
@@ -607,6 +633,24 @@ class RaySlot:
             self._harness_fps[where] = compute_harness_fingerprint(Path(where))
         return self._harness_fps[where]
 
+    def _project_tar(self, commit: str | None) -> bytes | None:
+        """The commit's tracked files as a tar (`git archive`), when the slot knows the
+        repository: files train.py imports besides the editable ones (job.sources) reach
+        the node too."""
+        if self.repo_dir is None or not commit:
+            return None
+        if self._archive is None or self._archive[0] != commit:
+            out = subprocess.run(["git", "archive", "--format=tar", commit], cwd=self.repo_dir, capture_output=True)
+            if out.returncode != 0:
+                raise AutoloopError(f"cannot archive commit {commit[:12]} of {self.repo_dir} for the Ray worker: "
+                                    f"{_one_line(out.stderr.decode(errors='replace'))}")
+            if len(out.stdout) > MAX_PROJECT_BYTES:
+                raise AutoloopError(
+                    f"commit {commit[:12]} holds {len(out.stdout) >> 20} MiB of tracked files, more than the "
+                    f"{MAX_PROJECT_BYTES >> 20} MiB a Ray worker is sent: keep data and weights out of git")
+            self._archive = (commit, out.stdout)
+        return self._archive[1]
+
     def _payload(self, job) -> dict:
         # The run's harness fingerprint when the job carries it, else the controller's harness.
         harness_fp = getattr(job, "harness_fingerprint", None) or self._harness_fingerprint(job)
@@ -618,7 +662,8 @@ class RaySlot:
             except OSError as exc:
                 raise AutoloopError(f"cannot read the checkpoint {path} to send it to the Ray worker: {exc.strerror}") from None
         return {"job_id": uuid.uuid4().hex, "job": job.to_json(), "dataset": dataset_spec(job),
-                "harness_fingerprint": harness_fp, "checkpoint": checkpoint}
+                "harness_fingerprint": harness_fp, "checkpoint": checkpoint,
+                "project_tar": self._project_tar(getattr(job, "commit", None))}
 
     def run(self, job, run_dir, on_start: Callable | None = None, should_abort: Callable[[], bool] | None = None):
         ray = _import_ray()
@@ -755,12 +800,16 @@ class RayExecutor:
     node_env: environment variables set in each actor (e.g. AUTOLOOP_CACHE_DIR: where a
         node keeps its prepared datasets); node_cache_dir is shorthand for that one.
     work_dir: the parent of each actor's scratch folder on its node (default: the node's tmp).
+    repo_dir: the project's git repository: each job then sends the commit's tracked files
+        (`git archive`), so modules train.py imports that are not editable reach the node;
+        without it the node's project is the job's editable files (job.sources) only.
     """
 
     def __init__(self, address: str | None = None, workers: int | None = None, temp_dir: str | os.PathLike | None = None,
                  *, num_cpus: int | None = None, num_gpus: int | None = None, cpus_per_worker: float = 1,
                  node_env: dict[str, str] | None = None, node_cache_dir: str | os.PathLike | None = None,
-                 work_dir: str | None = None, num_workers: int | None = None,
+                 work_dir: str | None = None, repo_dir: str | os.PathLike | None = None,
+                 num_workers: int | None = None,
                  start_timeout: float = START_TIMEOUT_SECONDS):
         ray = _import_ray()
         workers = workers if workers is not None else num_workers
@@ -781,8 +830,8 @@ class RayExecutor:
             if node_cache_dir is not None:
                 env["AUTOLOOP_CACHE_DIR"] = str(node_cache_dir)
             self.gpus = gpus
-            self.slots = [RaySlot(k, num_gpus=1 if gpus else 0, num_cpus=cpus_per_worker, env=env, work_dir=work_dir)
-                          for k in range(count)]
+            self.slots = [RaySlot(k, num_gpus=1 if gpus else 0, num_cpus=cpus_per_worker, env=env, work_dir=work_dir,
+                                  repo_dir=repo_dir) for k in range(count)]
             self._start_actors(ray, start_timeout)
         except BaseException:
             self.close()

@@ -96,6 +96,9 @@ class Controller:
         self.scheduler: Scheduler | None = None  # set by run(); prepares proposals while trials train
         self.abort_requested = False
         self._pending_pause: str | None = None  # a pause decided inside a trial (a full disk), taken next
+        self._worker_pause: str | None = None  # a harness/data change a worker found (taken after check_run's)
+        self._slots = threading.local()  # .slot: the slot the current thread's trial measures on
+        self._serial: object | None = None
         self.repo: GitRepo | None = None
         self.store: Store | None = None
         self.run_row: dict | None = None
@@ -307,9 +310,9 @@ class Controller:
     def parallel(self) -> bool:
         return self.executor is not None
 
-    def current_slot(self):
-        """The slot of the calling thread's trial (autoloop.executors); None: the serial path."""
-        return getattr(self._local, "slot", None)
+    def bound_slot(self):
+        """The worker slot bound to the calling thread; None on the serial path."""
+        return getattr(self._slots, "slot", None)
 
     def current_lineage(self) -> str | None:
         return getattr(self._local, "lineage", None)
@@ -324,7 +327,7 @@ class Controller:
 
     def execute_on(self, slot, item: WorkItem, lineage: str | None) -> dict:
         """`execute(item)` in a worker thread: its measurements go through `slot`."""
-        self._local.slot = slot
+        self.bind_slot(slot)
         if item.kind == "resume" and self.config.search_mode == "islands":
             row = self.store.trial_by_id(item.derived_from)
             lineage = row.get("lineage") if row and row.get("lineage") not in (None, "main") else lineage
@@ -332,7 +335,7 @@ class Controller:
         try:
             return self.execute(item)
         finally:
-            self._local.slot = None
+            self.bind_slot(None)
             self._local.lineage = None
 
     def _islands(self) -> dict[str, int]:
@@ -830,7 +833,7 @@ class Controller:
         # An LLM/agent proposal carries the hash of the program.md it was written from.
         program_hash = (proposal.meta.get("program_hash") if proposal else None) or self._program_hash()
         fields = {"seed": self.config.seed, "program_hash": program_hash, "started_at": _now()}
-        slot = self.current_slot()
+        slot = self.bound_slot()
         if slot is not None:
             fields["worker"] = slot.name
         if self.current_lineage():
@@ -922,31 +925,15 @@ class Controller:
         path.mkdir(parents=True, exist_ok=True)
         return [path]
 
-    def child_env(self, run_dir: Path, seed: int) -> dict:
-        cfg = self.config
-        env = {
-            "AUTOLOOP_TIME_BUDGET": str(cfg.time_budget),
-            "AUTOLOOP_SEED": str(seed),
-            "AUTOLOOP_RESULT": str(run_dir / "result.json"),
-            "AUTOLOOP_CHECKPOINT": str(run_dir / "checkpoint.pt"),
-            "AUTOLOOP_PROGRESS": str(run_dir / "progress.jsonl"),
-            "AUTOLOOP_DATA_DIR": str(self.data_dir()),
-            "AUTOLOOP_COMPILE_CACHE": str(self.compile_cache_dirs()[0]),
-        }
-        if cfg.max_steps:
-            env["AUTOLOOP_MAX_STEPS"] = str(cfg.max_steps)
-        return env
-
     def checkout_for_measurement(self, commit: str) -> None:
         dirty = any(matches(path, self.config.editable) for path in self.repo.dirty_files())
         if self.repo.branch_commit(self.branch) != commit or dirty:
             self._checkout(commit)
 
-    def snapshot_sources(self, commit: str, source_dir: Path) -> Path:
-        """The train script and the other editable files of `commit`, copied to `source_dir`
-        (what the evaluator imports: never the working tree)."""
-        from autoloop.verifier import Verifier
-
+    def sources_of(self, commit: str) -> tuple[str, dict[str, str]]:
+        """(the train script relative to the project, {path: text} of it and the other
+        editable files of `commit` named by a literal path): what the evaluator imports,
+        never the working tree. An editable file the commit lacks is skipped."""
         script = self._train_script()
         if script is None:
             raise AutoloopError(
@@ -954,8 +941,38 @@ class Controller:
                 "the model: use a command like 'python train.py', or run with --no-verify"
             )
         relative = script.resolve().relative_to(self.repo_dir).as_posix()
-        Verifier._snapshot_sources(self, commit, relative, source_dir)
-        return source_dir / relative
+        files = {}
+        for path in [relative] + [p for p in self.config.editable if p != relative and not any(c in p for c in "*?[")]:
+            try:
+                files[path] = self.repo.show_file(commit, path)
+            except AutoloopError:
+                if path == relative:
+                    raise
+        return relative, files
+
+    # ------------------------------------------------------------------ slots
+
+    def current_slot(self):
+        """The slot the calling thread's trial measures on (autoloop.executors): the one
+        bound to this thread (`bind_slot`), else the serial slot."""
+        return getattr(self._slots, "slot", None) or self._serial_slot()
+
+    def bind_slot(self, slot) -> None:
+        """Measure this thread's trials on `slot` (None: the serial slot again)."""
+        self._slots.slot = slot
+
+    def _serial_slot(self):
+        if self._serial is None:
+            from autoloop.executors.serial import SerialSlot
+
+            self._serial = SerialSlot(self)
+        return self._serial
+
+    def worker_pause(self, reason: str) -> None:
+        """A worker found the harness or the data changed under its run: the run pauses
+        before the next work item (unless the verifier's own check pauses it first)."""
+        if self._worker_pause is None:
+            self._worker_pause = reason
 
     def best_metric(self) -> float | None:
         return self._best_metric()
@@ -1063,8 +1080,10 @@ class Controller:
         """The trial's end when a run of its own failed, else None."""
         if m.ok:
             return None
-        status = {"aborted": Status.INTERRUPTED, "timeout": Status.TIMEOUT, "invalid": Status.INVALID}.get(
-            m.status, Status.CRASH)
+        # "lost": the worker died (its process, a Ray node), not the trial's fault: interrupted,
+        # and its idea goes back to the queue (_finish) to run again.
+        status = {"aborted": Status.INTERRUPTED, "lost": Status.INTERRUPTED, "timeout": Status.TIMEOUT,
+                  "invalid": Status.INVALID}.get(m.status, Status.CRASH)
         fields = dict(m.fields)
         fields.pop("curve", None)
         return TrialOutcome(status, m.reason or m.status, fields)
@@ -1146,7 +1165,7 @@ class Controller:
             if self.abort_requested:
                 return TrialOutcome(Status.INTERRUPTED, "interrupted by the user", {})
             candidate = self._runs(trial, ("candidate",))
-            device = getattr(self.current_slot(), "device", None) if self.config.allow_mixed_devices else None
+            device = getattr(self.bound_slot(), "device", None) if self.config.allow_mixed_devices else None
             inc_runs = self.incumbent_runs(incumbent, device) if incumbent is not None else {}
             if incumbent is not None and incumbent.get("metric_source") == MetricSource.REPORTED.value:
                 cfg = DecisionConfig(rule="strict", margin=self.config.keep_margin)
@@ -1161,6 +1180,9 @@ class Controller:
                                             owner=incumbent, role="incumbent", for_trial=trial)
                     if m.status == "aborted":
                         return TrialOutcome(Status.INTERRUPTED, "interrupted by the user", {})
+                    if m.status == "lost":
+                        return TrialOutcome(Status.INTERRUPTED, (
+                            f"the incumbent's re-measurement at seed {verdict.seed} was lost: {m.reason}"), {})
                     if not m.ok:
                         return TrialOutcome(Status.CRASH, (
                             f"the incumbent (trial {incumbent['number']}) failed when re-measured at seed "
@@ -1228,6 +1250,8 @@ class Controller:
                 fields["verify_seconds"] = time.monotonic() - started
                 if self.abort_requested:
                     return TrialOutcome(Status.INTERRUPTED, "interrupted by the user during verification", fields)
+                if ok is None:  # the worker was lost: not the trial's fault
+                    return TrialOutcome(Status.INTERRUPTED, reason, fields)
                 return TrialOutcome(Status.INVALID, reason, fields)
             heldouts[int(row["seed"])] = heldout
         fields["verify_seconds"] = time.monotonic() - started
@@ -1371,6 +1395,9 @@ class Controller:
             return WorkItem("pause", reason=reason)
         check = getattr(self.verifier, "check_run", None)
         reason = check(self) if check is not None else None
+        if not reason and self._worker_pause:
+            reason = self._worker_pause  # found by a worker the verifier's check does not see
+        self._worker_pause = None
         return WorkItem("pause", reason=reason) if reason else None
 
     def _watch_overfitting(self, trial: dict) -> None:

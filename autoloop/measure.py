@@ -4,22 +4,24 @@ val_bpb computed by the harness, recorded as a `measurements` row.
 A trial owns several measurements (the candidate at several seeds; the incumbent's
 re-measurements are rows of the incumbent's trial, with `for_trial_id` naming the
 comparison that asked for them). `autoloop.decide` reads them; the controller is the only
-writer. One measurement, in order:
+writer. A measurement has two halves; this module is the controller's:
 
-1. The commit is checked out (training runs in the project folder, as by hand).
+1. The slot the run goes to (`Controller.current_slot()`: the serial slot, or one worker
+   per device when trials run side by side, autoloop.executors) checks the commit out
+   (serial: in the project folder, as by hand).
 2. What decides is sealed (`autoloop.tamper.StoreSeal`): a training run that writes to
    experiments.db is caught, and the sealed values are put back.
-3. Training runs in its own process group, sandboxed (`autoloop.sandbox`) where
-   bubblewrap works: no network, the repository read-only but for the run folder, the db,
-   `.git`, `.autoloop/` and the data splits invisible. Its batches come from the trusted
-   feed (`autoloop.harness.feed`) in this process, which serves the train split only and
-   measures what the trial draws and when; `AUTOLOOP_EVAL=external` tells train.py to
-   save its checkpoint without evaluating.
-4. The budget is checked on the feed's figures (`autoloop.budget`); the harness and data
-   are compared with their state before the run (`autoloop.verifier`).
-5. val_bpb is computed by the harness in a separate, sandboxed process
-   (`autoloop.evaluation`) from the checkpoint; `verify=True` adds causality and the
-   held-out split (keep candidates).
+3. A `MeasureJob` (autoloop.job) carries everything the worker half needs, and the slot
+   runs it (`autoloop.worker.run_job`): the trusted data feed, the sandbox, training in its
+   own process group, the harness and data compared with their state before the run, the
+   budget checked on the feed's figures, val_bpb from the harness's evaluator in its own
+   sandboxed process (`verify=True` adds causality and the held-out split). The worker
+   answers with a `JobResult`.
+4. Here again: the files a remote worker sent back are written into the run folder, the
+   seal is checked, and the measurement is recorded with the device it ran on. A worker
+   that died ("lost") leaves a `lost` row; the trial ends interrupted, its idea goes back
+   to the queue. A harness or data change the worker found pauses the run
+   (`Controller.worker_pause`), as the verifier's own check does.
 
 A script that does not follow the harness contract (no result JSON, only a printed
 block) is measured as before: its printed number is `reported`, never compared with
@@ -35,16 +37,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from autoloop import faults
-from autoloop.runner import RunOutcome, run_training
-from autoloop.store import MetricSource
-
-# Per-run fields copied from the result JSON into the measurement and the trial row.
-RESULT_FIELDS = ("training_seconds", "total_seconds", "compile_seconds", "eval_seconds", "num_steps",
-                 "total_tokens", "num_params", "mfu_percent", "peak_memory_mb")
-_INTEGER_FIELDS = ("num_steps", "total_tokens", "num_params")
-# The evaluation's deadline: interpreter and torch start-up, model rebuild, one or two
-# evaluations, on a slow, shared machine.
-EVAL_DEADLINE_FLOOR_SECONDS = 180.0
+from autoloop.errors import AutoloopError
+from autoloop.job import JobResult, MeasureJob
+# run_training: the runner the serial slot gives the worker (tests replace it here).
+from autoloop.runner import RunOutcome, run_training  # noqa: F401
+from autoloop.worker import EVAL_DEADLINE_FLOOR_SECONDS, RESULT_FIELDS  # noqa: F401  (re-exported)
 
 
 @dataclass
@@ -54,7 +51,7 @@ class Measurement:
     id: int | None
     seed: int
     role: str
-    status: str  # ok | crash | timeout | invalid | aborted
+    status: str  # ok | crash | timeout | invalid | aborted | lost
     reason: str | None
     metric: float | None
     metric_source: str | None
@@ -63,6 +60,7 @@ class Measurement:
     fields: dict = field(default_factory=dict)  # for the trial row: timings, steps, tokens, ...
     result: dict | None = None
     heldout: float | None = None
+    device: str | None = None  # "cpu" or the CUDA device's name
 
     @property
     def ok(self) -> bool:
@@ -80,6 +78,7 @@ class Measurer:
         self.c = controller
         self._sandbox = None
         self._said_unsandboxed = False
+        self._serial = None  # the serial slot, when the controller has no current_slot()
 
     # ------------------------------------------------------------------ set-up
 
@@ -121,6 +120,65 @@ class Measurer:
         hidden = [c.git_dir(), c.state_dir, db, db.with_name(db.name + "-wal"), db.with_name(db.name + "-shm")]
         return hidden
 
+    # ------------------------------------------------------------------ the slot and the job
+
+    def slot(self):
+        """The slot this thread measures on: the controller's (`current_slot`, one per
+        worker when trials run side by side), else the serial slot, made once."""
+        current = getattr(self.c, "current_slot", None)
+        if current is not None:
+            return current()
+        if self._serial is None:
+            from autoloop.executors.serial import SerialSlot
+
+            self._serial = SerialSlot(self.c)
+        return self._serial
+
+    def job(self, kind: str, commit: str, seed: int, *, role: str, slot, verify: bool = False, **extra) -> MeasureJob:
+        """Everything the worker half needs for one run of `commit` (autoloop.job)."""
+        c = self.c
+        verifier = c.verifier
+        try:
+            script, sources = c.sources_of(commit)
+        except AutoloopError:
+            if self.external_eval:
+                raise  # the evaluator needs the script (as it always did)
+            script, sources = None, {}
+        pycache_root = getattr(verifier, "pycache_root", None)
+        from autoloop.harness.contract import cache_root
+
+        return MeasureJob(
+            kind=kind, commit=commit, seed=seed, role=role, tag=c.tag, script=script, sources=sources,
+            train_argv=c.config.train_argv(), time_budget=c.config.time_budget, max_steps=c.config.max_steps,
+            grace_seconds=c.config.grace_seconds, dataset=c.config.dataset, data_dir=str(c.data_dir()),
+            data_fingerprint=(c.run_row or {}).get("data_fingerprint"),
+            harness_fingerprint=getattr(verifier, "harness_fingerprint", None),
+            harness_mode=self.harness_mode, external_eval=self.external_eval, verify=verify,
+            sandbox=c.config.sandbox,
+            harness_dir=str(verifier.harness_dir) if getattr(verifier, "harness_dir", None) else None,
+            integrity_cache_root=str(pycache_root()) if pycache_root is not None else None,
+            integrity_python=getattr(verifier, "python", None), cache_root=str(cache_root()),
+            compile_cache=str(c.compile_cache_dirs()[0]), python=c.python,
+            hidden=[str(p) for p in self._hidden()], db_path=str(c.db_path()),
+            env=dict(getattr(slot, "device_env", None) or {}), **extra,
+        )
+
+    def _received(self, result: JobResult, run_dir: Path) -> None:
+        """What a worker on another disk sent back goes into the run folder before anything
+        reads it; a harness the run repaired or changed is the controller's business too."""
+        for name, content in (result.files or {}).items():
+            target = (run_dir / name).resolve()
+            if not target.is_relative_to(run_dir.resolve()):
+                continue  # never outside the run folder
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(content)
+        if result.repaired:
+            refresh = getattr(self.c.verifier, "refresh_bytecode", None)
+            if refresh is not None:
+                refresh(self.c)
+        if result.pause:
+            self.c.worker_pause(result.pause)
+
     # ------------------------------------------------------------------ one run
 
     def measure(self, commit: str, seed: int, *, owner: dict, role: str, running: dict,
@@ -133,38 +191,27 @@ class Measurer:
         c = self.c
         store = c.store
         run_dir = self.run_dir(owner)
-        c.checkout_for_measurement(commit)
+        slot = self.slot()
+        slot.prepare(commit)
         log_path = run_dir / "train.log"
         store.update_trial(running["id"], log_path=str(log_path), heartbeat_at=_now())
-        env = c.child_env(run_dir, seed)
-        feed = None
         seal = None
         if self.harness_mode:
-            from autoloop.evaluation import pycache_env
-            from autoloop.harness.contract import cache_root
-            from autoloop.harness.data import make_meta_only_view
-            from autoloop.harness.feed import FeedServer
             from autoloop.tamper import StoreSeal
 
             seal = StoreSeal.capture(store, c.run_row["id"])
-            feed = FeedServer(c.data_dir(), run_dir / "feed.sock", seed=seed)
-            env["AUTOLOOP_FEED"] = None
-            if self.external_eval:
-                view = make_meta_only_view(c.data_dir(), run_dir / "data")
-                env.update({"AUTOLOOP_DATA_DIR": str(view), "AUTOLOOP_EVAL": "external"})
-            # Training reads bytecode from its own prefix, filled by a trusted process.
-            env.update(pycache_env("train", cache_root()))
-        before = c.verifier.snapshot(c) if c.verifier is not None else None
+        job = self.job("train", commit, seed, role=role, slot=slot, verify=verify)
         if c.display is not None:
             c.display.trial_started(running, c.best_metric(), c.config)
+        trained = [False]
 
         def on_start(pid: int, pgid: int, start_time: int | None) -> None:
-            if feed is not None:
-                feed.mark_spawn()
             store.update_trial(running["id"], pid=pid, pgid=pgid, pid_start_time=start_time)
-            faults.fault_point("during_training")
-            if c.scheduler is not None:
-                c.scheduler.prefetch(running)  # the next proposal is prepared while this trial trains
+            if not trained[0]:  # the training process (the evaluation's start comes after)
+                trained[0] = True
+                faults.fault_point("during_training")
+                if c.scheduler is not None:
+                    c.scheduler.prefetch(running)  # the next proposal is prepared while this trial trains
 
         last_beat = [time.monotonic()]
 
@@ -176,137 +223,55 @@ class Measurer:
                 store.update_trial(running["id"], heartbeat_at=_now())
             return c.abort_requested
 
-        from autoloop.sandbox import SandboxPaths
-
-        readonly = [c.repo_dir]
-        if self.harness_mode:
-            from autoloop.evaluation import pycache_dir, warm_pycache
-            from autoloop.harness.contract import cache_root
-
-            warm_pycache("train", c.python, cache_root())
-            readonly.append(pycache_dir("train", cache_root()))
-        sandbox_paths = SandboxPaths(
-            writable=(run_dir, *c.compile_cache_dirs()), readonly=tuple(readonly),
-            # The data splits stay out of reach: batches come from the feed only.
-            hidden=tuple(self._hidden()) + ((c.data_dir(),) if self.external_eval else ()),
-        )
-        if feed is not None:
-            feed.start()
-            env["AUTOLOOP_FEED"] = str(feed.address)
-        try:
-            outcome = run_training(
-                c.config.train_argv(), cwd=c.repo_dir, env=env, log_path=log_path,
-                deadline_seconds=c.config.time_budget + c.config.grace_seconds, on_start=on_start,
-                should_abort=should_abort, sandbox=self.sandbox if self.harness_mode else None,
-                sandbox_paths=sandbox_paths,
-            )
-        finally:
-            if feed is not None:
-                feed.mark_exit()
-                feed.close()
+        result = slot.run(job, run_dir, on_start=on_start, should_abort=should_abort)
+        self._received(result, run_dir)
         faults.fault_point("after_training")
-        m = Measurement(None, seed, role, outcome.status, outcome.reason, outcome.metric,
-                        outcome.metric_source if outcome.metric is not None else None, run_dir, outcome,
-                        result=outcome.result)
-        m.fields = _fields(outcome)
+        m = Measurement(None, seed, role, result.status, result.reason, result.metric, result.metric_source, run_dir,
+                        None, fields=dict(result.fields), result=result.result, heldout=result.heldout,
+                        device=result.device)
         problem = seal.check(store) if seal is not None else None
         if problem:
             seal.restore(store)
+            for name in ("budget", "eval_seconds"):  # the worker went on; the run ended here
+                m.fields.pop(name, None)
             return self._record(owner, running, m, "invalid", f"the trial wrote to experiments.db: {problem} "
                                                                "(the recorded values were put back)")
-        if outcome.status == "aborted":
-            return self._record(owner, running, m, "aborted", "interrupted by the user")
-        if c.verifier is not None:
-            problem = c.verifier.check_trial(c, running, outcome, before, feed=feed.summary() if feed else None)
-            if problem:
-                return self._record(owner, running, m, "invalid", problem)
-        refused = feed.summary().get("refused") if feed is not None else None
-        if refused:
-            first = refused[0]
-            return self._record(owner, running, m, "invalid", (
-                f"asked the data feed for the {first.get('split')} split: training may read only the train split "
-                "(val_bpb is computed by the harness's evaluator)"))
-        if outcome.status != "ok":
-            return self._record(owner, running, m, outcome.status, outcome.reason)
-        if feed is not None and outcome.metric_source != MetricSource.REPORTED.value:
-            from autoloop.budget import check_budget
+        if result.status == "lost":
+            return self._record(owner, running, m, "lost", result.reason or "the worker was lost")
+        return self._record(owner, running, m, result.status, result.reason)
 
-            problem, figures = check_budget(
-                feed.summary(), outcome.result or {}, time_budget=c.config.time_budget,
-                max_steps=c.config.max_steps,
-            )
-            m.fields["budget"] = figures
-            if problem:
-                return self._record(owner, running, m, "invalid", problem)
-        if self.external_eval and outcome.metric_source != MetricSource.REPORTED.value:
-            result = self.evaluate(owner, running, m, verify=verify)
-            if result is not None:
-                return result
-        return self._record(owner, running, m, "ok", None)
-
-    def evaluate(self, owner: dict, running: dict, m: Measurement, *, verify: bool) -> Measurement | None:
-        """val_bpb (and, with verify, held-out and causality) from the checkpoint, by the
-        harness in its own process. Returns the recorded failure, or None with `m` updated."""
-        from autoloop.evaluation import evaluate_checkpoint
-
+    def verify(self, owner: dict, running: dict, row: dict) -> tuple[bool | None, str | None, float | None]:
+        """Held-out and causality for an already measured run (a keep candidate's).
+        Returns (ok, reason, heldout) and marks the row verified; ok is None when the
+        worker was lost (not the trial's fault: the trial is interrupted)."""
+        run_dir = Path(row["log_path"]).parent if row.get("log_path") else None
+        if run_dir is None or not (run_dir / "checkpoint.pt").exists():
+            return False, f"the checkpoint of its run at seed {row.get('seed')} is gone, so it cannot be verified", None
         c = self.c
-        if not m.checkpoint.exists():
-            return self._record(owner, running, m, "invalid", (
-                "wrote a result JSON but no checkpoint, so the harness cannot evaluate it: save the trained model "
-                "to $AUTOLOOP_CHECKPOINT with autoloop.harness.save_checkpoint"))
-        evaluated = self._evaluate(owner, running, m.run_dir, m.checkpoint, m.result or {}, verify=verify, seed=m.seed)
-        m.fields["eval_seconds"] = evaluated.seconds
-        if not evaluated.ok:
-            if c.abort_requested:
-                return self._record(owner, running, m, "aborted", "interrupted by the user during evaluation")
-            return self._record(owner, running, m, "invalid", evaluated.reason)
-        m.metric = evaluated.val_bpb
-        m.metric_source = MetricSource.VERIFIED.value if verify else MetricSource.HARNESS.value
-        m.heldout = evaluated.heldout_bpb
-        return None
-
-    def _evaluate(self, owner: dict, running: dict, run_dir: Path, checkpoint: Path, result: dict, *, verify: bool,
-                  seed: int = 0):
-        from autoloop.evaluation import evaluate_checkpoint
-
-        c = self.c
-        script = c.snapshot_sources(owner["trial_commit"] or c.run_row["base_commit"], run_dir / "source")
-        source_dir = run_dir / "source"
-        device = "cpu" if str(result.get("device", "cpu")).lower() == "cpu" else "cuda"
+        slot = self.slot()
+        job = self.job("verify", owner["trial_commit"] or c.run_row["base_commit"], int(row.get("seed") or 0),
+                       role=row.get("role") or "candidate", slot=slot, verify=True,
+                       checkpoint=str(run_dir / "checkpoint.pt"), result=_result_of(run_dir))
 
         def on_start(pid: int, pgid: int, start_time: int | None) -> None:
             c.store.update_trial(running["id"], pid=pid, pgid=pgid, pid_start_time=start_time)
 
-        splits = ["val", "heldout"] if verify else ["val"]
-        return evaluate_checkpoint(
-            python=c.python, repo_dir=c.repo_dir, source_dir=source_dir, checkpoint=checkpoint,
-            data_dir=c.data_dir(), device=device, splits=splits, causality=verify,
-            out_dir=run_dir / ("verify" if verify else "eval"), sandbox=self.sandbox,
-            deadline_seconds=max(EVAL_DEADLINE_FLOOR_SECONDS, c.config.grace_seconds), on_start=on_start,
-            script=script.relative_to(source_dir).as_posix(), seed=seed, db_path=c.db_path(),
-            should_abort=lambda: c.abort_requested,
-        )
-
-    def verify(self, owner: dict, running: dict, row: dict) -> tuple[bool, str | None, float | None]:
-        """Held-out and causality for an already measured run (a keep candidate's).
-        Returns (ok, reason, heldout) and marks the row verified."""
-        run_dir = Path(row["log_path"]).parent if row.get("log_path") else None
-        if run_dir is None or not (run_dir / "checkpoint.pt").exists():
-            return False, f"the checkpoint of its run at seed {row.get('seed')} is gone, so it cannot be verified", None
-        evaluated = self._evaluate(owner, running, run_dir, run_dir / "checkpoint.pt", _result_of(run_dir),
-                                   verify=True, seed=int(row.get("seed") or 0))
-        if not evaluated.ok:
-            return False, f"failed verification: {evaluated.reason}", None
+        result = slot.run(job, run_dir, on_start=on_start, should_abort=lambda: c.abort_requested)
+        self._received(result, run_dir)
+        if result.status == "lost":
+            return None, f"the worker was lost during verification: {result.reason}", None
+        if not result.ok:
+            return False, f"failed verification: {result.reason}", None
         from autoloop.evaluation import suspicious_identity
 
-        if row.get("metric") is not None and abs(evaluated.val_bpb - row["metric"]) > 1e-6:
-            return False, (f"re-evaluated val_bpb {evaluated.val_bpb:.6f} differs from its first evaluation "
-                           f"{row['metric']:.6f}: the model's outputs are not deterministic"), evaluated.heldout_bpb
-        odd = suspicious_identity(evaluated.val_bpb, evaluated.heldout_bpb)
+        if row.get("metric") is not None and abs(result.metric - row["metric"]) > 1e-6:
+            return False, (f"re-evaluated val_bpb {result.metric:.6f} differs from its first evaluation "
+                           f"{row['metric']:.6f}: the model's outputs are not deterministic"), result.heldout
+        odd = suspicious_identity(result.metric, result.heldout)
         if odd:
-            return False, odd, evaluated.heldout_bpb
-        self.c.store.update_measurement(row["id"], heldout_metric=evaluated.heldout_bpb, verified=1)
-        return True, None, evaluated.heldout_bpb
+            return False, odd, result.heldout
+        c.store.update_measurement(row["id"], heldout_metric=result.heldout, verified=1)
+        return True, None, result.heldout
 
     # ------------------------------------------------------------------ recording
 
@@ -321,11 +286,12 @@ class Measurer:
             num_steps=m.fields.get("num_steps"), total_tokens=m.fields.get("total_tokens"),
             training_seconds=m.fields.get("training_seconds"), wall_seconds=m.fields.get("wall_seconds"),
             eval_seconds=m.fields.get("eval_seconds"), budget=figures, log_path=str(m.run_dir / "train.log"),
+            device=m.device,
         )
         if figures is not None:
             m.fields["budget"] = figures
-        if m.outcome is not None and m.outcome.result and m.outcome.result.get("curve") and status == "ok":
-            m.fields["curve"] = m.outcome.result["curve"]
+        if m.result and m.result.get("curve") and status == "ok":
+            m.fields["curve"] = m.result["curve"]
         return m
 
 
@@ -336,20 +302,6 @@ def _result_of(run_dir: Path) -> dict:
         return json.loads((run_dir / "result.json").read_text())
     except (OSError, ValueError):
         return {}
-
-
-def _fields(outcome: RunOutcome) -> dict:
-    result = outcome.result or {}
-    fields = {
-        "wall_seconds": outcome.wall_seconds,
-        "error_tail": outcome.error_tail if outcome.status != "ok" else None,
-        "result": {k: v for k, v in result.items() if k != "curve"} or None,
-    }
-    for key in RESULT_FIELDS:
-        value = result.get(key)
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            fields[key] = int(value) if key in _INTEGER_FIELDS else float(value)
-    return fields
 
 
 def _now() -> str:

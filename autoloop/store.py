@@ -374,9 +374,12 @@ def _m0002_trust_and_noise(conn: sqlite3.Connection) -> None:
     conn.execute("CREATE INDEX measurements_for ON measurements(for_trial_id)")
 
 
-def _m0004_workers(conn: sqlite3.Connection) -> None:
-    """Several workers (autoloop.executors): which worker trained a trial (`trials.worker`),
-    and in islands mode each lineage's incumbent (`runs.islands`: {lineage: trial id})."""
+def _m0003_workers(conn: sqlite3.Connection) -> None:
+    """Several workers (autoloop.executors): the device a run trained on
+    (`measurements.device`: "cpu", or the CUDA device's name as nvidia-smi gives it; older
+    rows have NULL), which worker trained a trial (`trials.worker`), and in islands mode
+    each lineage's incumbent (`runs.islands`: {lineage: trial id})."""
+    conn.execute("ALTER TABLE measurements ADD COLUMN device TEXT")
     conn.execute("ALTER TABLE trials ADD COLUMN worker TEXT")
     conn.execute("ALTER TABLE runs ADD COLUMN islands TEXT")
 
@@ -384,7 +387,7 @@ def _m0004_workers(conn: sqlite3.Connection) -> None:
 MIGRATIONS: list[tuple[str, Callable[[sqlite3.Connection], None]]] = [
     ("0001_initial", _m0001_initial),
     ("0002_trust_and_noise", _m0002_trust_and_noise),
-    ("0004_workers", _m0004_workers),
+    ("0003_workers", _m0003_workers),
 ]
 
 

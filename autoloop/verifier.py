@@ -7,10 +7,14 @@ of this off, for tests with fake scripts) and calls it at four points:
   still what they were when this invocation started (and, at the first call, the data
   splits still match the hashes recorded when they were prepared). A difference pauses
   the run with the changed files named.
-* `snapshot(controller)` right before a training process starts, and
-* `check_trial(controller, trial, outcome, before)` right after it ends: a trial that
-  changed the harness or the data is `invalid`; a finished one whose report breaks its
-  budget or names another dataset or harness is `invalid` (autoloop.integrity).
+* around each training run, the worker half of the measurement (autoloop.worker, which
+  may run in another process or on another machine) takes the snapshot before and after
+  and applies the same rules as `check_trial(controller, trial, outcome, before)`: a
+  trial that changed the harness or the data is `invalid` (and the run pauses, through
+  `Controller.worker_pause` and the next `check_run`); a finished one whose report breaks
+  its budget or names another dataset or harness (`harness_fingerprint`) is `invalid`
+  (autoloop.integrity). Planted bytecode alone is removed and rewritten by the worker;
+  `refresh_bytecode` then updates the reference here.
 * `verifier(controller, trial, outcome, fields) -> Verdict` for a trial the decision would
   keep (only when `config.verify`): the trial's train.py (and the other editable files
   named by a literal path) are read from its commit into the trial folder's `source/`,
@@ -124,13 +128,26 @@ class Verifier:
         found = integrity.changes(self._reference, now)
         return integrity.describe_pause(found, controller.tag) if found else None
 
-    def _rewarm(self) -> None:
-        from autoloop.evaluation import PYCACHE_KINDS, warm_pycache
+    @property
+    def harness_fingerprint(self) -> str | None:
+        """The harness's fingerprint when this invocation began (None before `check_run`):
+        a run's report naming another harness is invalid (it goes into each MeasureJob)."""
+        return self._harness_fingerprint
 
-        for kind in PYCACHE_KINDS:
-            warm_pycache(kind, self.python, self.pycache_root(), force=True)
-        if not sys.dont_write_bytecode:
-            integrity.precompile_harness(self.harness_dir)
+    def _rewarm(self) -> None:
+        from autoloop.worker import rewarm_bytecode
+
+        rewarm_bytecode(self.harness_dir, self.python, self.pycache_root())
+
+    def refresh_bytecode(self, controller) -> None:
+        """A run's planted bytecode was removed and written again by the trusted warm-up
+        (autoloop.worker): the reference takes the fresh bytecode, so the next `check_run`
+        compares with what the runs after it will find, and the run goes on."""
+        if self._reference is not None:
+            import dataclasses
+
+            fresh = self.snapshot(controller)
+            self._reference = dataclasses.replace(self._reference, bytecode=fresh.bytecode)
 
     def check_trial(self, controller, trial: dict, outcome: RunOutcome, before: integrity.Snapshot | None,
                     feed: dict | None = None) -> str | None:
@@ -147,11 +164,7 @@ class Verifier:
                     # Only bytecode: removed, and written again by the trusted warm-up, so the
                     # runs after this one are measured with the real harness and the run goes on.
                     self._rewarm()
-                    if self._reference is not None:
-                        import dataclasses
-
-                        fresh = self.snapshot(controller)
-                        self._reference = dataclasses.replace(self._reference, bytecode=fresh.bytecode)
+                    self.refresh_bytecode(controller)
                 return "changed the fixed harness or data while it ran: " + "; ".join(found)
         if outcome.status != "ok":
             return None

@@ -68,7 +68,8 @@ def make_executor(controller) -> Executor:
             from autoloop.executors.ray import RayExecutor
         except ImportError as exc:
             raise AutoloopError(f"--executor ray needs Ray ({exc}): pip install 'autoloop[ray]'") from exc
-        ray = RayExecutor(address=cfg.ray_address, workers=cfg.workers or None)
+        # repo_dir: a job sends its commit's tracked files, so modules train.py imports reach the node.
+        ray = RayExecutor(address=cfg.ray_address, workers=cfg.workers or None, repo_dir=controller.repo_dir)
         executor = Executor("ray", list(ray.slots), ray.close)
     else:
         raise AutoloopError(f"executor = {cfg.executor!r} is not one of serial, local, ray: fix the setting")

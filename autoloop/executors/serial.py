@@ -1,0 +1,45 @@
+"""The serial slot: measurements run one at a time, in the controller's process and folder.
+
+What autoloop always did, expressed as a Slot (autoloop.executors): the commit is checked
+out in the repository itself (`Controller.checkout_for_measurement`), and `run_job`
+(autoloop.worker) runs in this process, so the training process is the controller's own
+child and the controller records its process group directly through `on_start`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+from autoloop.job import JobResult, MeasureJob
+
+
+class SerialSlot:
+    """One slot, the controller's own folder and devices (no device environment of its own)."""
+
+    name = "serial"
+
+    def __init__(self, controller):
+        self.controller = controller
+        self.device_env: dict[str, str] = {}
+
+    @property
+    def project_dir(self) -> Path:
+        return self.controller.repo_dir
+
+    def prepare(self, commit: str) -> None:
+        self.controller.checkout_for_measurement(commit)
+
+    def run(self, job: MeasureJob, run_dir: Path, on_start: Callable | None = None,
+            should_abort: Callable[[], bool] | None = None) -> JobResult:
+        from autoloop import measure
+        from autoloop.worker import run_job
+
+        # autoloop.measure.run_training is the runner tests replace to fake a training run.
+        result = run_job(job, project_dir=self.project_dir, run_dir=run_dir, on_start=on_start,
+                         should_abort=should_abort, runner=measure.run_training)
+        result.worker = self.name
+        return result
+
+    def close(self) -> None:
+        pass

@@ -331,6 +331,8 @@ class Controller:
         if item.kind == "resume" and self.config.search_mode == "islands":
             row = self.store.trial_by_id(item.derived_from)
             lineage = row.get("lineage") if row and row.get("lineage") not in (None, "main") else lineage
+        if item.kind in ("baseline", "rerun") or item.trial_kind in (Kind.BASELINE, Kind.RERUN, Kind.DRIFT):
+            lineage = None  # the run's own incumbent, shared by every lineage
         self._local.lineage = lineage
         try:
             return self.execute(item)
@@ -377,7 +379,7 @@ class Controller:
         islands = self._islands()
         islands[lineage] = trial["id"]
         self.store.update_run(self.run_row["id"], islands=islands)
-        self.repo.set_ref(f"refs/heads/{self._lineage_branch(lineage)}", trial["trial_commit"])
+        self.repo.set_lineage_branch(self._lineage_branch(lineage), trial["trial_commit"])
         return self._best_of_islands(islands, extra=trial)["trial_commit"]
 
     def _best_of_islands(self, islands: dict[str, int], extra: dict | None = None) -> dict:
@@ -415,7 +417,7 @@ class Controller:
                 if trial_id == best["id"] or row is None or row.get("metric") is None or row["metric"] <= best["metric"]:
                     continue
                 islands[lineage] = best["id"]
-                self.repo.set_ref(f"refs/heads/{self._lineage_branch(lineage)}", best["trial_commit"])
+                self.repo.set_lineage_branch(self._lineage_branch(lineage), best["trial_commit"])
                 moved.append(f"{lineage} adopts trial {best['number']} ({best['metric']:.4f} < {row['metric']:.4f})")
             if moved:
                 self.store.update_run(self.run_row["id"], islands=islands)

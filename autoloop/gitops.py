@@ -51,10 +51,13 @@ they fall back to `autoloop <autoloop@localhost>` so a run never stops on
 
 from __future__ import annotations
 
+import functools
+import inspect
 import os
 import re
 import shutil
 import tempfile
+import threading
 from pathlib import Path
 
 import git
@@ -83,10 +86,30 @@ def validate_tag(tag: str) -> str:
     return tag
 
 
+def _one_at_a_time(cls):
+    """Every method of `cls` holds the instance's lock: GitPython keeps one `git cat-file
+    --batch` process per Repo, and two threads talking to it at once (trials on several
+    workers) read each other's answers ("SHA could not be resolved") or hang."""
+    for name, member in list(vars(cls).items()):
+        if name.startswith("__") or not inspect.isfunction(member):
+            continue
+
+        def locked(self, *args, __method=member, **kwargs):
+            with self._lock:
+                return __method(self, *args, **kwargs)
+
+        functools.update_wrapper(locked, member)
+        setattr(cls, name, locked)
+    return cls
+
+
+@_one_at_a_time
 class GitRepo:
-    """A git working copy, seen through the operations the controller needs."""
+    """A git working copy, seen through the operations the controller needs. Safe to share
+    between threads: one operation at a time."""
 
     def __init__(self, repo: git.Repo, project: str | Path | None = None):
+        self._lock = threading.RLock()
         self.repo = repo
         self.toplevel = Path(repo.working_tree_dir)  # type: ignore[arg-type]
         self.root = Path(project) if project is not None else self.toplevel  # the project folder
@@ -331,6 +354,15 @@ class GitRepo:
         ref = f"{REF_PREFIX}{validate_tag(tag)}/trials/{int(number)}"
         self._git("update-ref", "-m", f"autoloop: archive trial {number}", ref, sha)
         return ref
+
+    def set_lineage_branch(self, branch: str, sha: str) -> None:
+        """Point a lineage's branch (`autoloop/<tag>-w<k>`, islands mode) at `sha` without
+        checking it out: only the run's own branch is ever checked out."""
+        if not branch.startswith(BRANCH_PREFIX) or not self._succeeds("check-ref-format", f"refs/heads/{branch}"):
+            raise ValueError(f"{branch!r} is not a valid branch under {BRANCH_PREFIX}")
+        if self.current_branch() == branch:
+            raise ValueError(f"{branch!r} is checked out: move it with checkout_commit")
+        self._git("update-ref", f"refs/heads/{branch}", sha)
 
     def set_ref(self, ref: str, sha: str) -> None:
         """Point a ref under refs/autoloop/ at `sha` (e.g. to keep an orphaned branch tip

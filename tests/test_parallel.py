@@ -36,7 +36,7 @@ def fake_source(**constants) -> str:
     them merge cleanly (as separate hyperparameters in a real train.py would)."""
     source = FAKE_TRAIN.read_text().replace("RECORD_WORKER = False", "RECORD_WORKER = True")
     for name, value in constants.items():
-        line = next(line for line in source.splitlines() if line.startswith(f"{name} = "))
+        line = next(line for line in source.splitlines() if line.startswith(f"{name} = ") and "#" in line)
         source = source.replace(line + "\n", f"\n# {name.lower()}\n{name} = {value!r}  # set by the test\n\n")
     return source
 
@@ -74,7 +74,7 @@ def test_local_workers_train_at_once_each_on_its_device_and_worktree(wide_repo):
 
 
 def test_shared_incumbent_rebases_a_keep_that_a_newer_best_overtook(wide_repo):
-    seed(wide_repo, "lr 0.01", "LR=0.01", "SLEEP=0.2")
+    seed(wide_repo, "lr 0.01", "LR=0.01")
     seed(wide_repo, "width 64", "WIDTH=64", "SLEEP=4.0")  # slower: still training when the first is kept
     summary = run_loop(wide_repo, executor="local", workers=2, max_trials=4)
     rows = trials(wide_repo)

@@ -109,6 +109,10 @@ class LocalSlot:
         job_file, result_file = run_dir / "job.json", run_dir / "job-result.json"
         for stale in (result_file, run_dir / "pids.json", run_dir / "ABORT"):
             stale.unlink(missing_ok=True)
+        import dataclasses
+
+        job = dataclasses.replace(job, project_dir=str(self.project_dir), run_dir=str(run_dir),
+                                  env={**(job.env or {}), **self.device_env})
         job_file.write_text(job.to_json())
         env = dict(os.environ)
         env.update(self.device_env)

@@ -45,6 +45,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from autoloop import pyast
 from autoloop.errors import AutoloopError
 
 REQUIRED = ("model_config", "build_model", "build_optimizers", "make_train_step")
@@ -76,7 +77,7 @@ PARTS = ("overfit", "lr", "budget", "device")
 def missing_interface(train_py: Path) -> list[str]:
     """The required function names train.py does not define at top level (read, not imported)."""
     try:
-        tree = ast.parse(Path(train_py).read_text())
+        tree = pyast.parse(Path(train_py).read_text())
     except (OSError, SyntaxError, ValueError) as exc:
         raise AutoloopError(f"cannot read {train_py} ({exc}): fix the script") from None
     defined = {node.name for node in tree.body if isinstance(node, (ast.FunctionDef, ast.ClassDef))}

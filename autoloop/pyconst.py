@@ -13,6 +13,7 @@ import re
 from dataclasses import dataclass
 
 from autoloop.errors import AutoloopError
+from autoloop import pyast
 
 _CONSTANT_NAME = re.compile(r"^[A-Z][A-Z0-9_]*$")
 
@@ -38,7 +39,7 @@ def _literal(node: ast.expr):
         expr = ast.Expression(body=node)
         ast.fix_missing_locations(expr)
         if all(isinstance(n, (ast.Expression, ast.BinOp, ast.UnaryOp, ast.Constant, ast.operator, ast.unaryop)) for n in ast.walk(expr)):
-            return eval(compile(expr, "<constant>", "eval"), {"__builtins__": {}})
+            return eval(pyast.compile_tree(expr, "<constant>", "eval"), {"__builtins__": {}})
     except Exception:
         pass
     return None
@@ -78,7 +79,7 @@ def read_constants(source: str, device: str | None = None) -> dict[str, Constant
     the line an edit must change to have an effect. Its hint comment falls back to the
     top-level one. `device` defaults to the device train.py picks on this machine.
     """
-    tree = ast.parse(source)
+    tree = pyast.parse(source)
     lines = source.splitlines()
     found: dict[str, Constant] = {}
     device = device or current_device()
@@ -137,10 +138,10 @@ def format_value(value) -> str:
 def parse_value(text: str):
     """A `--set NAME=VALUE` value: a Python literal, else the expression text itself."""
     try:
-        return ast.literal_eval(text)
+        return ast.literal_eval(pyast.parse(text.lstrip(" \t"), mode="eval"))
     except (ValueError, SyntaxError):
         try:
-            ast.parse(text, mode="eval")
+            pyast.parse(text, mode="eval")
         except SyntaxError:
             raise AutoloopError(f"{text!r} is not a Python value or expression: quote it as a literal, e.g. NAME=0.02 or NAME='adamw'") from None
         return Expression(text)

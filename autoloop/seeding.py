@@ -29,6 +29,7 @@ from pathlib import Path
 from autoloop.config import Config
 from autoloop.errors import AutoloopError
 from autoloop.pyconst import Constant, _literal, parse_value, read_constants
+from autoloop import pyast
 
 # train.py is ~30 KB, so a rewrite of the whole file is well under 100 KB; 1 MB leaves
 # ten times that. The text is stored again in the trial's edits and diff, so a 20 MB
@@ -68,7 +69,7 @@ def check_value(constant: Constant, text: str, known: dict[str, Constant], path:
         parse_value(text)
     except AutoloopError as exc:  # no Python expression at all
         raise AutoloopError(f"--set {name}={text}: {exc}") from None
-    node = ast.parse(text, mode="eval").body
+    node = pyast.parse(text, mode="eval").body
     names = sorted({n.id for n in ast.walk(node) if isinstance(n, ast.Name)} - set(known))
     if names:
         raise AutoloopError(

@@ -47,24 +47,60 @@ def wide_repo(tmp_path) -> Path:
     return make_repo(tmp_path / "repo", fake_source(WIDTH=128, LR=0.02, SLEEP=0.0))
 
 
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """A local Ray cluster with two pretend GPUs, its files in a short temporary folder
+    (Ray's unix sockets do not fit under pytest's tmp_path)."""
+    ray = pytest.importorskip("ray")
+    import shutil
+    import tempfile
+
+    temp = tempfile.mkdtemp(prefix="ray", dir="/tmp")
+    saved = {k: os.environ.get(k) for k in ("RAY_AUTH_MODE", "RAY_USAGE_STATS_ENABLED")}
+    os.environ.update(RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0")
+    ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, _temp_dir=temp, log_to_driver=False)
+    yield
+    ray.shutdown()
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    shutil.rmtree(temp, ignore_errors=True)
+
+
+@pytest.fixture(params=["local", "ray"])
+def executor(request) -> str:
+    if request.param == "ray":
+        request.getfixturevalue("ray_cluster")
+    return request.param
+
+
 def overlapping(a: dict, b: dict) -> bool:
     return a["started_at"] < b["finished_at"] and b["started_at"] < a["finished_at"]
 
 
-def test_local_workers_train_at_once_each_on_its_device_and_worktree(wide_repo):
+def test_workers_train_at_once_each_on_its_own_device_and_folder(wide_repo, executor):
     for k, lr in enumerate((0.03, 0.04, 0.05, 0.06)):
         seed(wide_repo, f"lr {lr}", f"LR={lr}", "SLEEP=1.5")
-    summary = run_loop(wide_repo, executor="local", workers=2, max_trials=5)
+    summary = run_loop(wide_repo, executor=executor, workers=2, max_trials=5)
     assert summary.stop_reason == "reached --max-trials 5", summary
     rows = trials(wide_repo)
     assert [r["status"] for r in rows] == ["keep"] + ["discard"] * 4
     proposals = rows[1:]
-    assert {r["worker"] for r in proposals} == {"w0", "w1"}
+    names = {"local": {"w0", "w1"}, "ray": {"ray-w0", "ray-w1"}}[executor]
+    assert {r["worker"] for r in proposals} == names
+    devices = {}
     for row in proposals:
         seen = row["result"]["worker"]
-        k = int(row["worker"][1:])
-        assert seen["CUDA_VISIBLE_DEVICES"] == str(k)  # pinned to its own (pretend) device
-        assert Path(seen["cwd"]) == wide_repo / ".autoloop" / TAG / "workers" / row["worker"]
+        if executor == "local":
+            k = int(row["worker"][1:])
+            assert seen["CUDA_VISIBLE_DEVICES"] == str(k)  # pinned to its own (pretend) device
+            assert Path(seen["cwd"]) == wide_repo / ".autoloop" / TAG / "workers" / row["worker"]
+        else:  # Ray pins the GPU it granted the worker's actor; the project is a folder on the node
+            assert seen["CUDA_VISIBLE_DEVICES"] in ("0", "1") and not Path(seen["cwd"]).is_relative_to(wide_repo)
+        devices.setdefault(row["worker"], set()).add(seen["CUDA_VISIBLE_DEVICES"])
+    assert all(len(d) == 1 for d in devices.values()) and len(set.union(*devices.values())) == 2
     # Two trials trained at the same time, on different workers.
     assert any(overlapping(a, b) for a in proposals for b in proposals if a["worker"] != b["worker"])
     assert_consistent(wide_repo)
@@ -73,10 +109,10 @@ def test_local_workers_train_at_once_each_on_its_device_and_worktree(wide_repo):
     store.close()
 
 
-def test_shared_incumbent_rebases_a_keep_that_a_newer_best_overtook(wide_repo):
+def test_shared_incumbent_rebases_a_keep_that_a_newer_best_overtook(wide_repo, executor):
     seed(wide_repo, "lr 0.01", "LR=0.01")
     seed(wide_repo, "width 64", "WIDTH=64", "SLEEP=4.0")  # slower: still training when the first is kept
-    summary = run_loop(wide_repo, executor="local", workers=2, max_trials=4)
+    summary = run_loop(wide_repo, executor=executor, workers=2, max_trials=4)
     rows = trials(wide_repo)
     by_description = {r["description"]: r for r in rows}
     fast, slow = by_description["lr 0.01"], by_description["width 64"]
@@ -92,19 +128,20 @@ def test_shared_incumbent_rebases_a_keep_that_a_newer_best_overtook(wide_repo):
     assert_consistent(wide_repo)
 
 
-def test_islands_advance_their_own_lineages_and_migrate(wide_repo):
+def test_islands_advance_their_own_lineages_and_migrate(wide_repo, executor):
     seed(wide_repo, "lr 0.01", "LR=0.01", "SLEEP=0.3")  # the better island
     seed(wide_repo, "lr 0.05", "LR=0.05", "SLEEP=0.3")
     seed(wide_repo, "lr 0.015", "LR=0.015", "SLEEP=0.3")
     seed(wide_repo, "lr 0.03", "LR=0.03", "SLEEP=0.3")
-    run_loop(wide_repo, executor="local", workers=2, max_trials=5, search_mode="islands", migrate_every=2)
+    run_loop(wide_repo, executor=executor, workers=2, max_trials=5, search_mode="islands", migrate_every=2)
     store = Store(wide_repo / "experiments.db")
     run = store.get_run(TAG)
     rows = store.trials(run["id"])
     events = [e for e in store.events(run["id"]) if e["kind"] == "migration"]
     store.close()
     proposals = rows[1:]
-    assert {r["lineage"] for r in proposals} == {"w0", "w1"} and rows[0]["lineage"] == "main"
+    assert {r["lineage"] for r in proposals} == {r["worker"] for r in proposals} and rows[0]["lineage"] == "main"
+    assert len({r["lineage"] for r in proposals}) == 2
     repo = GitRepo.open(wide_repo)
     islands = run["islands"]
     for lineage, trial_id in islands.items():
@@ -121,53 +158,51 @@ def test_islands_advance_their_own_lineages_and_migrate(wide_repo):
     assert len(set(islands.values())) == 1  # after the migration both lineages hold the best
 
 
-def _kill_first_worker_of(repo: Path, description: str, done: threading.Event, killed: list) -> None:
-    """Wait for the trial `description` to train on a worker, then SIGKILL that worker."""
+def _kill_the_worker_of(pidfile: Path, done: threading.Event, killed: list) -> None:
+    """Wait until the victim trial's training writes its pid file, then SIGKILL the worker
+    running it (its parent: the local worker process, or the Ray actor)."""
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and not done.is_set():
         time.sleep(0.2)
-        if not (repo / "experiments.db").exists():
-            continue
-        store = Store(repo / "experiments.db")
         try:
-            run = store.get_run(TAG)
-            if run is None:
-                continue
-            victim = next((t for t in store.running_trials(run["id"]) if t["description"] == description
-                           and t.get("pgid")), None)
-            workers = [p for p in store.live_processes(run["id"]) if p["what"] == "worker"]
-        finally:
-            store.close()
-        if victim is None:
-            continue
-        worker = next((p for p in workers if Path(p["path"]).name == victim["worker"]), None)
-        if worker is None:
+            pids = json.loads(pidfile.read_text())
+        except (OSError, ValueError):
             continue
         time.sleep(0.5)
-        os.killpg(worker["pgid"], signal.SIGKILL)
-        killed.append({"trial": victim["number"], "worker": victim["worker"], "training_pgid": victim["pgid"]})
+        os.kill(pids["ppid"], signal.SIGKILL)
+        killed.append(pids)
         return
 
 
-def test_a_worker_killed_mid_trial_interrupts_its_trial_and_the_idea_runs_again(wide_repo):
-    seed(wide_repo, "victim", "LR=0.03", "SLEEP=6.0")
+def test_a_worker_killed_mid_trial_interrupts_its_trial_and_the_idea_runs_again(wide_repo, executor, tmp_path):
+    pidfile = tmp_path / "victim.json"
+    seed(wide_repo, "victim", "LR=0.03", "SLEEP=6.0", f"PIDFILE={str(pidfile)!r}")
     seed(wide_repo, "bystander", "LR=0.04", "SLEEP=2.0")
     done, killed = threading.Event(), []
-    killer = threading.Thread(target=_kill_first_worker_of, args=(wide_repo, "victim", done, killed), daemon=True)
+    killer = threading.Thread(target=_kill_the_worker_of, args=(pidfile, done, killed), daemon=True)
     killer.start()
     try:
-        run_loop(wide_repo, executor="local", workers=2, max_trials=4)
+        run_loop(wide_repo, executor=executor, workers=2, max_trials=4)
     finally:
         done.set()
         killer.join()
-    assert killed, "the victim's worker was never seen training"
+    assert killed, "the victim never trained"
     rows = trials(wide_repo)
     victims = [r for r in rows if r["description"] == "victim"]
-    assert victims[0]["status"] == "interrupted" and f"worker {killed[0]['worker']} lost" in victims[0]["reason"]
+    assert victims[0]["status"] == "interrupted" and "lost" in victims[0]["reason"], victims[0]["reason"]
     assert len(victims) == 2 and victims[1]["status"] == "discard"  # its idea went back to the queue and ran
     assert [r["status"] for r in rows if r["description"] == "bystander"] == ["discard"]
-    assert not process_group_alive(killed[0]["training_pgid"])  # its training did not outlive it
+    assert not _alive(killed[0]["pid"])  # its training did not outlive its worker
     assert_consistent(wide_repo)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = Path(f"/proc/{pid}/stat")
+    return not (stat.exists() and stat.read_text().split(")")[-1].split()[0] == "Z")
 
 
 @pytest.mark.slow

@@ -74,6 +74,7 @@ from dataclasses import dataclass, replace
 
 from autoloop.errors import AutoloopError
 from autoloop.pyconst import Constant, Expression, current_device, device_branch, read_constants
+from autoloop import pyast
 
 GROUP_ORDER = ("lr", "batch", "weight_decay", "schedule", "other", "speed", "architecture")
 GROUP_LABELS = {
@@ -127,11 +128,11 @@ def _number(text: str) -> float:
         return float(text)
     except ValueError:
         pass
-    node = ast.parse(text, mode="eval")  # SyntaxError: not a number
+    node = pyast.parse(text, mode="eval")  # SyntaxError: not a number
     if not all(isinstance(n, (ast.Expression, ast.BinOp, ast.UnaryOp, ast.Constant, ast.operator, ast.unaryop))
                for n in ast.walk(node)):
         raise ValueError(text)
-    value = eval(compile(node, "<hint>", "eval"), {"__builtins__": {}})
+    value = eval(pyast.compile_tree(node, "<hint>", "eval"), {"__builtins__": {}})
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(text)
     return float(value)
@@ -485,7 +486,7 @@ def _reassigned_in_blocks(source: str) -> set[str]:
     where that block runs, an edit of the top-level constant has no effect."""
     names: set[str] = set()
     device = current_device()
-    for node in ast.parse(source).body:
+    for node in pyast.parse(source).body:
         if device_branch(node, device) is not None:
             continue  # a device block: read_constants already edits the line that runs here
         if isinstance(node, (ast.If, ast.With, ast.Try, ast.For, ast.While)):

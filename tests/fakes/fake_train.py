@@ -21,6 +21,7 @@ NOISE = 0.0  # sd of a per-seed draw added to val_bpb (seed noise, as in real tr
 SALT = 0  # which random stream the seed draws from: a change re-draws the noise (an init-only change)
 OFFSET_FILE = ""  # a file holding a number added to val_bpb (a machine that drifts)
 RECORD_WORKER = False  # put CUDA_VISIBLE_DEVICES and the working folder into the result (executor tests)
+PIDFILE = ""  # write {"pid", "ppid"} here at the start (a test that kills the worker running it)
 
 
 def val_bpb() -> float:
@@ -37,6 +38,10 @@ def val_bpb() -> float:
 
 def main() -> None:
     start = time.time()
+    if PIDFILE:
+        with open(PIDFILE + ".tmp", "w") as handle:
+            json.dump({"pid": os.getpid(), "ppid": os.getppid()}, handle)
+        os.replace(PIDFILE + ".tmp", PIDFILE)
     progress = os.environ.get("AUTOLOOP_PROGRESS")
     if progress:
         with open(progress, "a") as handle:

@@ -44,7 +44,7 @@ from autoloop.store import Kind, Status
 LOG_FIELDS = ("number", "kind", "status", "reason", "metric", "metric_source", "delta", "best_before",
               "description", "proposer", "minutes", "trial_commit", "heldout_metric", "flags")
 # Also in `log --json`, for scripts and agents.
-LOG_JSON_EXTRA = ("lineage", "idea_id", "parent_commit", "started_at", "finished_at")
+LOG_JSON_EXTRA = ("lineage", "worker", "idea_id", "parent_commit", "started_at", "finished_at")
 # The uncertainty of a trial's metric (autoloop.effects); None for trials of one run
 # without a noise-aware decision (older databases).
 LOG_UNCERTAINTY = ("metric_sd", "n_runs", "distinguishable", "near_miss")

@@ -71,6 +71,12 @@ class Scheduler:
         if running:
             return WorkItem("resume", reason=f"resume trial {running[0]['number']}", derived_from=running[0]["id"],
                             trial_kind=Kind(running[0]["kind"]))
+        limit = max(1, self.controller.config.max_consecutive_failures)
+        lost = self._lost_tail(limit)
+        if lost:
+            return WorkItem("pause", reason=(
+                f"{len(lost)} trials in a row lost their worker (last: {lost[-1]['reason']}): a node or GPU is down, "
+                f"or something kills the workers; fix it and resume with `autoloop run --tag {self.controller.tag}`"))
         trials = self._recent()
         baselines = [t for t in self._trials(kind=Kind.BASELINE) if t["status"] != Status.INTERRUPTED.value]
         if not any(t["status"] == Status.KEEP.value for t in baselines):
@@ -79,7 +85,6 @@ class Scheduler:
                 return WorkItem("pause", reason=self._diagnose(f"the baseline fails: {failed[-1]['reason']}"))
             return WorkItem("baseline", reason="baseline: the unmodified training script", trial_kind=Kind.BASELINE)
         tail = self._failure_tail(trials)
-        limit = max(1, self.controller.config.max_consecutive_failures)
         if tail and tail[-1]["kind"] == Kind.RERUN.value:
             return WorkItem("pause", reason=self._diagnose(f"the incumbent itself failed on re-run: {tail[-1]['reason']}"))
         if len(tail) >= limit:
@@ -234,6 +239,17 @@ class Scheduler:
             return WorkItem("proposal", reason=proposal.description, proposal=proposal, parent=parent,
                             derived_from=trial["id"], trial_kind=Kind.PROPOSAL)
         return None
+
+    def _lost_tail(self, limit: int) -> list[dict]:
+        """This invocation's last `limit` trials, if every one was interrupted by a lost
+        worker: their ideas go back to the queue, so without this a dead node would take
+        them (and the night) one after another."""
+        window = [t for t in self._trials(last=limit) if t["number"] >= self.first_number]
+        if len(window) < limit:
+            return []
+        if all(t["status"] == Status.INTERRUPTED.value and "lost" in (t.get("reason") or "") for t in window):
+            return window
+        return []
 
     @staticmethod
     def _failure_tail(trials: list[dict]) -> list[dict]:

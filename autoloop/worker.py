@@ -444,6 +444,23 @@ def _terminate(signum, frame) -> None:
     raise SystemExit(128 + signum)
 
 
+WARMED_ENV = "AUTOLOOP_WARMED_PYCACHE"
+
+
+def _inherit_warm_pycache() -> None:
+    """Bytecode prefixes the parent (the controller, on this machine) has already filled by
+    its trusted warm-up: a worker process per job need not import torch again to redo it."""
+    from autoloop import evaluation
+
+    try:
+        keys = json.loads(os.environ.pop(WARMED_ENV, "") or "[]")
+    except ValueError:
+        return
+    for key in keys:
+        if isinstance(key, list) and len(key) == 4:
+            evaluation._warmed.add(tuple(key))
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the job in JOB_JSON, write its JobResult to RESULT_JSON; exit 0 when written.
 
@@ -462,6 +479,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     run_dir = Path(job.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    _inherit_warm_pycache()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _terminate)
 

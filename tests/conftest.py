@@ -87,3 +87,40 @@ def make_repo(path: Path, train_source: str, extra_files: dict[str, str] | None 
 def fake_repo(tmp_path) -> Path:
     """A git repo whose train.py is the fake training script (instant, scriptable)."""
     return make_repo(tmp_path / "repo", FAKE_TRAIN.read_text())
+
+
+def ray_temp_dir(tmp_path_factory, name: str) -> Path:
+    """A folder for Ray's temp files and state inside this test session's temporary
+    folder; Ray's unix socket paths must stay short (about 100 bytes with its own
+    suffixes), so a base folder too deep for that falls back to a short one in /tmp."""
+    import tempfile
+
+    base = tmp_path_factory.getbasetemp()
+    if len(str(base / name)) <= 40:
+        path = base / name
+        path.mkdir(exist_ok=True)
+        return path
+    return Path(tempfile.mkdtemp(prefix=name, dir="/tmp"))
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(tmp_path_factory):
+    """A local Ray cluster with two pretend GPUs (`ray.init(num_cpus=2, num_gpus=2)`), its
+    temp files inside the session's temporary folder; shut down after the module."""
+    ray = pytest.importorskip("ray")
+    import shutil
+
+    temp = ray_temp_dir(tmp_path_factory, "ray")
+    saved = {k: os.environ.get(k) for k in ("RAY_AUTH_MODE", "RAY_USAGE_STATS_ENABLED")}
+    os.environ.update(RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0")
+    ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, _temp_dir=str(temp), log_to_driver=False)
+    try:
+        yield temp
+    finally:
+        ray.shutdown()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        shutil.rmtree(temp, ignore_errors=True)

@@ -9,9 +9,6 @@ Step mode on a CPU is deterministic, so the numbers agree exactly.
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
 
 import pytest
 from conftest import make_repo
@@ -47,18 +44,6 @@ def _run(repo, executor: str) -> tuple[list, list]:
     finally:
         store.close()
     return trials, measurements
-
-
-@pytest.fixture(scope="module")
-def ray_cluster():
-    ray = pytest.importorskip("ray")
-    tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
-    ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, _temp_dir=tmp, log_to_driver=False)
-    yield
-    ray.shutdown()
-    shutil.rmtree(tmp, ignore_errors=True)
 
 
 @pytest.mark.slow

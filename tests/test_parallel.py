@@ -47,28 +47,6 @@ def wide_repo(tmp_path) -> Path:
     return make_repo(tmp_path / "repo", fake_source(WIDTH=128, LR=0.02, SLEEP=0.0))
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    """A local Ray cluster with two pretend GPUs, its files in a short temporary folder
-    (Ray's unix sockets do not fit under pytest's tmp_path)."""
-    ray = pytest.importorskip("ray")
-    import shutil
-    import tempfile
-
-    temp = tempfile.mkdtemp(prefix="ray", dir="/tmp")
-    saved = {k: os.environ.get(k) for k in ("RAY_AUTH_MODE", "RAY_USAGE_STATS_ENABLED")}
-    os.environ.update(RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0")
-    ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, _temp_dir=temp, log_to_driver=False)
-    yield
-    ray.shutdown()
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
-    shutil.rmtree(temp, ignore_errors=True)
-
-
 @pytest.fixture(params=["local", "ray"])
 def executor(request) -> str:
     if request.param == "ray":
@@ -103,6 +81,20 @@ def test_workers_train_at_once_each_on_its_own_device_and_folder(wide_repo, exec
     assert all(len(d) == 1 for d in devices.values()) and len(set.union(*devices.values())) == 2
     # Two trials trained at the same time, on different workers.
     assert any(overlapping(a, b) for a in proposals for b in proposals if a["worker"] != b["worker"])
+    # status and the report count trials per worker.
+    from autoloop.report import report_data
+    from autoloop.review import format_status, run_status
+
+    store = Store(wide_repo / "experiments.db")
+    try:
+        run = store.get_run(TAG)
+        status = format_status(run_status(store, run, wide_repo))
+        per_worker = {w["worker"]: w["trials"] for w in report_data(store, run)["workers"]}
+    finally:
+        store.close()
+    counts = {name: sum(r["worker"] == name for r in rows) for name in names}
+    assert per_worker == counts and sum(counts.values()) == len(rows)  # the baseline ran on a worker too
+    assert "workers: " in status and all(f"{name} {n} trials" in status for name, n in counts.items())
     assert_consistent(wide_repo)
     store = Store(wide_repo / "experiments.db")
     assert store.live_processes() == []  # every worker process ended and was recorded so
@@ -194,6 +186,17 @@ def test_a_worker_killed_mid_trial_interrupts_its_trial_and_the_idea_runs_again(
     assert [r["status"] for r in rows if r["description"] == "bystander"] == ["discard"]
     assert not _alive(killed[0]["pid"])  # its training did not outlive its worker
     assert_consistent(wide_repo)
+
+
+def test_workers_that_keep_dying_pause_the_run(tmp_path):
+    repo = make_repo(tmp_path / "repo", fake_source(MODE="kill_worker"))
+    summary = run_loop(repo, executor="local", workers=2, max_trials=10)
+    assert summary.paused and "3 trials in a row lost their worker" in summary.stop_reason
+    rows = trials(repo)
+    assert [r["status"] for r in rows] == ["interrupted"] * 3 and all("lost" in r["reason"] for r in rows)
+    store = Store(repo / "experiments.db")
+    assert store.live_processes() == []
+    store.close()
 
 
 def _alive(pid: int) -> bool:

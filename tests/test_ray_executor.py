@@ -27,7 +27,7 @@ ray = pytest.importorskip("ray")
 
 from autoloop.executors import ray as R  # noqa: E402
 from autoloop.job import MeasureJob  # noqa: E402
-from conftest import FAKE_TRAIN  # noqa: E402
+from conftest import FAKE_TRAIN, ray_temp_dir  # noqa: E402
 
 CHECKPOINT_BYTES = b"pretend checkpoint \x00\x01\x02"
 
@@ -62,9 +62,9 @@ def node_cache():
 
 
 @pytest.fixture(scope="module")
-def executor(node_cache):
+def executor(node_cache, tmp_path_factory):
     # Ray's unix sockets live under its temp folder: pytest's tmp_path is too long for them.
-    temp = tempfile.mkdtemp(prefix="ray", dir="/tmp")
+    temp = str(ray_temp_dir(tmp_path_factory, "rayx"))
     ex = R.RayExecutor(workers=2, temp_dir=temp, num_cpus=2, num_gpus=2, node_cache_dir=node_cache,
                        node_env={"OMP_NUM_THREADS": "1"}, work_dir=temp)
     try:

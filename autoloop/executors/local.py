@@ -116,6 +116,10 @@ class LocalSlot:
         job_file.write_text(job.to_json())
         env = dict(os.environ)
         env.update(self.device_env)
+        from autoloop import evaluation
+        from autoloop.worker import WARMED_ENV
+
+        env[WARMED_ENV] = json.dumps(sorted(evaluation._warmed))
         from autoloop.runner import process_start_time
 
         proc = subprocess.Popen(

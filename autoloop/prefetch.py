@@ -76,6 +76,7 @@ class Prefetcher:
         self.controller = controller
         self.first_number = first_number
         self._job: _Job | None = None
+        self._starting = threading.Lock()  # trials on several workers start training at once
 
     @property
     def store(self):
@@ -116,6 +117,10 @@ class Prefetcher:
 
     def start(self) -> None:
         """Start preparing the next proposal in the background (called as training starts)."""
+        with self._starting:
+            self._start()
+
+    def _start(self) -> None:
         slow = self._slow()
         if self._job is not None or not slow or self._run_ends_after_current():
             return

@@ -16,7 +16,7 @@ import time
 LR = 0.02  # learning rate; range 0.0001..1 log
 WIDTH = 64  # model width; power of two
 SLEEP = 0.0  # seconds to pretend to train
-MODE = "ok"  # ok | crash | hang | nan | nometric | reported | stubborn_child | fail | kill_worker
+MODE = "ok"  # ok | crash | hang | nan | nometric | reported | stubborn_child | fail
 NOISE = 0.0  # sd of a per-seed draw added to val_bpb (seed noise, as in real training)
 SALT = 0  # which random stream the seed draws from: a change re-draws the noise (an init-only change)
 OFFSET_FILE = ""  # a file holding a number added to val_bpb (a machine that drifts)
@@ -52,7 +52,7 @@ def main() -> None:
         time.sleep(600)
     if MODE == "hang":
         time.sleep(600)
-    if MODE == "kill_worker":  # the process running this script dies (a worker on a dead node)
+    if MODE == "kill_worker":  # (also) the process running this script dies: a worker on a dead node
         os.kill(os.getppid(), 9)
         time.sleep(600)
     if MODE == "crash":

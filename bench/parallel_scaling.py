@@ -9,8 +9,9 @@ repository runs the baseline, then `rounds x workers` proposals (one run each, t
 rule, no verification: the harness is not what is measured). The rate counts proposals
 from the first proposal's start to the last one's end.
 
-Target (issue 15): N local workers give at least 0.9 x N the rate of one. Ray's overhead
-per trial is its per-trial time at one worker minus the local executor's.
+Target (issue 15): N local workers give at least 0.9 x N the rate of one. The serial
+executor (in the controller's process) at one worker is the reference for the overhead
+per trial of a worker process (local) and of a Ray actor call.
 """
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ def measure(executor: str, workers: int, seconds: float, rounds: int, tmp: Path)
         # Worse learning rates: every proposal is a discard, so all start from one parent.
         seed_idea(resolve(repo, {}), repo, f"lr {k}", sets=[f"LR={0.03 + 0.001 * k:.3f}"], patch=None)
     flags = {"tag": "bench", "proposers": "ideas", "time_budget": 60, "grace_seconds": 60, "decision_rule": "strict",
-             "drift_every": 0, "check": False, "max_trials": 1 + proposals, "executor": executor, "workers": workers}
+             "drift_every": 0, "check": False, "max_trials": 1 + proposals, "executor": executor,
+             "workers": 0 if executor == "serial" else workers}
     summary = Controller(resolve(repo, flags), repo, verifier=None).run()
     store = Store(repo / "experiments.db")
     rows = store.trials(store.get_run("bench")["id"])
@@ -77,7 +79,7 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=5.0, help="what one fake training run takes")
     parser.add_argument("--rounds", type=int, default=3, help="proposals per worker")
     parser.add_argument("--workers", default="1,2,4")
-    parser.add_argument("--executors", default="local,ray")
+    parser.add_argument("--executors", default="serial,local,ray")
     args = parser.parse_args()
     os.environ.setdefault("AUTOLOOP_CHECK", "0")
     counts = [int(n) for n in args.workers.split(",")]
@@ -94,7 +96,7 @@ def main() -> None:
         for executor in executors:
             if executor == "ray":
                 _start_ray(tmp, max(counts))
-            for n in counts:
+            for n in ([1] if executor == "serial" else counts):
                 started = time.monotonic()
                 r = measure(executor, n, args.seconds, args.rounds, tmp)
                 results.append(r)
@@ -110,16 +112,17 @@ def main() -> None:
     print()
     print(f"{'executor':8s} {'workers':>7s} {'trials/h':>9s} {'x one':>6s} {'target':>7s}")
     for r in results:
-        one = next(x for x in results if x["executor"] == r["executor"] and x["workers"] == min(counts))
-        speedup = r["per_hour"] / one["per_hour"] * min(counts)
+        one = min((x for x in results if x["executor"] == r["executor"]), key=lambda x: x["workers"])
+        speedup = r["per_hour"] / one["per_hour"] * one["workers"]
         target = 0.9 * r["workers"]
         print(f"{r['executor']:8s} {r['workers']:7d} {r['per_hour']:9.0f} {speedup:6.2f} {target:7.2f}"
               + ("" if r["executor"] != "local" else ("  ok" if speedup >= target else "  BELOW TARGET")))
-    local1 = next((r for r in results if r["executor"] == "local" and r["workers"] == 1), None)
-    ray1 = next((r for r in results if r["executor"] == "ray" and r["workers"] == 1), None)
-    if local1 and ray1:
-        print(f"\nRay's overhead per trial (one worker): {ray1['per_trial'] - local1['per_trial']:+.2f} s "
-              f"({ray1['per_trial']:.2f} s against {local1['per_trial']:.2f} s on the local executor)")
+    serial = next((r for r in results if r["executor"] == "serial"), None)
+    print()
+    for r in results:
+        if serial is not None and r["executor"] != "serial" and r["workers"] == 1:
+            print(f"{r['executor']} overhead per trial against serial (one worker): "
+                  f"{r['per_trial'] - serial['per_trial']:+.2f} s ({r['per_trial']:.2f} s against {serial['per_trial']:.2f} s)")
 
 
 def _start_ray(tmp: Path, gpus: int) -> None:

@@ -22,6 +22,8 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+import bench_repo
+
 FAST_TRAIN = """#!/bin/sh
 # Instant "training": the contract's result JSON, nothing else.
 LR=0.02  # placeholder so the file has a constant
@@ -31,15 +33,7 @@ TRAIN_PY = "LR = 0.02  # learning rate\n"
 
 
 def make_repo(root: Path) -> Path:
-    root.mkdir(parents=True)
-    (root / "train.py").write_text(TRAIN_PY)
-    (root / "fast_train.sh").write_text(FAST_TRAIN)
-    (root / ".gitignore").write_text(".autoloop/\nexperiments.db*\n")
-    env = {**os.environ, "GIT_AUTHOR_NAME": "b", "GIT_AUTHOR_EMAIL": "b@b", "GIT_COMMITTER_NAME": "b",
-           "GIT_COMMITTER_EMAIL": "b@b"}
-    for args in (["init", "-q", "-b", "main"], ["add", "-A"], ["commit", "-q", "-m", "init"]):
-        subprocess.run(["git", *args], cwd=root, check=True, env=env)
-    return root
+    return bench_repo.make_repo(root, TRAIN_PY, {"fast_train.sh": FAST_TRAIN})
 
 
 class Timers:

@@ -20,6 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench_repo import make_repo
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -31,15 +33,7 @@ def _repo(path: Path) -> Path:
 
     source = (ROOT / "train.py").read_text()
     lr = read_constants(source)["MATRIX_LR"].value
-    source = set_constants(source, {"MATRIX_LR": lr / 10})
-    path.mkdir(parents=True)
-    (path / "train.py").write_text(source)
-    (path / ".gitignore").write_text(".autoloop/\nexperiments.db*\n__pycache__/\n")
-    env = {**os.environ, "GIT_AUTHOR_NAME": "bench", "GIT_AUTHOR_EMAIL": "b@example.com",
-           "GIT_COMMITTER_NAME": "bench", "GIT_COMMITTER_EMAIL": "b@example.com"}
-    for args in (["init", "-q", "-b", "main"], ["add", "-A"], ["commit", "-q", "-m", "init"]):
-        subprocess.run(["git", *args], cwd=path, check=True, env=env)
-    return path
+    return make_repo(path, set_constants(source, {"MATRIX_LR": lr / 10}))
 
 
 def _seed(repo: Path, config, nulls: int, lr: float) -> None:

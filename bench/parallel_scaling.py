@@ -26,21 +26,15 @@ import time
 from datetime import datetime
 from pathlib import Path
 
+from bench_repo import make_repo
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 FAKE = ROOT / "tests" / "fakes" / "fake_train.py"
 
 
 def _repo(path: Path, seconds: float) -> Path:
-    source = FAKE.read_text().replace("SLEEP = 0.0", f"SLEEP = {seconds}")
-    path.mkdir(parents=True)
-    (path / "train.py").write_text(source)
-    (path / ".gitignore").write_text(".autoloop/\nexperiments.db*\n__pycache__/\n")
-    env = {**os.environ, "GIT_AUTHOR_NAME": "bench", "GIT_AUTHOR_EMAIL": "b@example.com",
-           "GIT_COMMITTER_NAME": "bench", "GIT_COMMITTER_EMAIL": "b@example.com"}
-    for args in (["init", "-q", "-b", "main"], ["add", "-A"], ["commit", "-q", "-m", "init"]):
-        subprocess.run(["git", *args], cwd=path, check=True, env=env)
-    return path
+    return make_repo(path, FAKE.read_text().replace("SLEEP = 0.0", f"SLEEP = {seconds}"))
 
 
 def _ts(value: str) -> float:

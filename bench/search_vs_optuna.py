@@ -50,6 +50,7 @@ from autoloop.controller import Controller  # noqa: E402
 from autoloop.proposers.search_space import Param, build_space  # noqa: E402
 from autoloop.pyconst import Expression, set_constants  # noqa: E402
 from autoloop.store import Store  # noqa: E402
+from bench_repo import make_repo  # noqa: E402
 
 CHECKPOINTS = (10, 20, 40)
 
@@ -104,16 +105,6 @@ if __name__ == "__main__":
 
 # ------------------------------------------------------------------------------- helpers
 
-
-def make_repo(path: Path, source: str) -> Path:
-    path.mkdir(parents=True)
-    (path / "train.py").write_text(source)
-    (path / ".gitignore").write_text(".autoloop/\nexperiments.db*\n__pycache__/\n")
-    env = {**os.environ, "GIT_AUTHOR_NAME": "bench", "GIT_AUTHOR_EMAIL": "bench@example.com",
-           "GIT_COMMITTER_NAME": "bench", "GIT_COMMITTER_EMAIL": "bench@example.com"}
-    for args in (["init", "-q", "-b", "main"], ["add", "-A"], ["commit", "-q", "-m", "init"]):
-        subprocess.run(["git", *args], cwd=path, check=True, env=env)
-    return path
 
 
 def best_curve(values: list[float | None], n: int) -> list[float | None]:

@@ -27,17 +27,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench_repo import make_repo
+
 ROOT = Path(__file__).resolve().parents[1]
 
-
-def make_repo(path: Path, train_source: str) -> None:
-    path.mkdir(parents=True)
-    (path / "train.py").write_text(train_source)
-    (path / ".gitignore").write_text(".autoloop/\nexperiments.db*\n__pycache__/\n")
-    env = {**os.environ, "GIT_AUTHOR_NAME": "bench", "GIT_AUTHOR_EMAIL": "bench@example.com",
-           "GIT_COMMITTER_NAME": "bench", "GIT_COMMITTER_EMAIL": "bench@example.com"}
-    for args in (["init", "-q", "-b", "main"], ["add", "-A"], ["commit", "-q", "-m", "bench"]):
-        subprocess.run(["git", *args], cwd=path, check=True, env=env)
 
 
 def main() -> None:

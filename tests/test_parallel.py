@@ -272,3 +272,26 @@ def test_local_executor_without_a_gpu_needs_workers(wide_repo, monkeypatch):
 
     with pytest.raises(AutoloopError, match="found no GPU .* --workers N"):
         run_loop(wide_repo, executor="local", workers=0, max_trials=1)
+
+
+def test_with_mixed_devices_a_candidate_pairs_with_the_incumbent_on_its_own_kind(tmp_path):
+    """The incumbent's runs a comparison uses are those on the candidate's kind of device
+    (runs recorded before devices were, NULL, pair with any)."""
+    from autoloop.config import Config
+    from autoloop.controller import Controller
+    from autoloop.store import Kind
+
+    store = Store(tmp_path / "experiments.db")
+    run = store.create_run("mix", branch="autoloop/mix", repo=str(tmp_path), base_commit="0" * 40, best_commit="0" * 40)
+    incumbent = store.new_trial(run["id"], Kind.BASELINE)
+    for seed, metric, device in ((1, 3.0, "NVIDIA H100 80GB HBM3"), (2, 3.1, "NVIDIA H100 80GB HBM3"),
+                                 (1, 3.4, "NVIDIA A100-SXM4-40GB"), (3, 3.2, None)):
+        store.add_measurement(incumbent["id"], metric, seed=seed, role="baseline", status="ok", device=device)
+    controller = Controller(Config(tag="mix"), tmp_path, verifier=None)
+    controller.store = store
+    try:
+        assert controller.incumbent_runs(incumbent, "NVIDIA A100-SXM4-40GB") == {1: 3.4, 3: 3.2}
+        assert controller.incumbent_runs(incumbent, "NVIDIA H100 80GB HBM3") == {1: 3.0, 2: 3.1, 3: 3.2}
+        assert controller.incumbent_runs(incumbent) == {1: 3.0, 2: 3.1, 3: 3.2}  # one kind: the first run per seed
+    finally:
+        store.close()

@@ -111,7 +111,7 @@ class Controller:
         self._local = threading.local()
         self._git_lock = threading.RLock()
         self._in_flight: set[int] = set()
-        self._requeue: list[int] = []
+        self._requeue: list[tuple[int, str | None]] = []  # (trial id, its lineage in islands mode)
         self.executor = None
 
     # ------------------------------------------------------------------ paths and setup
@@ -442,7 +442,8 @@ class Controller:
         if problem:
             reason = f"{what}; not re-queued: {problem}"
         else:
-            self._requeue.append(trial["id"])
+            self._requeue.append((trial["id"], self.current_lineage()))
+            outcome.fields["decision"] = {**(outcome.fields.get("decision") or {}), "requeued": True}
             reason = f"{what}; its edit is re-queued on the new best"
         self._event("rebase", f"trial {trial['number']}: {reason}", trial_id=trial["id"])
         return TrialOutcome(Status.DISCARD, reason, outcome.fields)
@@ -473,10 +474,23 @@ class Controller:
             merged[path] = done.stdout
         return merged, None
 
+    def load_requeued(self) -> None:
+        """Edits re-queued by an earlier invocation that never ran again (the controller
+        stopped or died first): the queue lives in the db, not only in memory."""
+        trials = self.store.trials(self.run_row["id"])
+        retried = {t.get("derived_from") for t in trials}
+        self._requeue = [(t["id"], t.get("lineage") if t.get("lineage") != "main" else None) for t in trials
+                         if (t.get("decision") or {}).get("requeued") and t["id"] not in retried]
+
     def take_requeued(self, lineage: str | None = None) -> WorkItem | None:
         """A re-queued edit, re-based onto the current best now (it may have moved again)."""
-        while self._requeue:
-            trial = self.store.trial_by_id(self._requeue.pop(0))
+        while True:
+            # Islands: a lineage's edit goes back to its own lineage.
+            entry = next((e for e in self._requeue if lineage is None or e[1] in (None, lineage)), None)
+            if entry is None:
+                return None
+            self._requeue.remove(entry)
+            trial = self.store.trial_by_id(entry[0])
             parent = self.parent_for(lineage)
             files, problem = self._rebased_files(trial, parent)
             if problem:
@@ -489,7 +503,6 @@ class Controller:
                                 source=trial.get("proposer") or "controller")
             return WorkItem("proposal", reason=proposal.description, proposal=proposal, parent=parent,
                             derived_from=trial["id"])
-        return None
 
     def recover(self) -> list[int]:
         """Make processes, git and db agree after a dead controller. Returns recovered trial numbers."""

@@ -69,6 +69,7 @@ class ParallelLoop:
         c = self.c
         if c.display is not None and not isinstance(c.display, SharedDisplay):
             c.display = SharedDisplay(c.display)
+        c.load_requeued()
         free = list(self.slots)
         stopping = False
         error: BaseException | None = None

@@ -295,3 +295,15 @@ def test_with_mixed_devices_a_candidate_pairs_with_the_incumbent_on_its_own_kind
         assert controller.incumbent_runs(incumbent) == {1: 3.0, 2: 3.1, 3: 3.2}  # one kind: the first run per seed
     finally:
         store.close()
+
+
+def test_a_requeued_edit_survives_the_end_of_the_invocation(wide_repo):
+    seed(wide_repo, "lr 0.01", "LR=0.01")
+    seed(wide_repo, "width 64", "WIDTH=64", "SLEEP=4.0")
+    run_loop(wide_repo, executor="local", workers=2, max_trials=3)  # stops before the re-based edit runs
+    slow = next(r for r in trials(wide_repo) if r["description"] == "width 64")
+    assert slow["status"] == "discard" and slow["decision"]["requeued"] is True
+    assert not any(r["derived_from"] == slow["id"] for r in trials(wide_repo))
+    run_loop(wide_repo, executor="local", workers=2, max_trials=1)
+    (rebased,) = [r for r in trials(wide_repo) if r["derived_from"] == slow["id"]]
+    assert "re-based from trial" in rebased["description"] and rebased["status"] == "keep"

@@ -174,7 +174,8 @@ class SandboxPolicy:
         (see the module docstring for the layout); unchanged for kinds "none" and "off".
 
         Added to what the caller asks: read-only, what any Python child needs (its working
-        folder, the interpreter, autoloop, PYTHONPATH, LD_LIBRARY_PATH, CUDA_HOME);
+        folder, the interpreter, autoloop, every folder on sys.path, PYTHONPATH, LD_LIBRARY_PATH,
+        CUDA_HOME);
         writable, the compile caches the environment names (AUTOLOOP_COMPILE_CACHE, set
         here to the controller's when missing, TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR),
         so that compiled kernels are reused across trials. Writable folders that do not
@@ -233,6 +234,9 @@ def _default_readonly(cwd: Path | str, env: Mapping[str, str]) -> list[Path]:
     for name in ("PYTHONPATH", "LD_LIBRARY_PATH"):
         paths += [Path(p) for p in env.get(name, "").split(os.pathsep) if p]
     paths += [Path(env[name]) for name in ("CUDA_HOME", "CUDA_PATH", "VIRTUAL_ENV", "CONDA_PREFIX") if env.get(name)]
+    # Every folder on this interpreter's import path, including those a .pth file adds (a
+    # venv that reaches another one's packages, under /tmp, which the sandbox replaces).
+    paths += [Path(p) for p in sys.path if p and os.path.isdir(p)]
     return paths
 
 

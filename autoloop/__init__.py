@@ -12,7 +12,7 @@ __version__ = "0.1.0"
 def __getattr__(name: str):
     # Lazy: `autoloop.load_trials` imports pandas and sqlite-utils only when used.
     if name == "load_trials":
-        from autoloop.export import load_trials
+        from autoloop.review.export import load_trials
 
         return load_trials
     raise AttributeError(f"module 'autoloop' has no attribute {name!r}")

@@ -26,6 +26,8 @@ except ModuleNotFoundError:  # pragma: no cover - Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
 ENV_PREFIX = "AUTOLOOP_"
+# autoloop's own folder in the repository (run state, transcripts, checkpoints); never a trial's to edit.
+STATE_DIR = ".autoloop"
 
 
 @dataclass
@@ -83,7 +85,7 @@ class Config:
     max_cost: float | None = None  # stop calling paid models once the run's proposals cost this many $
     agent_command: str | None = None  # coding agent run in a throwaway clone, e.g. "claude -p"
     agent_timeout: float = 1800.0  # seconds before the agent is killed
-    # Trials under bubblewrap (autoloop/sandbox.py): "auto" where it works here, "on" (an
+    # Trials under bubblewrap (autoloop/measure/sandbox.py): "auto" where it works here, "on" (an
     # error where it cannot run), "off" (what --no-sandbox sets; recorded on the run).
     sandbox: str = "auto"
     # Scale-out (docs/scale-out.md). "serial": one trial at a time in this folder; "local":

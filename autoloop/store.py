@@ -375,7 +375,7 @@ def _m0002_trust_and_noise(conn: sqlite3.Connection) -> None:
 
 
 def _m0003_workers(conn: sqlite3.Connection) -> None:
-    """Several workers (autoloop.executors): the device a run trained on
+    """Several workers (autoloop.measure.executors): the device a run trained on
     (`measurements.device`: "cpu", or the CUDA device's name as nvidia-smi gives it; older
     rows have NULL), which worker trained a trial (`trials.worker`), and in islands mode
     each lineage's incumbent (`runs.islands`: {lineage: trial id})."""

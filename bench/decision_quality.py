@@ -8,9 +8,9 @@
 A night is a fixed number of training runs (default 100); every run costs one, whether it
 measures the baseline, a candidate or the incumbent again. The noise is Gaussian with sd
 sigma per run, half of its variance shared by every commit of one init stream at a seed
-(so pairing matters). The rules are the ones the controller runs (autoloop/decide.py),
+(so pairing matters). The rules are the ones the controller runs (autoloop/decide/rule.py),
 the noise estimated from the night's own repeats. All rules see the same proposals and
-the same luck. docs/decisions.md reads the numbers; autoloop/simulate.py has the worlds.
+the same luck. docs/decisions.md reads the numbers; autoloop/decide/simulate.py has the worlds.
 
 The realistic mix is mechanistic (`Landscape`): the true val_bpb is a sum of quadratic
 bowls, one per hyperparameter, plus the code changes kept; the night starts away from the
@@ -40,8 +40,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from autoloop.decide import DecisionConfig  # noqa: E402
-from autoloop.simulate import ALL_NULL, Landscape, Mix, Summary, World, draw_nights, simulate, targets  # noqa: E402
+from autoloop.decide.rule import DecisionConfig  # noqa: E402
+from autoloop.decide.simulate import ALL_NULL, Landscape, Mix, Summary, World, draw_nights, simulate, targets  # noqa: E402
 
 HEADER = (f"{'rule':<28} {'false keeps':>11} {'re-draws':>9} {'>=2σ kept':>9} {'harm kept':>9} "
           f"{'real keeps':>10} {'keeps all/late':>14} {'runs/prop':>9} {'props':>6} {'true gain σ':>13} "

@@ -4,7 +4,7 @@
     python bench/eval_cost.py --repeats 5 --trial-seconds 300
 
 Under the controller train.py no longer evaluates (AUTOLOOP_EVAL=external); a separate
-process (python -m autoloop.harness.evaluate, run by autoloop.evaluation.evaluate_checkpoint
+process (python -m autoloop.harness.evaluate, run by autoloop.trust.evaluation.evaluate_checkpoint
 through the runner) rebuilds the model from train.py and the checkpoint and evaluates it.
 The evaluation itself moves from one process to the other; what is added per trial is the
 second process: interpreter start-up and imports (torch), the seal, rebuilding the model
@@ -60,7 +60,7 @@ def main() -> None:
     import torch
 
     from autoloop import harness as H
-    from autoloop.evaluation import evaluate_checkpoint, warm_eval_cache
+    from autoloop.trust.evaluation import evaluate_checkpoint, warm_eval_cache
     from autoloop.harness.constants import EVAL_TOKENS
 
     ds = H.load_dataset()

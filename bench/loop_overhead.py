@@ -64,9 +64,10 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=1000)
     args = parser.parse_args()
 
-    import autoloop.controller as controller_mod
+    import autoloop.loop.controller as controller_mod
+    import autoloop.measure.executors.serial as serial_mod
     from autoloop.config import resolve
-    from autoloop.controller import Controller
+    from autoloop.loop.controller import Controller
     from autoloop.gitops import GitRepo
     from autoloop.store import Store
 
@@ -77,7 +78,7 @@ def main() -> None:
     for name in ("new_trial", "update_trial", "trials", "best_trial", "get_run", "trial_by_id", "add_curve",
                  "set_idea_status", "stop_requested", "add_event"):
         timers.wrap(Store, name, "db")
-    timers.wrap(controller_mod, "run_training", "process")
+    timers.wrap(serial_mod, "run_training", "process")
     timers.wrap(controller_mod, "materialize", "proposal")
     timers.wrap(controller_mod, "validate", "proposal")
 

@@ -37,7 +37,7 @@ def _repo(path: Path) -> Path:
 
 
 def _seed(repo: Path, config, nulls: int, lr: float) -> None:
-    from autoloop.seeding import seed_idea
+    from autoloop.proposers.seeding import seed_idea
 
     source = (repo / "train.py").read_text()
     assert ANCHOR in source, "train.py no longer seeds torch as the bench expects"
@@ -53,7 +53,7 @@ def _seed(repo: Path, config, nulls: int, lr: float) -> None:
 
 def run_rule(rule: str, nulls: int, max_steps: int, work: Path) -> dict:
     from autoloop.config import resolve
-    from autoloop.controller import Controller
+    from autoloop.loop.controller import Controller
     from autoloop.pyconst import read_constants
     from autoloop.store import Store
 

@@ -43,8 +43,8 @@ def _ts(value: str) -> float:
 
 def measure(executor: str, workers: int, seconds: float, rounds: int, tmp: Path) -> dict:
     from autoloop.config import resolve
-    from autoloop.controller import Controller
-    from autoloop.seeding import seed_idea
+    from autoloop.loop.controller import Controller
+    from autoloop.proposers.seeding import seed_idea
     from autoloop.store import Store
 
     repo = _repo(tmp / f"{executor}-{workers}", seconds)

@@ -38,7 +38,7 @@ from conftest import FAKE_TRAIN, make_repo  # noqa: E402
 from fakes.fake_openai import FakeOpenAI, Slow  # noqa: E402
 
 from autoloop.config import resolve  # noqa: E402
-from autoloop.controller import Controller  # noqa: E402
+from autoloop.loop.controller import Controller  # noqa: E402
 from autoloop.store import Store  # noqa: E402
 
 # The constant the fake model changes at its n-th answer, and the values it gives each

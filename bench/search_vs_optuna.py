@@ -46,7 +46,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from autoloop.config import resolve  # noqa: E402
-from autoloop.controller import Controller  # noqa: E402
+from autoloop.loop.controller import Controller  # noqa: E402
 from autoloop.proposers.search_space import Param, build_space  # noqa: E402
 from autoloop.pyconst import Expression, set_constants  # noqa: E402
 from autoloop.store import Store  # noqa: E402

@@ -3,7 +3,7 @@
     python bench/trust_cost.py               # 15 runs of each command, plain and sandboxed
     python bench/trust_cost.py --runs 31     # steadier medians on a busy machine
 
-Section 1, the sandbox: the same command run through `autoloop.runner.run_training`, as the
+Section 1, the sandbox: the same command run through `autoloop.measure.runner.run_training`, as the
 controller runs a trial, once plain (sandbox "off") and once in bubblewrap, alternately, so
 a machine that gets busier mid-bench slows both alike. The figure is the difference of the
 medians of the whole call (building the bwrap command, spawn, the command, teardown of the
@@ -36,8 +36,8 @@ SANDBOXED_PROCESSES_PER_TRIAL = 2  # training and evaluation
 
 def timed_run(argv: list[str], policy, folder: Path) -> float:
     """Seconds of one `run_training` call for `argv` under `policy`, or raises if it failed."""
-    from autoloop.runner import run_training
-    from autoloop.sandbox import SandboxPaths
+    from autoloop.measure.runner import run_training
+    from autoloop.measure.sandbox import SandboxPaths
 
     started = time.perf_counter()
     outcome = run_training(
@@ -51,7 +51,7 @@ def timed_run(argv: list[str], policy, folder: Path) -> float:
 
 
 def section_sandbox(args: argparse.Namespace) -> float:
-    from autoloop.sandbox import detect
+    from autoloop.measure.sandbox import detect
 
     policy = detect("auto")
     print(f"1. sandbox: {policy.describe()}")

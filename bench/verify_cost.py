@@ -41,9 +41,9 @@ def main() -> None:
     parser.add_argument("--keep-rate", type=float, default=0.2, help="share of trials that are keep candidates")
     args = parser.parse_args()
 
-    from autoloop import integrity
+    from autoloop.trust import integrity
     from autoloop.config import Config
-    from autoloop.controller import Controller
+    from autoloop.loop.controller import Controller
     from autoloop.harness import default_data_dir
     from autoloop.store import Store
 

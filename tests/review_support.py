@@ -58,7 +58,7 @@ GIT_ENV = {"GIT_AUTHOR_NAME": "test", "GIT_AUTHOR_EMAIL": "t@example.com",
 def build_run(root: Path) -> Path:
     """Make the repository and run the real controller over it; returns the repo path."""
     from autoloop.config import resolve
-    from autoloop.controller import Controller
+    from autoloop.loop.controller import Controller
     from autoloop.store import Store
 
     repo = make_repo(root / "repo", FAKE_TRAIN.read_text() + CHECKPOINTING)
@@ -79,7 +79,7 @@ def build_run(root: Path) -> Path:
 WRITER = """
 import sys
 from autoloop.config import resolve
-from autoloop.controller import Controller
+from autoloop.loop.controller import Controller
 
 repo = sys.argv[1]
 config = resolve(repo, {"tag": sys.argv[2], "time_budget": 1, "grace_seconds": 2, "max_trials": int(sys.argv[3]),
@@ -193,7 +193,7 @@ def build_noisy_db(repo: Path) -> dict[str, dict]:
         store.add_event(rid, "noise", NOISE_MESSAGE)
         null = trial("null", "proposal", "discard", [2.5421, 2.5451, 2.5481], description="init seed only",
                      parent_commit="b" * 40, trial_commit="e" * 40, best_before=kept["metric"],
-                     # As autoloop.decide's Verdict.figures name them (t, interval, keep_bound, stopped).
+                     # As autoloop.decide.rule's Verdict.figures name them (t, interval, keep_bound, stopped).
                      decision={"action": "discard", "rule": "paired", "n": 3, "seeds": [1, 2, 3], "mean_diff": 0.0020,
                                "se": 0.0018, "t": 1.111, "keep_bound": -3.2, "df": 8, "level": 0.95,
                                "interval": [0.0020 - 0.00415, 0.0020 + 0.00415], "stopped": "futility",

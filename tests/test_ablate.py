@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from autoloop.ablate import (
+from autoloop.review.ablate import (
     AblationRow, Ablation, NotRevertible, ablation_ref, effect_figures, format_ablation, reverse_applied,
 )
 from autoloop.cli import app
-from autoloop.decide import Noise
-from autoloop.effects import ablation_effect
+from autoloop.decide.rule import Noise
+from autoloop.decide.effects import ablation_effect
 from autoloop.gitops import GitRepo
 
 from conftest import make_repo
@@ -167,7 +167,7 @@ def known_run_once(tmp_path_factory, session_cache) -> Path:
 
 def _known_run(root: Path) -> Path:
     from autoloop.config import resolve
-    from autoloop.controller import Controller
+    from autoloop.loop.controller import Controller
     from autoloop.store import Store
 
     repo = make_repo(root / "repo", KNOWN)
@@ -207,7 +207,7 @@ def trials(repo: Path) -> list[dict]:
 def ablate_known(repo: Path, **options):
     """`autoloop ablate --tag k` as the command runs it, with the verifier off: the fake
     script has no model for the harness to evaluate (the one thing the CLI cannot do)."""
-    from autoloop.ablate import ablate_run
+    from autoloop.review.ablate import ablate_run
     from autoloop.store import Store
 
     store = Store(repo / "experiments.db")
@@ -303,7 +303,7 @@ def test_drop_null_needs_a_current_ablation(known_run):
 
 def test_ablate_says_in_one_line_when_there_is_nothing_to_ablate(fake_repo):
     from autoloop.config import resolve
-    from autoloop.controller import Controller
+    from autoloop.loop.controller import Controller
 
     Controller(resolve(fake_repo, {"tag": "b", "max_trials": 1, "time_budget": 5}), fake_repo, verifier=None).run()
     for args, message in (

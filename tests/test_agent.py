@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from autoloop.config import resolve
-from autoloop.controller import Controller
+from autoloop.loop.controller import Controller
 from autoloop.errors import AutoloopError
-from autoloop.seeding import seed_idea
+from autoloop.proposers.seeding import seed_idea
 from autoloop.store import Store
 from conftest import FAKE_TRAIN, make_repo
 
@@ -160,7 +160,7 @@ def test_an_agent_outliving_a_killed_controller_is_ended_and_its_clone_deleted_a
     import os
     import signal
 
-    from autoloop.runner import process_group_alive
+    from autoloop.measure.runner import process_group_alive
 
     env = {**os.environ, "FAKE_AGENT_MODE": "sleep", "FAKE_AGENT_OUT": str(tmp_path / "prompt.txt")}
     argv = ["autoloop", "run", "--tag", "t", "--time-budget", "5", "--no-verify", "--proposers", "agent",

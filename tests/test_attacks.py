@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 from autoloop.config import resolve
-from autoloop.controller import Controller
-from autoloop.sandbox import detect
-from autoloop.seeding import seed_idea
+from autoloop.loop.controller import Controller
+from autoloop.measure.sandbox import detect
+from autoloop.proposers.seeding import seed_idea
 from autoloop.store import Store
 from tests.conftest import make_repo
 

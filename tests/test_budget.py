@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from autoloop.budget import check_budget, refusal_problem
+from autoloop.trust.budget import check_budget, refusal_problem
 from test_feed import run_with_feed
 from test_train import TRAIN_PY, explain
 

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-import autoloop.measure as measure_mod
+import autoloop.measure.executors.serial as measure_mod
 from autoloop.cli import app
-from autoloop.runner import RunOutcome
+from autoloop.measure.runner import RunOutcome
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 runner = CliRunner()

@@ -9,11 +9,11 @@ import time
 import pytest
 
 from autoloop.config import resolve
-from autoloop.controller import Controller
+from autoloop.loop.controller import Controller
 from autoloop.errors import AutoloopError
 from autoloop.gitops import GitRepo
-from autoloop.seeding import seed_idea
-from autoloop.runner import process_group_alive
+from autoloop.proposers.seeding import seed_idea
+from autoloop.measure.runner import process_group_alive
 from autoloop.store import Store
 
 

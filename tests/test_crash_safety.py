@@ -16,8 +16,8 @@ import time
 
 import pytest
 
-from autoloop.faults import POINTS
-from autoloop.runner import process_group_alive
+from autoloop.loop.faults import POINTS
+from autoloop.measure.runner import process_group_alive
 from autoloop.store import Store
 
 from test_controller import assert_consistent, run_loop, seed, trials
@@ -202,7 +202,7 @@ def test_git_failing_on_a_full_disk_is_not_reported_as_a_lock(fake_repo, tmp_pat
 
 @pytest.mark.parametrize("point", [p for p in POINTS if p != "between_measurements"])
 def test_no_space_left_at_any_point_of_a_trial_pauses_with_a_consistent_db(fake_repo, monkeypatch, point):
-    from autoloop import faults
+    from autoloop.loop import faults
 
     monkeypatch.setattr(faults, "_hits", {})
     # The baseline passes every point but after_commit once: fail in the proposal's trial.

@@ -9,7 +9,7 @@ from statistics import NormalDist
 import numpy as np
 import pytest
 
-from autoloop.decide import (
+from autoloop.decide.rule import (
     DecisionConfig, Noise, NoiseSums, Verdict, decide, decide_by_margin, estimate, keep_bound, noise_sums,
     paired_effect, pool_noise, sequential_bound, t_cdf, t_quantile,
 )

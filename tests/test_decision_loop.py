@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from autoloop.config import resolve
-from autoloop.controller import Controller
-from autoloop.seeding import seed_idea
+from autoloop.loop.controller import Controller
+from autoloop.proposers.seeding import seed_idea
 from autoloop.store import Store
 from tests.conftest import FAKE_TRAIN, make_repo
 
@@ -98,7 +98,7 @@ def test_a_kill_between_measurements_loses_none_and_repeats_none(tmp_path):
     repo = fake_repo_with(tmp_path, NOISE=0.01)
     seed(repo, "slightly better lr", "LR=0.0195")  # a small gain: needs several paired runs
     code = (
-        "import sys; from autoloop.config import resolve; from autoloop.controller import Controller\n"
+        "import sys; from autoloop.config import resolve; from autoloop.loop.controller import Controller\n"
         "c = Controller(resolve(sys.argv[1], {'tag': 't', 'proposers': 'ideas', 'max_trials': 2, 'drift_every': 0}),"
         " sys.argv[1], verifier=None); c.run()\n"
     )

@@ -10,8 +10,8 @@ import math
 import numpy as np
 import pytest
 
-from autoloop.decide import DecisionConfig
-from autoloop.simulate import ALL_NULL, CODE, HP, Landscape, Mix, World, draw_nights, simulate, targets
+from autoloop.decide.rule import DecisionConfig
+from autoloop.decide.simulate import ALL_NULL, CODE, HP, Landscape, Mix, World, draw_nights, simulate, targets
 
 STRICT = DecisionConfig(rule="strict")
 OURS = DecisionConfig()

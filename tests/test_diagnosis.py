@@ -1,4 +1,4 @@
-"""Tests of autoloop/diagnosis.py: synthetic curves with known answers, and real short runs."""
+"""Tests of autoloop/decide/diagnosis.py: synthetic curves with known answers, and real short runs."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from autoloop import diagnosis as D
+from autoloop.decide import diagnosis as D
 
 
 def curve(losses, grad_norms=None, lrs=None):
@@ -146,7 +146,7 @@ def test_real_run_at_the_default_learning_rate_is_not_divergence(tmp_path, sessi
 
 
 def test_flags_are_shown_by_log_and_show(tmp_path):
-    from autoloop.review import format_log, format_trial, log_rows, trial_detail
+    from autoloop.review.queries import format_log, format_trial, log_rows, trial_detail
     from autoloop.store import Store
 
     store = Store(tmp_path / "experiments.db")

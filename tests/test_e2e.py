@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from autoloop.config import resolve
-from autoloop.controller import Controller
+from autoloop.loop.controller import Controller
 from autoloop.gitops import GitRepo
-from autoloop.seeding import seed_idea
+from autoloop.proposers.seeding import seed_idea
 from autoloop.store import Store
 
 from conftest import make_repo

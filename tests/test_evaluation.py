@@ -25,8 +25,8 @@ import pytest
 from conftest import REPO_ROOT
 from test_verify import edited, tiny_train_source
 
-from autoloop import integrity
-from autoloop.evaluation import (
+from autoloop.trust import integrity
+from autoloop.trust.evaluation import (
     HELDOUT_Z,
     evaluate_checkpoint,
     heldout_guard,
@@ -35,7 +35,7 @@ from autoloop.evaluation import (
     pycache_env,
     suspicious_identity,
 )
-from autoloop.runner import _judge, run_training
+from autoloop.measure.runner import _judge, run_training
 
 STEPS = 4
 SEED = 1

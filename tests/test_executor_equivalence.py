@@ -14,8 +14,8 @@ import pytest
 from conftest import make_repo
 
 from autoloop.config import resolve
-from autoloop.controller import Controller
-from autoloop.seeding import seed_idea
+from autoloop.loop.controller import Controller
+from autoloop.proposers.seeding import seed_idea
 from autoloop.store import Store
 
 from test_verify import _contract_env, tiny_train_source

@@ -17,7 +17,7 @@ import re
 
 import pytest
 
-from autoloop.export import TSV_COLUMNS, export_text
+from autoloop.review.export import TSV_COLUMNS, export_text
 from autoloop.store import Kind, Status, Store
 
 pd = pytest.importorskip("pandas")

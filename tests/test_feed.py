@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from autoloop import harness as H
-from autoloop.budget import check_budget, refusal_problem
+from autoloop.trust.budget import check_budget, refusal_problem
 from autoloop.harness import feed as F
 from autoloop.harness.data import WITHHELD_MARKER
 from test_train import TRAIN_PY, explain, run_train

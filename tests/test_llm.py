@@ -14,14 +14,14 @@ from pathlib import Path
 import pytest
 
 from autoloop.config import Config, resolve
-from autoloop.controller import Controller
+from autoloop.loop.controller import Controller
 from autoloop.errors import AutoloopError
-from autoloop.seeding import seed_idea
+from autoloop.proposers.seeding import seed_idea
 from autoloop.proposers.proposal import InvalidProposal, Proposal, Edit
 from autoloop.proposers.answer import parse_answer, resolve_searches
 from autoloop.proposers.base import resolve_names
 from autoloop.proposers.brief import diff_themes, files_diff, find_duplicate, normalised_diff, theme_summary
-from autoloop.runner import child_environment
+from autoloop.measure.runner import child_environment
 from autoloop.store import Store
 from conftest import FAKE_TRAIN, make_repo
 from fakes.fake_openai import Error, FakeOpenAI, Slow, edit_answer

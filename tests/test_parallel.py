@@ -21,7 +21,7 @@ import pytest
 from conftest import FAKE_TRAIN, make_repo
 
 from autoloop.gitops import GitRepo
-from autoloop.runner import process_group_alive
+from autoloop.measure.runner import process_group_alive
 from autoloop.store import Store
 
 from test_controller import assert_consistent, run_loop, seed, trials
@@ -82,8 +82,8 @@ def test_workers_train_at_once_each_on_its_own_device_and_folder(wide_repo, exec
     # Two trials trained at the same time, on different workers.
     assert any(overlapping(a, b) for a in proposals for b in proposals if a["worker"] != b["worker"])
     # status and the report count trials per worker.
-    from autoloop.report import report_data
-    from autoloop.review import format_status, run_status
+    from autoloop.review.report import report_data
+    from autoloop.review.queries import format_status, run_status
 
     store = Store(wide_repo / "experiments.db")
     try:
@@ -248,7 +248,7 @@ def test_controller_killed_with_two_trials_running_recovers_both(wide_repo):
 
 def test_mixed_devices_are_refused_unless_allowed(wide_repo):
     from autoloop.errors import AutoloopError
-    from autoloop.executors import Executor, check_devices
+    from autoloop.measure.executors import Executor, check_devices
 
     class Slot:
         def __init__(self, name, device):
@@ -266,7 +266,7 @@ def test_mixed_devices_are_refused_unless_allowed(wide_repo):
 
 def test_local_executor_without_a_gpu_needs_workers(wide_repo, monkeypatch):
     from autoloop.errors import AutoloopError
-    from autoloop.executors import local
+    from autoloop.measure.executors import local
 
     monkeypatch.setattr(local, "visible_gpus", lambda: [])  # what nvidia-smi says on a machine without one
 
@@ -278,7 +278,7 @@ def test_with_mixed_devices_a_candidate_pairs_with_the_incumbent_on_its_own_kind
     """The incumbent's runs a comparison uses are those on the candidate's kind of device
     (runs recorded before devices were, NULL, pair with any)."""
     from autoloop.config import Config
-    from autoloop.controller import Controller
+    from autoloop.loop.controller import Controller
     from autoloop.store import Kind
 
     store = Store(tmp_path / "experiments.db")

@@ -467,7 +467,7 @@ def cli():
     typer = pytest.importorskip("typer")
     from typer.testing import CliRunner
 
-    from autoloop.cli_prepare import prepare
+    from autoloop.cli.prepare import prepare
 
     app = typer.Typer()
     app.command("prepare")(prepare)
@@ -502,7 +502,7 @@ def test_cli_prepare_list_and_errors(cli, corpus):
 def test_cli_every_option_has_full_sentence_help():
     import typer
 
-    from autoloop.cli_prepare import prepare
+    from autoloop.cli.prepare import prepare
 
     app = typer.Typer()
     app.command("prepare")(prepare)

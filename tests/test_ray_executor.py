@@ -1,8 +1,8 @@
-"""The Ray executor (autoloop/executors/ray.py) on a local Ray cluster with pretend GPUs.
+"""The Ray executor (autoloop/measure/executors/ray.py) on a local Ray cluster with pretend GPUs.
 
 One cluster for the module (`num_cpus=2, num_gpus=2`: Ray hands out GPU ids, there is no
 GPU behind them), two slots. Jobs run the fake training script (tests/fakes/fake_train.py)
-through the real `autoloop.worker.run_job` on the "node" (an actor process with its own
+through the real `autoloop.measure.worker.run_job` on the "node" (an actor process with its own
 cache folder), without the harness's feed and evaluator (harness_mode off), so a job
 takes a second. Nothing is downloaded: the node's datasets come from the embedded
 corpus or from local files the test writes.
@@ -25,8 +25,8 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from autoloop.executors import ray as R  # noqa: E402
-from autoloop.job import MeasureJob  # noqa: E402
+from autoloop.measure.executors import ray as R  # noqa: E402
+from autoloop.measure.job import MeasureJob  # noqa: E402
 from conftest import FAKE_TRAIN, ray_temp_dir  # noqa: E402
 
 CHECKPOINT_BYTES = b"pretend checkpoint \x00\x01\x02"
@@ -153,8 +153,8 @@ def test_both_slots_run_side_by_side(executor, embedded_dataset, tmp_path):
 def test_the_controller_measures_on_a_ray_slot(executor, fake_repo):
     """A whole run of the loop (baseline, one proposal) with its trials measured on the cluster."""
     from autoloop.config import resolve
-    from autoloop.controller import Controller
-    from autoloop.seeding import seed_idea
+    from autoloop.loop.controller import Controller
+    from autoloop.proposers.seeding import seed_idea
     from autoloop.store import Store
 
     seed_idea(resolve(fake_repo, {}), fake_repo, "lower lr", sets=["LR=0.01"], patch=None)

@@ -353,7 +353,7 @@ def test_report_without_matplotlib_is_one_line(repo, tmp_path):
 def test_export_tsv_reads_back_with_pandas(night, tmp_path):
     import pandas as pd
 
-    from autoloop.export import autoresearch_status
+    from autoloop.review.export import autoresearch_status
 
     out = tmp_path / "results.tsv"
     cli(night, "export", "--format", "tsv", "--out", str(out))
@@ -610,7 +610,7 @@ def test_review_of_a_run_of_the_real_train_py(tmp_path, session_cache, embedded_
     """The real train.py in step mode, verified, then every review command on its db:
     real loss curves, a real checkpoint, held-out metrics."""
     from autoloop.config import resolve
-    from autoloop.controller import Controller
+    from autoloop.loop.controller import Controller
     from autoloop.store import Store
     from conftest import REPO_ROOT, make_repo
 
@@ -793,8 +793,8 @@ def test_status_shows_the_noise_estimate_and_drift(noisy):
 
 
 def test_report_shows_intervals_noise_drift_and_the_ablation(noisy, tmp_path):
-    from autoloop.report import Z95, progress_figure, report_data
-    from autoloop.review import best_trial
+    from autoloop.review.report import Z95, progress_figure, report_data
+    from autoloop.review.queries import best_trial
     from autoloop.store import Store
 
     out_dir = tmp_path / "r"
@@ -832,7 +832,7 @@ def test_report_shows_intervals_noise_drift_and_the_ablation(noisy, tmp_path):
 
 
 def test_how_a_trial_reads_against_the_incumbent():
-    from autoloop.effects import comparison_text, format_estimate, sensitivity, trial_effect
+    from autoloop.decide.effects import comparison_text, format_estimate, sensitivity, trial_effect
 
     assert format_estimate(2.54312, 0.00401, 3) == "2.5431 ± 0.0040 (3)"
     assert format_estimate(2.54312, None, 1) == format_estimate(2.54312) == "2.543120"

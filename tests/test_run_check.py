@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from autoloop.config import resolve
-from autoloop.controller import Controller
+from autoloop.loop.controller import Controller
 from autoloop.errors import AutoloopError
 from autoloop.store import Store
 from tests.conftest import make_repo

@@ -1,4 +1,4 @@
-"""Tests for autoloop.runner with small fake training scripts that implement the contract."""
+"""Tests for autoloop.measure.runner with small fake training scripts that implement the contract."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from autoloop import runner
-from autoloop.runner import (
+from autoloop.measure import runner
+from autoloop.measure.runner import (
     kill_process_group,
     parse_summary_block,
     process_group_alive,

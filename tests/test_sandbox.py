@@ -21,10 +21,10 @@ from pathlib import Path
 import pytest
 
 import autoloop
-from autoloop import sandbox as sb
+from autoloop.measure import sandbox as sb
 from autoloop.errors import AutoloopError
-from autoloop.runner import process_group_alive, run_training
-from autoloop.sandbox import SandboxPaths, SandboxPolicy, allowed_environment, bwrap_arguments, detect
+from autoloop.measure.runner import process_group_alive, run_training
+from autoloop.measure.sandbox import SandboxPaths, SandboxPolicy, allowed_environment, bwrap_arguments, detect
 from tests.conftest import make_repo
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -452,7 +452,7 @@ def test_an_honest_trial_gets_the_same_val_bpb_sandboxed(tmp_path, embedded_data
 def test_no_sandbox_flag_sets_the_config(fake_repo, monkeypatch):
     from typer.testing import CliRunner
 
-    import autoloop.controller as controller_mod
+    import autoloop.loop.controller as controller_mod
     from autoloop.cli import app
 
     seen = []
@@ -494,7 +494,7 @@ def _wait_for(condition, timeout: float = 20) -> bool:
 @needs_bwrap
 def test_killing_bubblewraps_group_ends_the_namespace(layout):
     """What crash recovery does with a recorded pgid: kill_process_group alone, no sweep."""
-    from autoloop.runner import kill_process_group
+    from autoloop.measure.runner import kill_process_group
 
     tag = f"daemon-{os.getpid()}-{time.monotonic_ns()}"
     script = layout["run_dir"] / "probe.py"
@@ -516,8 +516,8 @@ def test_killing_bubblewraps_group_ends_the_namespace(layout):
 CONTROLLER = """
 import sys
 from pathlib import Path
-from autoloop.runner import run_training
-from autoloop.sandbox import SandboxPaths, detect
+from autoloop.measure.runner import run_training
+from autoloop.measure.sandbox import SandboxPaths, detect
 run_dir = Path(sys.argv[1])
 run_training([sys.executable, str(run_dir / "probe.py")], cwd=sys.argv[2], env={"DAEMON_TAG": sys.argv[3],
              "AUTOLOOP_RESULT": str(run_dir / "r.json")}, log_path=run_dir / "train.log", deadline_seconds=120,

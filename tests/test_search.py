@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 
 from autoloop.config import resolve
-from autoloop.controller import Controller
+from autoloop.loop.controller import Controller
 from autoloop.errors import AutoloopError
 from autoloop.gitops import GitRepo
-from autoloop.seeding import seed_idea
+from autoloop.proposers.seeding import seed_idea
 from autoloop.proposers.base import build_chain
 from autoloop.proposers.search import SearchProposer
 from autoloop.proposers.search_space import build_space, parse_hints
@@ -228,7 +228,7 @@ def test_search_plan_command_shows_the_order_and_what_is_left_out(tmp_path):
     import typer
     from typer.testing import CliRunner
 
-    from autoloop.cli_search import search_plan
+    from autoloop.cli.search import search_plan
 
     app = typer.Typer()
     app.command()(search_plan)
@@ -344,7 +344,7 @@ def test_resume_after_the_controller_is_killed_mid_trial(tmp_path):
     two = make_repo(tmp_path / "two", OBJECTIVE)
     # The controller in its own process (as `autoloop run` runs it, without the harness
     # verifier: the fake has no model), killed by the fault point.
-    code = ("import sys\nfrom autoloop.config import resolve\nfrom autoloop.controller import Controller\n"
+    code = ("import sys\nfrom autoloop.config import resolve\nfrom autoloop.loop.controller import Controller\n"
             "flags = {'tag': 't', 'proposers': 'search', 'time_budget': 30, 'grace_seconds': 30, 'max_trials': 16,\n"
             "         'drift_every': 0}\n"
             "Controller(resolve(sys.argv[1], flags), sys.argv[1], verifier=None).run()\n")
@@ -455,7 +455,7 @@ def test_real_train_py_in_step_mode(tmp_path, embedded_dataset):
 
 
 def _noisy_trial(diff: float, se: float, *, status: str = "discard", n: int = 3, near_miss: bool = False) -> dict:
-    """A trial row as the noise-aware controller stores it (see autoloop.effects)."""
+    """A trial row as the noise-aware controller stores it (see autoloop.decide.effects)."""
     low, high = diff - 2.3 * se, diff + 2.3 * se
     return {"status": status, "metric": 2.5 + diff, "best_before": 2.5, "delta": diff, "n_runs": n,
             "metric_sd": se, "decision": {"mean_diff": diff, "se": se, "low": low, "high": high, "n": n,

@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 from autoloop.cli import app
 from autoloop.config import resolve
 from autoloop.errors import AutoloopError
-from autoloop.seeding import MAX_PATCH_BYTES, seed_idea
+from autoloop.proposers.seeding import MAX_PATCH_BYTES, seed_idea
 from autoloop.store import Store
 from conftest import FAKE_TRAIN, make_repo
 
@@ -205,7 +205,7 @@ def test_the_value_check_reads_the_committed_best_not_the_worktree(fake_repo):
 
 def test_an_accepted_idea_runs_as_a_valid_trial(fake_repo, tmp_path):
     """What seed accepts, the controller accepts: the same materialize and validate."""
-    from autoloop.controller import Controller
+    from autoloop.loop.controller import Controller
 
     source = (fake_repo / "train.py").read_text()
     # The patch's context includes the LR line, so it goes first (ideas are taken oldest first).

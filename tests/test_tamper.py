@@ -9,7 +9,7 @@ from __future__ import annotations
 import sqlite3
 
 from autoloop.store import Kind, Status, Store
-from autoloop.tamper import StoreSeal
+from autoloop.trust.seal import StoreSeal
 
 
 def _run_with_a_kept_baseline(tmp_path):

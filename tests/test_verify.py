@@ -29,17 +29,17 @@ import torch.nn.functional as F
 from conftest import FAKE_TRAIN, REPO_ROOT, make_repo
 from torch import nn
 
-from autoloop import integrity
+from autoloop.trust import integrity
 from autoloop.config import Config
-from autoloop.controller import Controller
+from autoloop.loop.controller import Controller
 from autoloop.harness.causality import check_causality
-from autoloop.overfit import overfitting_signal, watch
+from autoloop.decide.overfit import overfitting_signal, watch
 from autoloop.proposers.proposal import Edit, Proposal
 from autoloop.proposers.base import ProposerChain
-from autoloop.review import format_log, format_status, log_rows, run_status
-from autoloop.runner import RunOutcome
+from autoloop.review.queries import format_log, format_status, log_rows, run_status
+from autoloop.measure.runner import RunOutcome
 from autoloop.store import Kind, Status, Store
-from autoloop.verifier import Verifier
+from autoloop.trust.watch import Verifier
 
 STEPS = 40
 TAG = "v"
@@ -478,7 +478,7 @@ def test_training_twice_the_budget_is_rejected(repo):
 def test_editing_a_harness_file_at_run_time_is_rejected(repo, tmp_path, monkeypatch, sandbox):
     """Unsandboxed, the seals catch the edit, the trial is invalid and the run pauses; in
     the sandbox the harness is read-only, so the edit fails inside the trial."""
-    from autoloop.sandbox import detect
+    from autoloop.measure.sandbox import detect
 
     if sandbox == "auto" and detect().kind != "bwrap":
         pytest.skip("bubblewrap cannot run here (apt-get install -y bubblewrap)")
@@ -511,7 +511,7 @@ def test_editing_a_harness_file_at_run_time_is_rejected(repo, tmp_path, monkeypa
 
 @pytest.mark.slow
 def test_honest_better_learning_rate_is_verified_and_kept(repo):
-    from autoloop.seeding import seed_idea
+    from autoloop.proposers.seeding import seed_idea
 
     config = _config()
     seed_idea(config, repo, "double the Muon learning rate", sets=["MATRIX_LR=0.08"], patch=None)

@@ -1,6 +1,6 @@
-"""The worker half of a measurement (autoloop.worker) and its job/result (autoloop.job).
+"""The worker half of a measurement (autoloop.measure.worker) and its job/result (autoloop.measure.job).
 
-With the fake training script: the JSON round-trip, `python -m autoloop.worker` as the
+With the fake training script: the JSON round-trip, `python -m autoloop.measure.worker` as the
 local executor runs it (result file, pids.json, a worker killed mid-job, the ABORT file),
 the harness path (feed, sandbox, integrity snapshots) in a worker process, and the
 controller's side: the device recorded, a lost worker interrupting its trial.
@@ -20,13 +20,13 @@ import pytest
 from conftest import FAKE_TRAIN, REPO_ROOT, make_repo
 
 from autoloop.config import resolve
-from autoloop.controller import Controller
-from autoloop.executors.serial import SerialSlot
-from autoloop.job import JobResult, MeasureJob
-from autoloop.runner import kill_process_group, process_group_alive, process_start_time
-from autoloop.seeding import seed_idea
+from autoloop.loop.controller import Controller
+from autoloop.measure.executors.serial import SerialSlot
+from autoloop.measure.job import JobResult, MeasureJob
+from autoloop.measure.runner import kill_process_group, process_group_alive, process_start_time
+from autoloop.proposers.seeding import seed_idea
 from autoloop.store import Store
-from autoloop.worker import run_job
+from autoloop.measure.worker import run_job
 
 
 def _job(repo: Path, run_dir: Path, **overrides) -> MeasureJob:
@@ -52,7 +52,7 @@ def _spawn(job: MeasureJob, tmp_path: Path) -> tuple[subprocess.Popen, Path]:
     job_file, result_file = tmp_path / "job.json", tmp_path / "result.json"
     job_file.write_text(job.to_json())
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.Popen([sys.executable, "-m", "autoloop.worker", str(job_file), str(result_file)], env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "autoloop.measure.worker", str(job_file), str(result_file)], env=env,
                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     return proc, result_file
 
@@ -156,7 +156,7 @@ def test_worker_process_in_harness_mode(tmp_path, embedded_dataset):
     assert result.pause is None and result.repaired == []
     assert "budget" in result.fields  # judged on the feed's figures
     assert not (run_dir / "feed.sock").exists()
-    from autoloop.sandbox import detect
+    from autoloop.measure.sandbox import detect
 
     assert f"[sandbox: {detect().kind}]" in (run_dir / "train.log").read_text()
 

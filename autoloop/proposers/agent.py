@@ -45,7 +45,7 @@ from pathlib import Path
 from autoloop.config import Config
 from autoloop.errors import AutoloopError
 from autoloop.proposers.proposal import Proposal, patch_text
-from autoloop.runner import process_start_time
+from autoloop.measure.runner import process_start_time
 from autoloop.proposers import brief
 from autoloop.proposers.base import ProposerUnavailable
 
@@ -77,7 +77,7 @@ def _git(cwd: Path | str, *args: str, check: bool = True) -> str:
 
 class AgentProposer:
     name = "agent"
-    slow = True  # worth preparing while the current trial trains (see autoloop.prefetch)
+    slow = True  # worth preparing while the current trial trains (see autoloop.loop.prefetch)
 
     def __init__(self, config: Config):
         self.config = config
@@ -231,7 +231,7 @@ class AgentProposer:
                 raise
 
     def _transcript_path(self, ctx) -> Path:
-        from autoloop.controller import STATE_DIR
+        from autoloop.config import STATE_DIR
 
         folder = Path(ctx.repo.root) / STATE_DIR / ctx.config.tag / "transcripts"
         folder.mkdir(parents=True, exist_ok=True)
@@ -247,7 +247,7 @@ def reap_helpers(store, run_ids) -> list[str]:
     deleted when it is one of ours (a temporary `autoloop-agent-*` folder), and the row is
     ended. Only call it holding the working tree's run lock: then no live controller owns
     these rows. Returns one line per process, for the event log."""
-    from autoloop.runner import kill_process_group
+    from autoloop.measure.runner import kill_process_group
 
     done = []
     for run_id in run_ids:

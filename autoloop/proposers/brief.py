@@ -10,7 +10,7 @@ parent commit:
   circle: a theme is an UPPER_CASE constant a diff assigns (with the values tried) or
   else the top-level function or class a hunk falls in (git's hunk header);
 * a compact table of the recent trials and the diffs of the last few;
-* results with their uncertainty (autoloop.effects): a mean of several runs ± its
+* results with their uncertainty (autoloop.decide.effects): a mean of several runs ± its
   standard error, the difference from the incumbent, and "not distinguishable from the
   incumbent" or "near miss" where the decision found it within the noise, so that the
   proposer does not chase noise; the run's measured noise in the state line;
@@ -34,7 +34,7 @@ import subprocess
 from collections import Counter
 from pathlib import Path
 
-from autoloop.effects import NEAR_MISS, NOT_DISTINGUISHABLE, format_estimate, trial_effect
+from autoloop.decide.effects import NEAR_MISS, NOT_DISTINGUISHABLE, format_estimate, trial_effect
 from autoloop.proposers.proposal import matches
 from autoloop.store import IdeaStatus, Kind, Status
 
@@ -310,7 +310,7 @@ def trials_table(trials: list[dict]) -> str:
         metric = format_estimate(t.get("metric"), t.get("metric_sd"), t.get("n_runs"))
         reason = t.get("reason") or ""
         if t.get("flags"):
-            from autoloop.diagnosis import names
+            from autoloop.decide.diagnosis import names
 
             # The curve's diagnosis says why a trial failed, not only that it did.
             reason = f"[{names(t['flags'])}] {reason}"

@@ -94,7 +94,7 @@ def _price_table(config: Config) -> dict[str, tuple[float, float]]:
 
 class LLMProposer:
     name = "llm"
-    slow = True  # worth preparing while the current trial trains (see autoloop.prefetch)
+    slow = True  # worth preparing while the current trial trains (see autoloop.loop.prefetch)
 
     def __init__(self, config: Config):
         self.config = config
@@ -301,7 +301,7 @@ class LLMProposer:
         """The conversation, for a human reading why a trial looks the way it does."""
         if len(transcript) <= 2:
             return None
-        from autoloop.controller import STATE_DIR
+        from autoloop.config import STATE_DIR
 
         folder = Path(ctx.repo.root) / STATE_DIR / ctx.config.tag / "transcripts"
         folder.mkdir(parents=True, exist_ok=True)

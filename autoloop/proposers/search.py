@@ -14,7 +14,7 @@ preferred direction (up at first) at its current step, then the other direction:
   trials on the learning rate alone);
 - later sweeps visit the constants whose latest trial moved val_bpb the most first
   (ties in the order of attack): effort goes where the metric is sensitive. A move
-  is read with its uncertainty (`autoloop.effects`): the paired mean difference from
+  is read with its uncertainty (`autoloop.decide.effects`): the paired mean difference from
   the incumbent where the trial was measured at several seeds, and no movement at all
   when the decision found it not distinguishable from the incumbent, so a noisy
   constant is not chased because one lucky or unlucky draw looked large;
@@ -65,7 +65,7 @@ import math
 from dataclasses import dataclass, field
 
 from autoloop.config import Config
-from autoloop.effects import sensitivity, trial_effect
+from autoloop.decide.effects import sensitivity, trial_effect
 from autoloop.errors import AutoloopError
 from autoloop.proposers.proposal import Edit, Proposal, matches
 from autoloop.proposers.search_space import GROUP_LABELS, MAX_LEVEL, Param, build_space

@@ -17,7 +17,7 @@ Definitions shared by `autoloop log`, `best`, `report` and `export`:
   whose status is final and not `interrupted` (keep, discard, crash, timeout, invalid).
   Ablation trials (`autoloop ablate`) measure kept changes; they are never proposals.
 * **val_bpb of several runs**: a trial measured at several seeds shows the mean of its
-  runs ± its standard error and the number of runs (`autoloop.effects`).
+  runs ± its standard error and the number of runs (`autoloop.decide.effects`).
 * **crashed**: `crash` + `timeout`. **GPU hours**: the summed wall time of every
   training process (crashed ones included: they used the GPU too).
 * **the best trial**: the kept trial whose commit is the run's best commit (the commit
@@ -33,8 +33,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Iterable
 
-from autoloop.display import format_metric, last_progress
-from autoloop.effects import (
+from autoloop.cli.display import format_metric, last_progress
+from autoloop.decide.effects import (
     ablation_effect, ablation_verdict, decision_figures, decision_of, flags_of, format_estimate, format_interval,
     trial_effect,
 )
@@ -45,7 +45,7 @@ LOG_FIELDS = ("number", "kind", "status", "reason", "metric", "metric_source", "
               "description", "proposer", "minutes", "trial_commit", "heldout_metric", "flags")
 # Also in `log --json`, for scripts and agents.
 LOG_JSON_EXTRA = ("lineage", "worker", "idea_id", "parent_commit", "started_at", "finished_at")
-# The uncertainty of a trial's metric (autoloop.effects); None for trials of one run
+# The uncertainty of a trial's metric (autoloop.decide.effects); None for trials of one run
 # without a noise-aware decision (older databases).
 LOG_UNCERTAINTY = ("metric_sd", "n_runs", "distinguishable", "near_miss")
 DEFAULT_LOG_LAST = 50
@@ -174,7 +174,7 @@ def format_log(run: dict, rows: list[dict], *, total: int | None = None) -> str:
         if r.get("reason"):
             lines.append(f"{'':>{41 + width}}  ↳ {_cut(r['reason'], 100)}")
         if r.get("flags"):
-            from autoloop.diagnosis import names
+            from autoloop.decide.diagnosis import names
 
             lines.append(f"{'':>{41 + width}}  ⚑ {names(r['flags'])}")
     if any((r.get("n_runs") or 0) > 1 for r in rows):
@@ -233,7 +233,7 @@ def tail_lines(path: Path, count: int = LOG_TAIL_LINES, max_bytes: int = 65536) 
 
 def archive_ref(run: dict, trial: dict) -> str | None:
     """Where the controller keeps a non-kept trial's commit reachable (an ablation's
-    reverted commit: under ablations/, see autoloop.ablate)."""
+    reverted commit: under ablations/, see autoloop.review.ablate)."""
     if trial.get("trial_commit") and trial["kind"] == Kind.ABLATION.value:
         return f"refs/autoloop/{run['tag']}/ablations/{trial['number']}"
     if trial.get("trial_commit") and trial["status"] not in (Status.KEEP.value, Status.RUNNING.value) \
@@ -295,7 +295,7 @@ def trial_measurements(store, trial: dict) -> list[dict]:
 
 def ablations_of(store, run: dict, trial: dict) -> list[dict]:
     """The ablation trials that reverted this trial's change, oldest first, with their
-    figures (autoloop.effects.ablation_effect)."""
+    figures (autoloop.decide.effects.ablation_effect)."""
     if trial["kind"] == Kind.ABLATION.value:
         return []
     rows = select(store, "SELECT number, status, reason, parent_commit, decision FROM trials WHERE run_id = ? "
@@ -332,7 +332,7 @@ def format_trial(d: dict, *, with_diff: bool = True) -> str:
         field("idea", f"{idea['id']}: {idea['text']}" + (f" [{sets}]" if sets else ""))
     field("reason", d.get("reason"))
     if d.get("flags"):
-        from autoloop.diagnosis import messages
+        from autoloop.decide.diagnosis import messages
 
         for message in messages(d["flags"] if not isinstance(d["flags"], str) else json.loads(d["flags"])):
             field("flag", message)
@@ -668,7 +668,7 @@ def latest_ablations(store, run: dict) -> list[dict]:
     """For each kept change that was ablated, its latest ablation trial: {trial (the kept
     trial's number), description, ablation (the ablation trial's number), status,
     reason, parent_commit (the best commit it was measured against), figures
-    (autoloop.effects.AblationEffect or None)}, in the kept trials' order."""
+    (autoloop.decide.effects.AblationEffect or None)}, in the kept trials' order."""
     rows = select(store, "SELECT a.number AS ablation, a.status, a.reason, a.parent_commit, a.trial_commit, a.decision, "
                          "k.number AS trial, k.description, k.id AS kept_id FROM trials a JOIN trials k "
                          "ON k.id = a.derived_from WHERE a.run_id = ? AND a.kind = ? ORDER BY a.number",
@@ -736,15 +736,15 @@ def run_status(store, run: dict, repo: Path) -> dict:
         "best_metric": best["metric"] if best else None, "best_trial": best["number"] if best else None,
         "trials": len(trials), "counts": counts, "running": None,
     }
-    # verification (autoloop.verifier, autoloop.overfit): is the best checked, and is held-out still improving?
-    from autoloop.overfit import current_signal
+    # verification (autoloop.trust.watch, autoloop.decide.overfit): is the best checked, and is held-out still improving?
+    from autoloop.decide.overfit import current_signal
 
     info["best_metric_source"] = best.get("metric_source") if best else None
     info["best_metric_sd"] = best.get("metric_sd") if best else None
     info["best_n_runs"] = best.get("n_runs") if best else None
     info.update(noise_info(store, run))
-    # Which controller holds this working tree's run lock (autoloop.lock), whatever its tag.
-    from autoloop.lock import holder
+    # Which controller holds this working tree's run lock (autoloop.loop.lock), whatever its tag.
+    from autoloop.loop.lock import holder
 
     info["controller"] = holder(repo)
     info["overfitting"] = (current_signal(store, run["id"]) or {}).get("message")

@@ -41,7 +41,7 @@ def decision_of(trial: dict) -> dict:
 
 
 # The decision's figures under the names the brief of this wave uses, with the names
-# autoloop.decide's Verdict.figures uses as fallbacks (the controller may store either).
+# autoloop.decide.rule's Verdict.figures uses as fallbacks (the controller may store either).
 _ALIASES = {"statistic": ("statistic", "t"), "bound": ("bound", "keep_bound"),
             "stopped_because": ("stopped_because", "stopped")}
 

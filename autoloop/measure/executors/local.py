@@ -3,7 +3,7 @@
 Worker k trains in `.autoloop/<tag>/workers/w<k>` (a `git worktree add --detach` of the
 repository, checked out at the commit it measures) with `CUDA_VISIBLE_DEVICES` naming its
 GPU, so trials never share a device or a working tree. Every job runs in a worker process
-(`python -m autoloop.worker`) in its own process group, recorded in the `processes` table,
+(`python -m autoloop.measure.worker`) in its own process group, recorded in the `processes` table,
 so a crash of the controller leaves nothing behind that recovery cannot end; a worker
 killed mid-job (the OOM killer, a user) returns status "lost" and its trial is
 interrupted, its idea back in the queue, while the others go on.
@@ -24,8 +24,7 @@ import time
 from pathlib import Path
 
 from autoloop.errors import AutoloopError
-from autoloop.executors import Executor
-from autoloop.job import JobResult
+from autoloop.measure.job import JobResult
 
 POLL_SECONDS = 0.2
 ABORT_GRACE_SECONDS = 30.0  # a worker asked to stop gets this long to kill its training and say so
@@ -50,7 +49,8 @@ def visible_gpus() -> list[tuple[str, str]]:
     return gpus
 
 
-def local_executor(controller, workers: int = 0) -> Executor:
+def local_slots(controller, workers: int = 0) -> list[LocalSlot]:
+    """One slot per visible GPU (at most `workers`), or `workers` pretend CPU devices."""
     gpus = visible_gpus()
     if gpus:
         if workers and workers > len(gpus):
@@ -63,8 +63,7 @@ def local_executor(controller, workers: int = 0) -> Executor:
             raise AutoloopError("--executor local found no GPU (nvidia-smi shows none): pass --workers N to run "
                                 "N workers on pretend devices (CPU training), or use the serial executor")
         gpus = [(str(k), "cpu") for k in range(workers)]
-    slots = [LocalSlot(controller, k, visible, name) for k, (visible, name) in enumerate(gpus)]
-    return Executor("local", slots)
+    return [LocalSlot(controller, k, visible, name) for k, (visible, name) in enumerate(gpus)]
 
 
 class LocalSlot:
@@ -116,14 +115,14 @@ class LocalSlot:
         job_file.write_text(job.to_json())
         env = dict(os.environ)
         env.update(self.device_env)
-        from autoloop import evaluation
-        from autoloop.worker import WARMED_ENV
+        from autoloop.trust import evaluation
+        from autoloop.measure.worker import WARMED_ENV
 
         env[WARMED_ENV] = json.dumps(sorted(evaluation._warmed))
-        from autoloop.runner import process_start_time
+        from autoloop.measure.runner import process_start_time
 
         proc = subprocess.Popen(
-            [sys.executable, "-m", "autoloop.worker", str(job_file), str(result_file)],
+            [sys.executable, "-m", "autoloop.measure.worker", str(job_file), str(result_file)],
             cwd=str(self.project_dir), env=env, stdin=subprocess.DEVNULL,
             stdout=open(run_dir / "worker.log", "ab"), stderr=subprocess.STDOUT, start_new_session=True,
         )
@@ -160,7 +159,7 @@ class LocalSlot:
             return JobResult(status="aborted", reason="interrupted by the user", worker=self.name, device=self.device)
         if seen_pids is not None and seen_pids[1]:
             # Its training must not outlive it (unsandboxed, training has a session of its own).
-            from autoloop.runner import kill_process_group
+            from autoloop.measure.runner import kill_process_group
 
             kill_process_group(int(seen_pids[1]), expected_pid=seen_pids[0], expected_start_time=seen_pids[2])
         code = proc.returncode

@@ -2,7 +2,7 @@
 
 A measurement has two halves (docs/architecture.md, design/SCALE.md): the controller's
 (checkout, seals, the db and git) and the worker's (data feed, sandbox, training, budget
-check, evaluation: `autoloop.worker.run_job`). The worker may run in the controller's
+check, evaluation: `autoloop.measure.worker.run_job`). The worker may run in the controller's
 process (the serial slot), in a worker subprocess on the same machine, or on a Ray node
 that shares no filesystem with the controller. So everything the worker needs travels in
 a `MeasureJob`, and everything the controller records comes back in a `JobResult`, both
@@ -70,7 +70,7 @@ class MeasureJob:
     harness_mode: bool = True
     external_eval: bool = True
     verify: bool = False
-    sandbox: str = "auto"  # the sandbox mode (autoloop.sandbox.detect)
+    sandbox: str = "auto"  # the sandbox mode (autoloop.measure.sandbox.detect)
     harness_dir: str | None = None  # the harness whose files the integrity snapshot hashes
     integrity_cache_root: str | None = None  # the verifier's bytecode prefixes' root
     integrity_python: str | None = None  # the interpreter of the trusted re-warm of bytecode
@@ -83,7 +83,7 @@ class MeasureJob:
     # verify jobs: the run's checkpoint and its result JSON (the device it trained on)
     checkpoint: str | None = None
     result: dict | None = None
-    # For `python -m autoloop.worker`: where to run (run_job's arguments win when given).
+    # For `python -m autoloop.measure.worker`: where to run (run_job's arguments win when given).
     project_dir: str | None = None
     run_dir: str | None = None
 

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from autoloop.decide import DecisionConfig, NoiseSums, decide, estimate, noise_sums, pool_noise
+from autoloop.decide.rule import DecisionConfig, NoiseSums, decide, estimate, noise_sums, pool_noise
 
 NULL, REDRAW, HARMFUL, HELPFUL = 0, 1, 2, 3  # what a decided proposal truly was
 HP, CODE = 4, 5  # Landscape proposal types before their effect is known (REDRAW is the third)

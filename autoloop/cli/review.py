@@ -1,11 +1,11 @@
 """The morning-review commands: log, show, diff, best, ablate, finalize, report, export.
 
 Plain functions with typer annotations; `autoloop.cli` registers them. They only parse
-options and call `autoloop.review`, `autoloop.finalize`, `autoloop.report`,
-`autoloop.export` and `autoloop.ablate`. Every one but `ablate` reads the db without
+options and call `autoloop.review.queries`, `autoloop.review.finalize`, `autoloop.review.report`,
+`autoloop.review.export` and `autoloop.review.ablate`. Every one but `ablate` reads the db without
 taking a write lock, so each works while a run is writing to it; `ablate` trains, so it
 takes the run's lock like `autoloop run`. What they share with `autoloop.cli` lives in
-`autoloop.cli_common`, so neither imports the other.
+`autoloop.cli.common`, so neither imports the other.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from autoloop.cli_common import _open_store, pick_run
+from autoloop.cli.common import open_store, pick_run
 
 RepoOpt = Annotated[Path, typer.Option("--repo", help="The git repository that holds train.py; the current folder by default.")]
 DbOpt = Annotated[Optional[str], typer.Option("--db", help="The trial database, relative to the repository; experiments.db by default.")]
@@ -30,7 +30,7 @@ class _Session:
 
     def __init__(self, repo: Path, db: str | None, tag: str | None):
 
-        self.store = _open_store(repo, db)
+        self.store = open_store(repo, db)
         try:
             self.run = pick_run(self.store, tag)
         except BaseException:
@@ -59,7 +59,7 @@ def log(
     as_json: Annotated[bool, typer.Option("--json", help="Print every matching trial as JSON (no default limit), for scripts and agents.")] = False,
 ):
     """List the trials of a run: what was tried, what was kept, and why."""
-    from autoloop.review import DEFAULT_LOG_LAST, count_trials, format_log, log_rows
+    from autoloop.review.queries import DEFAULT_LOG_LAST, count_trials, format_log, log_rows
 
     with _Session(repo, db, tag) as s:
         if as_json:
@@ -81,7 +81,7 @@ def show(
     as_json: JsonOpt = False,
 ):
     """Show one trial in full: every field, the evidence behind its decision, its diff and the tail of its log."""
-    from autoloop.review import format_trial, trial_detail
+    from autoloop.review.queries import format_trial, trial_detail
 
     with _Session(repo, db, tag) as s:
         detail = trial_detail(s.store, s.run, number, repo, log_lines=max(lines, 0))
@@ -90,7 +90,7 @@ def show(
 
 def diff(number: NumberArg, repo: RepoOpt = Path("."), tag: TagOpt = None, db: DbOpt = None):
     """Print a trial's diff against its parent, ready for `git apply`."""
-    from autoloop.review import trial_diff
+    from autoloop.review.queries import trial_diff
 
     with _Session(repo, db, tag) as s:
         text, note = trial_diff(s.store, s.run, number, repo)
@@ -102,7 +102,7 @@ def diff(number: NumberArg, repo: RepoOpt = Path("."), tag: TagOpt = None, db: D
 
 def best(repo: RepoOpt = Path("."), tag: TagOpt = None, db: DbOpt = None, as_json: JsonOpt = False):
     """Show the best commit of a run, its val_bpb against the baseline, and held-out val_bpb where verified."""
-    from autoloop.review import best_summary, format_best
+    from autoloop.review.queries import best_summary, format_best
 
     with _Session(repo, db, tag) as s:
         info = best_summary(s.store, s.run)
@@ -121,7 +121,7 @@ def finalize(
     as_json: JsonOpt = False,
 ):
     """Make a clean branch from the run's base with its kept changes, and keep the best trial's checkpoint under .autoloop/<tag>/best/."""
-    from autoloop.finalize import finalize as make_branch
+    from autoloop.review.finalize import finalize as make_branch
 
     with _Session(repo, db, tag) as s:
         result = make_branch(s.store, s.run, repo, branch=branch, per_trial=per_trial, force=force, checkout=checkout,
@@ -153,8 +153,8 @@ def ablate(
     as_json: JsonOpt = False,
 ):
     """Measure what each kept change is worth: revert it from the best commit, train at the same seeds as the best, and mark changes whose effect is indistinguishable from zero as candidates to drop."""
-    from autoloop.ablate import ablate_run, format_ablation
-    from autoloop.display import Display
+    from autoloop.review.ablate import ablate_run, format_ablation
+    from autoloop.cli.display import Display
 
     with _Session(repo, db, tag) as s:
         run = s.run
@@ -170,7 +170,7 @@ def report(
     out: Annotated[Optional[Path], typer.Option(help="The folder for report.html and its PNG charts; .autoloop/<tag>/report/ by default.")] = None,
 ):
     """Write a self-contained HTML report of a run (headline, progress chart, loss curves, kept changes, failures, ideas)."""
-    from autoloop.report import build_report, default_out_dir
+    from autoloop.review.report import build_report, default_out_dir
 
     with _Session(repo, db, tag) as s:
         result = build_report(s.store, s.run, out if out is not None else default_out_dir(repo, s.run["tag"]))
@@ -187,7 +187,7 @@ def export(
     out: Annotated[Optional[Path], typer.Option(help="Write to this file instead of standard output.")] = None,
 ):
     """Export a run's trials as TSV, CSV or JSON; the TSV reads in autoresearch's analysis notebook."""
-    from autoloop.export import write_export
+    from autoloop.review.export import write_export
 
     with _Session(repo, db, tag) as s:
         text = write_export(s.store, s.run, format_, out)

@@ -12,7 +12,7 @@ diagnosis instead of burning the night); after a proposal that crashed with a pl
 error, one `repair` of it by the proposer that made it (llm, agent); with
 `requeue_near_misses`, a discard that was within the noise of an incumbent that has since
 changed, tried once more on the new best; otherwise the proposer chain's next proposal,
-prepared while the previous trial trained (`autoloop.prefetch`).
+prepared while the previous trial trained (`autoloop.loop.prefetch`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import json
 import shutil
 from dataclasses import dataclass
 
-from autoloop.prefetch import Prefetcher
+from autoloop.loop.prefetch import Prefetcher
 from autoloop.proposers.proposal import Edit, Proposal
 from autoloop.proposers.base import ProposerUnavailable
 from autoloop.store import Kind, Status
@@ -119,7 +119,7 @@ class Scheduler:
         """Hook for schedulers that learn from results; the state lives in the db."""
 
     def prefetch(self, trial: dict) -> None:
-        """Training of `trial` has started: prepare the next proposal meanwhile (autoloop.prefetch)."""
+        """Training of `trial` has started: prepare the next proposal meanwhile (autoloop.loop.prefetch)."""
         self.prefetcher.start()
 
     def close(self) -> None:
@@ -265,7 +265,7 @@ class Scheduler:
 
     def _diagnose(self, what: str) -> str:
         from autoloop.errors import is_disk_full
-        from autoloop.runner import gpu_busy_report
+        from autoloop.measure.runner import gpu_busy_report
 
         free = shutil.disk_usage(self.controller.repo_dir).free
         if is_disk_full(what):  # the failure itself says so ("No space left on device"), whatever is free now

@@ -1,6 +1,6 @@
 """Integrity checks around every trial: the harness, the data and the budget.
 
-The verifier (autoloop.verifier) checks a keep candidate's model; these cheaper checks run
+The verifier (autoloop.trust.watch) checks a keep candidate's model; these cheaper checks run
 around every trial, because a trial that tampers with the harness or the data spoils
 every trial after it, and one that overruns its budget is not comparable whatever its
 score.
@@ -19,7 +19,7 @@ Bytecode and import hooks, before and after each trial
     without reading the source, and runs every `.pth` file (and sitecustomize /
     usercustomize) in site-packages at start-up. So the snapshot also hashes the harness's
     `__pycache__` files (and the harness part of the bytecode prefixes the controller gives
-    its children, autoloop.evaluation.pycache_env) and those files in every site-packages
+    its children, autoloop.trust.evaluation.pycache_env) and those files in every site-packages
     folder (sysconfig purelib/platlib, site.getsitepackages(), the user site). A trial that
     added or modified one is `invalid`, naming the file (a deleted .pyc is harmless:
     Python compiles the source again). `precompile_harness` writes the harness's own
@@ -65,7 +65,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from autoloop.config import Config
-from autoloop.runner import RunOutcome
+from autoloop.measure.runner import RunOutcome
 
 FULL_HASH_MAX_BYTES = 512 * 2**20
 STEP_SLACK = 1
@@ -322,7 +322,7 @@ def budget_problem(config: Config, outcome: RunOutcome, *, data_fingerprint: str
     """Why a finished trial's report breaks its budget or contradicts the run, or None.
 
     `measured_by_feed`: the run drew its batches from the harness's data feed, whose own
-    figures (autoloop.budget) judge its time; the time rules on the trial's report and on
+    figures (autoloop.trust.budget) judge its time; the time rules on the trial's report and on
     the wall clock below are then not applied (they fail honest runs on a busy machine)."""
     result = outcome.result or {}
     steps = _number(result, "num_steps")

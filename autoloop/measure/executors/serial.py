@@ -1,9 +1,13 @@
 """The serial slot: measurements run one at a time, in the controller's process and folder.
 
-What autoloop always did, expressed as a Slot (autoloop.executors): the commit is checked
+What autoloop always did, expressed as a Slot (autoloop.measure.executors): the commit is checked
 out in the repository itself (`Controller.checkout_for_measurement`), and `run_job`
-(autoloop.worker) runs in this process, so the training process is the controller's own
+(autoloop.measure.worker) runs in this process, so the training process is the controller's own
 child and the controller records its process group directly through `on_start`.
+
+`run_training` below is the training runner this slot hands the worker, read at each run:
+tests replace `autoloop.measure.executors.serial.run_training` to fake a training run (the
+evaluator keeps the real runner).
 """
 
 from __future__ import annotations
@@ -11,7 +15,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
-from autoloop.job import JobResult, MeasureJob
+from autoloop.measure.job import JobResult, MeasureJob
+from autoloop.measure.runner import run_training
 
 
 class SerialSlot:
@@ -32,12 +37,10 @@ class SerialSlot:
 
     def run(self, job: MeasureJob, run_dir: Path, on_start: Callable | None = None,
             should_abort: Callable[[], bool] | None = None) -> JobResult:
-        from autoloop import measure
-        from autoloop.worker import run_job
+        from autoloop.measure.worker import run_job
 
-        # autoloop.measure.run_training is the runner tests replace to fake a training run.
         result = run_job(job, project_dir=self.project_dir, run_dir=run_dir, on_start=on_start,
-                         should_abort=should_abort, runner=measure.run_training)
+                         should_abort=should_abort, runner=run_training)
         result.worker = self.name
         return result
 

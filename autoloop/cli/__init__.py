@@ -12,7 +12,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from autoloop.cli_common import _config, _explicit_tag, _open_store, handles_errors, pick_run
+from autoloop.cli.common import config_for, explicit_tag, handles_errors, open_store, pick_run
 from autoloop.errors import AutoloopError
 
 app = typer.Typer(
@@ -69,10 +69,10 @@ def run(
     allow_mixed_devices: Annotated[Optional[bool], typer.Option("--allow-mixed-devices", help="Allow workers on different GPU models; each candidate is then compared with the incumbent measured on its own kind.")] = None,
 ):
     """Run the research loop: baseline first, then proposals, until a stop condition."""
-    from autoloop.controller import Controller
-    from autoloop.display import Display, format_metric
+    from autoloop.loop.controller import Controller
+    from autoloop.cli.display import Display, format_metric
 
-    config = _config(
+    config = config_for(
         repo, tag=tag, db=db, max_trials=max_trials, hours=hours, time_budget=time_budget, max_steps=max_steps,
         grace_seconds=grace_seconds, proposers=proposers, keep_margin=keep_margin, decision_rule=decision_rule,
         baseline_seeds=baseline_seeds, max_runs=max_runs, alpha=alpha, drift_every=drift_every,
@@ -102,7 +102,7 @@ def run(
 @handles_errors
 def stop(repo: RepoOpt = Path("."), tag: TagOpt = None, db: DbOpt = None):
     """Ask a running `autoloop run` to stop after its current trial."""
-    store = _open_store(repo, db)
+    store = open_store(repo, db)
     run_row = pick_run(store, tag)
     store.request_stop(run_row["tag"])
     typer.echo(f"asked run '{run_row['tag']}' to stop after its current trial")
@@ -113,14 +113,14 @@ def stop(repo: RepoOpt = Path("."), tag: TagOpt = None, db: DbOpt = None):
 def status(repo: RepoOpt = Path("."), tag: TagOpt = None, db: DbOpt = None,
            as_json: Annotated[bool, typer.Option("--json", help="Print the status as JSON.")] = False):
     """Show what is running (its step, loss and time left), and the best so far."""
-    from autoloop.review import run_status
+    from autoloop.review.queries import run_status
 
-    store = _open_store(repo, db)
+    store = open_store(repo, db)
     info = run_status(store, pick_run(store, tag), repo)
     if as_json:
         typer.echo(json.dumps(info, indent=1, default=str))
         return
-    from autoloop.review import format_status
+    from autoloop.review.queries import format_status
 
     typer.echo(format_status(info))
 
@@ -145,7 +145,7 @@ def check(
     unknown = [p for p in chosen if p not in PARTS]
     if unknown:
         raise AutoloopError(f"unknown check part {', '.join(unknown)}: use some of {', '.join(PARTS)}")
-    config = _config(repo, db=db, hours=hours, time_budget=time_budget, max_steps=max_steps, dataset=dataset)
+    config = config_for(repo, db=db, hours=hours, time_budget=time_budget, max_steps=max_steps, dataset=dataset)
     data_dir = None
     if config.dataset:
         from autoloop.prepare import resolve_data_dir
@@ -153,7 +153,7 @@ def check(
         data_dir = resolve_data_dir(config.dataset)
     result = run_check(repo, time_budget=config.time_budget, max_steps=config.max_steps, hours=config.hours,
                        parts=chosen, data_dir=data_dir, say=typer.echo)
-    stored = store_result(repo, config.db, _explicit_tag(tag), result)
+    stored = store_result(repo, config.db, explicit_tag(tag), result)
     typer.echo(f"check took {result['seconds']:.0f} s; result in {Path(repo) / '.autoloop' / 'check' / 'check.json'}"
                + (f" and on run '{stored}'" if stored else ""))
     if as_json:
@@ -180,10 +180,10 @@ def seed(
 
     It is checked now, with the loop's own rules, against the current best commit (of the --tag run, else the most recent run, else HEAD): a bad idea is refused in one line instead of failing at night.
     """
-    from autoloop.seeding import seed_idea
+    from autoloop.proposers.seeding import seed_idea
 
-    config = _config(repo, db=db)
-    idea = seed_idea(config, repo, description, sets=set_ or [], patch=patch, priority=priority, tag=_explicit_tag(tag))
+    config = config_for(repo, db=db)
+    idea = seed_idea(config, repo, description, sets=set_ or [], patch=patch, priority=priority, tag=explicit_tag(tag))
     typer.echo(f"seeded idea {idea['id']}: {description}")
 
 
@@ -192,18 +192,18 @@ def seed(
 def ideas(repo: RepoOpt = Path("."), db: DbOpt = None,
           as_json: Annotated[bool, typer.Option("--json", help="Print the ideas as JSON.")] = False):
     """List the seeded ideas and what became of them."""
-    from autoloop.review import format_ideas
+    from autoloop.review.queries import format_ideas
 
-    store = _open_store(repo, db)
+    store = open_store(repo, db)
     rows = store.ideas()
     typer.echo(json.dumps(rows, indent=1, default=str) if as_json else format_ideas(store, rows))
 
 
 def _register_commands() -> None:
     """Commands that live in their own modules (the morning review, dataset preparation)."""
-    from autoloop import cli_review
-    from autoloop.cli_prepare import prepare
-    from autoloop.cli_search import search_plan
+    from autoloop.cli import review as cli_review
+    from autoloop.cli.prepare import prepare
+    from autoloop.cli.search import search_plan
 
     app.command("log")(handles_errors(cli_review.log))
     app.command("show")(handles_errors(cli_review.show))

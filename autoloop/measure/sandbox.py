@@ -227,10 +227,9 @@ def _controller_cache_root(env: Mapping[str, str]) -> Path:
 
 def _default_readonly(cwd: Path | str, env: Mapping[str, str]) -> list[Path]:
     """What any Python child needs to see even when it lives in a home folder."""
-    import autoloop
-
+    package = Path(__file__).resolve().parents[1]  # autoloop/ itself (this file is autoloop/measure/sandbox.py)
     paths = [Path(cwd), Path(sys.prefix), Path(sys.base_prefix), Path(sys.exec_prefix),
-             _resolve(sys.executable).parent, Path(autoloop.__file__).resolve().parent]
+             _resolve(sys.executable).parent, package]
     for name in ("PYTHONPATH", "LD_LIBRARY_PATH"):
         paths += [Path(p) for p in env.get(name, "").split(os.pathsep) if p]
     paths += [Path(env[name]) for name in ("CUDA_HOME", "CUDA_PATH", "VIRTUAL_ENV", "CONDA_PREFIX") if env.get(name)]

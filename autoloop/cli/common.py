@@ -1,7 +1,7 @@
 """What every command module shares: the error wrapper, the config, the store and the run.
 
-`autoloop.cli` and the command modules beside it (`cli_review`, `cli_prepare`,
-`cli_search`) import from here, never from each other's internals, so there is no import
+`autoloop.cli` and the command modules beside it (`cli.review`, `cli.prepare`,
+`cli.search`) import from here, never from each other's internals, so there is no import
 cycle between them.
 """
 
@@ -30,16 +30,16 @@ def handles_errors(command):
     return wrapper
 
 
-def _config(repo: Path, **flags):
+def config_for(repo: Path, **flags):
     from autoloop.config import resolve
 
     return resolve(repo, flags)
 
 
-def _open_store(repo: Path, db: str | None):
+def open_store(repo: Path, db: str | None):
     from autoloop.store import Store
 
-    config = _config(repo, db=db)
+    config = config_for(repo, db=db)
     path = Path(config.db)
     path = path if path.is_absolute() else repo / path
     if not path.exists():
@@ -47,14 +47,14 @@ def _open_store(repo: Path, db: str | None):
     return Store(path)
 
 
-def _explicit_tag(tag: str | None) -> str | None:
+def explicit_tag(tag: str | None) -> str | None:
     return tag or os.environ.get("AUTOLOOP_TAG") or None
 
 
 def pick_run(store, tag: str | None) -> dict:
     """The run named by --tag (or AUTOLOOP_TAG), else the most recent one."""
     runs = store.runs()
-    tag = _explicit_tag(tag)
+    tag = explicit_tag(tag)
     if tag is not None:
         run = store.get_run(tag)
         if run is None:

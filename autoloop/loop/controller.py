@@ -10,7 +10,7 @@ One trial, in the order that keeps every crash recoverable:
 4. Training runs in its own process group; its pgid, pid and start time go into the row
    before the controller waits on it.
 5. The decision and the run's new best commit are written in one transaction: the db is
-   the truth, and git is made to agree with it. Before it, the verifier (autoloop.verifier)
+   the truth, and git is made to agree with it. Before it, the verifier (autoloop.trust.watch)
    compares the harness and data with their state before training and checks the
    reported budget; a trial the decision would keep is first verified in a fresh process
    (causality, re-evaluated val_bpb, held-out), and the verified value decides.
@@ -21,7 +21,7 @@ On start-up (`recover`) the controller kills a training process group left by a 
 controller (and, for any tag, a coding agent's process group, deleting its temporary
 clone: `_reap_helpers`), marks its row `interrupted`, archives commits of finished
 trials that lack their ref, and resets the branch and worktree to the db's best commit. Each window is
-reachable by fault injection (`autoloop.faults`).
+reachable by fault injection (`autoloop.loop.faults`).
 
 A full disk, wherever it surfaces in a trial (the training log, git, the db, our own
 writes), is not the proposal's fault: the trial becomes `interrupted` and the run pauses
@@ -42,21 +42,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from autoloop import faults
-from autoloop.config import Config
-from autoloop.decide import DecisionConfig, Noise, decide, estimate, pool_noise
+from autoloop.loop import faults
+from autoloop.config import STATE_DIR, Config
+from autoloop.decide.rule import DecisionConfig, Noise, decide, estimate, pool_noise
 from autoloop.errors import AutoloopError, DiskFull, disk_full_what, is_disk_full
 from autoloop.gitops import GitRepo
-from autoloop.lock import RunLock
+from autoloop.loop.lock import RunLock
 from autoloop.proposers.proposal import InvalidProposal, Proposal, materialize, matches, validate
 from autoloop.proposers import ProposalContext, build_chain
-from autoloop.measure import Measurement, Measurer
-from autoloop.runner import gpu_busy_report, kill_process_group
-from autoloop.scheduler import Scheduler, WorkItem
+from autoloop.measure.measurer import Measurement, Measurer
+from autoloop.measure.runner import gpu_busy_report, kill_process_group
+from autoloop.loop.scheduler import Scheduler, WorkItem
 from autoloop.store import IdeaStatus, Kind, MetricSource, RunStatus, Status, Store
 
-STATE_DIR = ".autoloop"
-# `Controller(verifier=...)` default: the real verifier (autoloop.verifier). Pass None to turn
+# `Controller(verifier=...)` default: the real verifier (autoloop.trust.watch). Pass None to turn
 # off integrity checks and verification, e.g. for a fake script that has no model.
 DEFAULT_VERIFIER = object()
 
@@ -88,7 +87,7 @@ class Controller:
         self.repo_dir = Path(repo_dir).resolve()
         self.display = display
         if verifier is DEFAULT_VERIFIER:
-            from autoloop.verifier import Verifier
+            from autoloop.trust.watch import Verifier
 
             verifier = Verifier()
         self.verifier = verifier
@@ -106,7 +105,7 @@ class Controller:
         self.measurer = Measurer(self)
         self._noise_cache: Noise | None = None
         self._curves: dict[int, list] = {}  # a trial's curve (of its last run), stored when it ends
-        # Several trials at once (autoloop.parallel): each thread's slot and lineage, the
+        # Several trials at once (autoloop.loop.run): each thread's slot and lineage, the
         # trials in flight, one lock for git and decisions, edits waiting to be re-based.
         self._local = threading.local()
         self._git_lock = threading.RLock()
@@ -616,8 +615,8 @@ class Controller:
             scheduler = self.scheduler = Scheduler(self)
             started = time.time()
             if self.config.executor != "serial":
-                from autoloop.executors import make_executor
-                from autoloop.parallel import ParallelLoop
+                from autoloop.measure.executors import make_executor
+                from autoloop.loop.run import ParallelLoop
 
                 self.executor = make_executor(self)
                 self._say(f"{self.config.executor} executor: {len(self.executor.slots)} workers "
@@ -968,7 +967,7 @@ class Controller:
     # ------------------------------------------------------------------ slots
 
     def current_slot(self):
-        """The slot the calling thread's trial measures on (autoloop.executors): the one
+        """The slot the calling thread's trial measures on (autoloop.measure.executors): the one
         bound to this thread (`bind_slot`), else the serial slot."""
         return getattr(self._slots, "slot", None) or self._serial_slot()
 
@@ -978,7 +977,7 @@ class Controller:
 
     def _serial_slot(self):
         if self._serial is None:
-            from autoloop.executors.serial import SerialSlot
+            from autoloop.measure.executors.serial import SerialSlot
 
             self._serial = SerialSlot(self)
         return self._serial
@@ -1171,7 +1170,7 @@ class Controller:
         return TrialOutcome(Status.DISCARD, what, fields)
 
     def _compare(self, trial: dict) -> TrialOutcome:
-        """The paired, sequential comparison of a candidate with the incumbent (autoloop.decide)."""
+        """The paired, sequential comparison of a candidate with the incumbent (autoloop.decide.rule)."""
         cfg = self.decision_config()
         incumbent = self.incumbent_trial()
         seeds = self.seeds(max(cfg.max_runs, cfg.baseline_seeds, 1) + 1)
@@ -1286,7 +1285,7 @@ class Controller:
         return outcome
 
     def _heldout_problem(self, trial, incumbent, heldouts: dict, inc_heldouts: dict) -> str | None:
-        from autoloop.evaluation import heldout_guard
+        from autoloop.trust.evaluation import heldout_guard
 
         if not inc_heldouts:
             return None
@@ -1368,7 +1367,7 @@ class Controller:
             fields.update(metric=None, metric_source=None)
         curve = self._curves.pop(trial["id"], None) or self._progress_curve(trial)
         if curve:
-            from autoloop.diagnosis import diagnose
+            from autoloop.decide.diagnosis import diagnose
 
             flags = diagnose(curve)
             if flags:
@@ -1404,7 +1403,7 @@ class Controller:
 
     def _integrity_pause(self) -> WorkItem | None:
         """A pause when the disk filled up, a drift check found a large shift, or the harness
-        or the data changed under the run (autoloop.verifier)."""
+        or the data changed under the run (autoloop.trust.watch)."""
         if self._pending_pause:
             reason, self._pending_pause = self._pending_pause, None
             return WorkItem("pause", reason=reason)
@@ -1416,7 +1415,7 @@ class Controller:
         return WorkItem("pause", reason=reason) if reason else None
 
     def _watch_overfitting(self, trial: dict) -> None:
-        from autoloop.overfit import watch
+        from autoloop.decide.overfit import watch
 
         signal_ = watch(self.store, self.run_row["id"])
         if signal_ is not None:

@@ -3,16 +3,16 @@ val_bpb computed by the harness, recorded as a `measurements` row.
 
 A trial owns several measurements (the candidate at several seeds; the incumbent's
 re-measurements are rows of the incumbent's trial, with `for_trial_id` naming the
-comparison that asked for them). `autoloop.decide` reads them; the controller is the only
+comparison that asked for them). `autoloop.decide.rule` reads them; the controller is the only
 writer. A measurement has two halves; this module is the controller's:
 
 1. The slot the run goes to (`Controller.current_slot()`: the serial slot, or one worker
-   per device when trials run side by side, autoloop.executors) checks the commit out
+   per device when trials run side by side, autoloop.measure.executors) checks the commit out
    (serial: in the project folder, as by hand).
-2. What decides is sealed (`autoloop.tamper.StoreSeal`): a training run that writes to
+2. What decides is sealed (`autoloop.trust.seal.StoreSeal`): a training run that writes to
    experiments.db is caught, and the sealed values are put back.
-3. A `MeasureJob` (autoloop.job) carries everything the worker half needs, and the slot
-   runs it (`autoloop.worker.run_job`): the trusted data feed, the sandbox, training in its
+3. A `MeasureJob` (autoloop.measure.job) carries everything the worker half needs, and the slot
+   runs it (`autoloop.measure.worker.run_job`): the trusted data feed, the sandbox, training in its
    own process group, the harness and data compared with their state before the run, the
    budget checked on the feed's figures, val_bpb from the harness's evaluator in its own
    sandboxed process (`verify=True` adds causality and the held-out split). The worker
@@ -36,12 +36,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from autoloop import faults
+from autoloop.loop import faults
 from autoloop.errors import AutoloopError
-from autoloop.job import JobResult, MeasureJob
-# run_training: the runner the serial slot gives the worker (tests replace it here).
-from autoloop.runner import RunOutcome, run_training  # noqa: F401
-from autoloop.worker import EVAL_DEADLINE_FLOOR_SECONDS, RESULT_FIELDS  # noqa: F401  (re-exported)
+from autoloop.measure.job import JobResult, MeasureJob
+from autoloop.measure.runner import RunOutcome
+from autoloop.measure.worker import EVAL_DEADLINE_FLOOR_SECONDS, RESULT_FIELDS  # noqa: F401  (re-exported)
 
 
 @dataclass
@@ -84,9 +83,9 @@ class Measurer:
 
     @property
     def sandbox(self):
-        """The sandbox policy of this run (autoloop.sandbox), detected once."""
+        """The sandbox policy of this run (autoloop.measure.sandbox), detected once."""
         if self._sandbox is None:
-            from autoloop.sandbox import detect
+            from autoloop.measure.sandbox import detect
 
             self._sandbox = detect(self.c.config.sandbox)
         return self._sandbox
@@ -129,13 +128,13 @@ class Measurer:
         if current is not None:
             return current()
         if self._serial is None:
-            from autoloop.executors.serial import SerialSlot
+            from autoloop.measure.executors.serial import SerialSlot
 
             self._serial = SerialSlot(self.c)
         return self._serial
 
     def job(self, kind: str, commit: str, seed: int, *, role: str, slot, verify: bool = False, **extra) -> MeasureJob:
-        """Everything the worker half needs for one run of `commit` (autoloop.job)."""
+        """Everything the worker half needs for one run of `commit` (autoloop.measure.job)."""
         c = self.c
         verifier = c.verifier
         try:
@@ -197,7 +196,7 @@ class Measurer:
         store.update_trial(running["id"], log_path=str(log_path), heartbeat_at=_now())
         seal = None
         if self.harness_mode:
-            from autoloop.tamper import StoreSeal
+            from autoloop.trust.seal import StoreSeal
 
             seal = StoreSeal.capture(store, c.run_row["id"])
         job = self.job("train", commit, seed, role=role, slot=slot, verify=verify)
@@ -262,7 +261,7 @@ class Measurer:
             return None, f"the worker was lost during verification: {result.reason}", None
         if not result.ok:
             return False, f"failed verification: {result.reason}", None
-        from autoloop.evaluation import suspicious_identity
+        from autoloop.trust.evaluation import suspicious_identity
 
         if row.get("metric") is not None and abs(result.metric - row["metric"]) > 1e-6:
             return False, (f"re-evaluated val_bpb {result.metric:.6f} differs from its first evaluation "

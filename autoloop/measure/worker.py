@@ -1,30 +1,30 @@
 """The worker half of a measurement: train one commit at one seed, check it, evaluate it.
 
-`run_job(job, project_dir=..., run_dir=...)` does, for a `MeasureJob` (autoloop.job),
-what happens between the controller's checkout and its record (autoloop.measure):
+`run_job(job, project_dir=..., run_dir=...)` does, for a `MeasureJob` (autoloop.measure.job),
+what happens between the controller's checkout and its record (autoloop.measure.measurer):
 
 1. kind "train": the data feed (autoloop.harness.feed) serves the train split from this
    process; with external evaluation training sees a meta-only view of the dataset and is
    told AUTOLOOP_EVAL=external. Training reads bytecode from its own prefix, filled first
-   by a trusted warm-up (autoloop.evaluation.pycache_env).
+   by a trusted warm-up (autoloop.trust.evaluation.pycache_env).
 2. The harness, its bytecode, the import hooks and the data are snapshot before and after
-   the run (autoloop.integrity); a change makes the run `invalid`. Planted harness bytecode
+   the run (autoloop.trust.integrity); a change makes the run `invalid`. Planted harness bytecode
    alone is removed and written again by the trusted warm-up (`JobResult.repaired`); any
    other change also sets `JobResult.pause`, because every later run would be measured
    with something else.
-3. Training runs in its own process group, sandboxed (autoloop.sandbox) with the layout of
+3. Training runs in its own process group, sandboxed (autoloop.measure.sandbox) with the layout of
    the controller's day: the project read-only, the run folder and compile cache writable,
    .git, .autoloop, the db and (under external evaluation) the data splits hidden.
-4. The budget is checked on the feed's figures (autoloop.budget), the report on the run's
-   fingerprints (autoloop.integrity.budget_problem).
+4. The budget is checked on the feed's figures (autoloop.trust.budget), the report on the run's
+   fingerprints (autoloop.trust.integrity.budget_problem).
 5. val_bpb comes from the harness's evaluator in its own sandboxed process
-   (autoloop.evaluation), from the commit's files copied into run_dir/source; `verify`
+   (autoloop.trust.evaluation), from the commit's files copied into run_dir/source; `verify`
    adds held-out and causality. A "verify" job does only this, for an existing checkpoint.
 
 No db, no git, no controller object: everything comes from the job, and what the
 controller records (the seal check, the measurement row, the decision) stays with it.
-The same function runs in the controller's process (autoloop.executors.serial), in a
-worker process (`python -m autoloop.worker JOB_JSON RESULT_JSON`) or on a Ray node.
+The same function runs in the controller's process (autoloop.measure.executors.serial), in a
+worker process (`python -m autoloop.measure.worker JOB_JSON RESULT_JSON`) or on a Ray node.
 
 The worker process writes run_dir/pids.json ({"pid", "pgid", "start_time"} of the
 training or evaluation process, rewritten at each start) so that its parent can record
@@ -45,8 +45,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from autoloop.job import JobResult, MeasureJob
-from autoloop.runner import RunOutcome, run_training
+from autoloop.measure.job import JobResult, MeasureJob
+from autoloop.measure.runner import RunOutcome, run_training
 from autoloop.store import MetricSource
 
 # Per-run fields copied from the result JSON into the measurement and the trial row.
@@ -113,7 +113,7 @@ def contract_env(job: MeasureJob, run_dir: Path) -> dict[str, Any]:
 
 
 def _pycache_prefixes(job: MeasureJob) -> list[Path]:
-    from autoloop.evaluation import PYCACHE_KINDS, pycache_dir
+    from autoloop.trust.evaluation import PYCACHE_KINDS, pycache_dir
 
     root = Path(job.integrity_cache_root) if job.integrity_cache_root else _cache_root(job)
     return [pycache_dir(kind, root) for kind in PYCACHE_KINDS]
@@ -122,13 +122,13 @@ def _pycache_prefixes(job: MeasureJob) -> list[Path]:
 def _harness_dir(job: MeasureJob) -> Path:
     if job.harness_dir:
         return Path(job.harness_dir)
-    from autoloop import integrity
+    from autoloop.trust import integrity
 
     return integrity.harness_dir()
 
 
 def _snapshot(job: MeasureJob):
-    from autoloop import integrity
+    from autoloop.trust import integrity
 
     return integrity.take_snapshot(_harness_dir(job), Path(job.data_dir), pycache_prefixes=_pycache_prefixes(job))
 
@@ -203,8 +203,8 @@ def _fields(outcome: RunOutcome) -> dict:
 def rewarm_bytecode(harness_dir: Path, python: str, cache_root: Path) -> None:
     """Write the harness's bytecode again from a trusted process, in every prefix and, where
     Python writes bytecode beside the sources, there too (after planted bytecode was removed)."""
-    from autoloop import integrity
-    from autoloop.evaluation import PYCACHE_KINDS, warm_pycache
+    from autoloop.trust import integrity
+    from autoloop.trust.evaluation import PYCACHE_KINDS, warm_pycache
 
     for kind in PYCACHE_KINDS:
         warm_pycache(kind, python, cache_root, force=True)
@@ -219,7 +219,7 @@ def _integrity_problem(job: MeasureJob, before, outcome: RunOutcome, feed: dict 
     The harness or data changed while the run ran: invalid; planted bytecode alone is
     removed and rewritten (no pause), anything else pauses the run. A finished run whose
     report breaks its budget or names another dataset or harness: invalid."""
-    from autoloop import integrity
+    from autoloop.trust import integrity
 
     if before is not None:
         after = _snapshot(job)
@@ -263,7 +263,7 @@ def run_job(job: MeasureJob, *, project_dir: Path | str, run_dir: Path | str, on
     `on_start(pid, pgid, start_time)`: called at each process start, training's first,
     then the evaluation's. `should_abort()`: polled while a process runs; once true the run
     stops and the job ends "aborted". `runner`: the function that runs the training process
-    (default autoloop.runner.run_training). Exceptions of the worker's own (a full disk, a
+    (default autoloop.measure.runner.run_training). Exceptions of the worker's own (a full disk, a
     training command that cannot start, a broken dataset) propagate."""
     project_dir, run_dir = Path(project_dir), Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -275,7 +275,7 @@ def run_job(job: MeasureJob, *, project_dir: Path | str, run_dir: Path | str, on
 
 def _train_job(job: MeasureJob, project_dir: Path, run_dir: Path, on_start: OnStart | None, abort: _Abort,
                runner: Callable[..., RunOutcome]) -> JobResult:
-    from autoloop.sandbox import SandboxPaths
+    from autoloop.measure.sandbox import SandboxPaths
 
     log_path = run_dir / "train.log"
     data_dir = Path(job.data_dir)
@@ -286,10 +286,10 @@ def _train_job(job: MeasureJob, project_dir: Path, run_dir: Path, on_start: OnSt
     readonly = [project_dir]
     sandbox = None
     if job.harness_mode:
-        from autoloop.evaluation import pycache_dir, pycache_env, warm_pycache
+        from autoloop.trust.evaluation import pycache_dir, pycache_env, warm_pycache
         from autoloop.harness.data import make_meta_only_view
         from autoloop.harness.feed import FeedServer
-        from autoloop.sandbox import detect
+        from autoloop.measure.sandbox import detect
 
         sandbox = detect(job.sandbox)
         feed = FeedServer(data_dir, run_dir / "feed.sock", seed=job.seed)
@@ -354,7 +354,7 @@ def _train_job(job: MeasureJob, project_dir: Path, run_dir: Path, on_start: OnSt
     if outcome.status != "ok":
         return ended(outcome.status, outcome.reason)
     if summary is not None and outcome.metric_source != MetricSource.REPORTED.value:
-        from autoloop.budget import check_budget
+        from autoloop.trust.budget import check_budget
 
         problem, figures = check_budget(summary, outcome.result or {}, time_budget=job.time_budget,
                                         max_steps=job.max_steps)
@@ -382,9 +382,9 @@ def _train_job(job: MeasureJob, project_dir: Path, run_dir: Path, on_start: OnSt
 def _evaluate(job: MeasureJob, project_dir: Path, run_dir: Path, result: dict, *, verify: bool,
               on_start: OnStart | None, abort: _Abort, checkpoint: Path | None = None):
     """val_bpb (and, with verify, held-out and causality) of the run's checkpoint, by the
-    harness in its own sandboxed process (autoloop.evaluation.evaluate_checkpoint)."""
-    from autoloop.evaluation import evaluate_checkpoint
-    from autoloop.sandbox import detect
+    harness in its own sandboxed process (autoloop.trust.evaluation.evaluate_checkpoint)."""
+    from autoloop.trust.evaluation import evaluate_checkpoint
+    from autoloop.measure.sandbox import detect
 
     source_dir = run_dir / "source"
     script = write_sources(job, source_dir)
@@ -421,7 +421,7 @@ def _verify_job(job: MeasureJob, project_dir: Path, run_dir: Path, on_start: OnS
 
 
 # ---------------------------------------------------------------------------------------
-# python -m autoloop.worker JOB_JSON RESULT_JSON
+# python -m autoloop.measure.worker JOB_JSON RESULT_JSON
 # ---------------------------------------------------------------------------------------
 
 
@@ -450,7 +450,7 @@ WARMED_ENV = "AUTOLOOP_WARMED_PYCACHE"
 def _inherit_warm_pycache() -> None:
     """Bytecode prefixes the parent (the controller, on this machine) has already filled by
     its trusted warm-up: a worker process per job need not import torch again to redo it."""
-    from autoloop import evaluation
+    from autoloop.trust import evaluation
 
     try:
         keys = json.loads(os.environ.pop(WARMED_ENV, "") or "[]")
@@ -470,7 +470,7 @@ def main(argv: list[str] | None = None) -> int:
     stderr and the exit code is 1."""
     args = list(sys.argv[1:] if argv is None else argv)
     if len(args) != 2:
-        print("usage: python -m autoloop.worker JOB_JSON RESULT_JSON", file=sys.stderr)
+        print("usage: python -m autoloop.measure.worker JOB_JSON RESULT_JSON", file=sys.stderr)
         return 2
     job_path, result_path = Path(args[0]), Path(args[1])
     job = MeasureJob.from_json(job_path.read_text())

@@ -22,7 +22,7 @@ Bytecode (why every child gets PYTHONPYCACHEPREFIX, `pycache_env`)
     (PYTHONDONTWRITEBYTECODE=1, read-only in the sandbox) and never visible writable to a
     training run. Unsandboxed, the evaluator's prefix is watched: a change while the
     worker ran fails the evaluation, naming the file. The integrity snapshot
-    (autoloop.integrity) also covers the harness's `__pycache__` and the `.pth` files of
+    (autoloop.trust.integrity) also covers the harness's `__pycache__` and the `.pth` files of
     site-packages around every training run.
 
 Held-out guard (`heldout_guard`)
@@ -56,7 +56,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from autoloop.runner import run_training
+from autoloop.measure.runner import run_training
 
 VERDICT_FILE = "eval.json"
 EVAL_LOG = "eval.log"
@@ -93,7 +93,7 @@ def pycache_env(kind: str, cache_root: Path | str) -> dict[str, str | None]:
     them read-only). kind "train": what training imports (torch, its compiler, the
     harness), so a trial starts fast and no trial can leave bytecode behind for the runs
     after it (the incumbent's re-measurements among them). kind "eval": the evaluator's,
-    which imports the trial's train.py. A change in either is tampering (autoloop.integrity).
+    which imports the trial's train.py. A change in either is tampering (autoloop.trust.integrity).
     """
     return {
         ENV_PYCACHE_PREFIX: str(pycache_dir(kind, cache_root)),
@@ -226,7 +226,7 @@ def evaluate_checkpoint(
     `source_dir`: the trial's editable files copied from its commit (Verifier's
     `_snapshot_sources`); the worker runs from there so the trial's imports of its own
     siblings resolve to the copy. `sandbox`: an object with `.wrap(argv, *, env, cwd,
-    writable, readonly, hidden) -> (argv, env)` (autoloop.sandbox), or None to run
+    writable, readonly, hidden) -> (argv, env)` (autoloop.measure.sandbox), or None to run
     unsandboxed. Writes `out_dir/eval.json` (the verdict) and `out_dir/eval.log` (names:
     `verdict_file`, `log_file`).
     `reported`: the trial's own val_bpb, when it has one to hold it to (verification).

@@ -7,18 +7,18 @@ of this off, for tests with fake scripts) and calls it at four points:
   still what they were when this invocation started (and, at the first call, the data
   splits still match the hashes recorded when they were prepared). A difference pauses
   the run with the changed files named.
-* around each training run, the worker half of the measurement (autoloop.worker, which
+* around each training run, the worker half of the measurement (autoloop.measure.worker, which
   may run in another process or on another machine) takes the snapshot before and after
   and applies the same rules as `check_trial(controller, trial, outcome, before)`: a
   trial that changed the harness or the data is `invalid` (and the run pauses, through
   `Controller.worker_pause` and the next `check_run`); a finished one whose report breaks
   its budget or names another dataset or harness (`harness_fingerprint`) is `invalid`
-  (autoloop.integrity). Planted bytecode alone is removed and rewritten by the worker;
+  (autoloop.trust.integrity). Planted bytecode alone is removed and rewritten by the worker;
   `refresh_bytecode` then updates the reference here.
 * `verifier(controller, trial, outcome, fields) -> Verdict` for a trial the decision would
   keep (only when `config.verify`): the trial's train.py (and the other editable files
   named by a literal path) are read from its commit into the trial folder's `source/`,
-  and `autoloop.evaluation.evaluate_checkpoint` runs a fresh process on the same device
+  and `autoloop.trust.evaluation.evaluate_checkpoint` runs a fresh process on the same device
   (`python -m autoloop.harness.evaluate`, from that folder: own process group recorded in
   the row, deadline, log file `verify.log`, verdict `verify.json`, the evaluator's
   read-only bytecode cache, the verifier's sandbox if it has one) that seals the harness,
@@ -44,10 +44,10 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from autoloop import integrity
+from autoloop.trust import integrity
 from autoloop.errors import AutoloopError
-from autoloop.evaluation import evaluate_checkpoint
-from autoloop.runner import RunOutcome
+from autoloop.trust.evaluation import evaluate_checkpoint
+from autoloop.measure.runner import RunOutcome
 from autoloop.store import MetricSource
 
 VERDICT_FILE = "verify.json"
@@ -75,7 +75,7 @@ class Verifier:
         # imports (tests point it at a copy so that a trial may tamper with it safely).
         self.harness_dir = Path(harness_dir) if harness_dir is not None else integrity.harness_dir()
         self.python = python or sys.executable
-        # The evaluation's sandbox (autoloop.sandbox policy, None: unsandboxed) and the cache
+        # The evaluation's sandbox (autoloop.measure.sandbox policy, None: unsandboxed) and the cache
         # holding the bytecode prefixes (None: the harness's cache root).
         self.sandbox = sandbox
         self.cache_root = Path(cache_root) if cache_root is not None else None
@@ -85,7 +85,7 @@ class Verifier:
     # ------------------------------------------------------------------ integrity
 
     def pycache_root(self) -> Path:
-        """The cache holding the bytecode prefixes (autoloop.evaluation.pycache_env)."""
+        """The cache holding the bytecode prefixes (autoloop.trust.evaluation.pycache_env)."""
         if self.cache_root is not None:
             return self.cache_root
         from autoloop.harness.contract import cache_root
@@ -94,7 +94,7 @@ class Verifier:
 
     def pycache_prefixes(self) -> list[Path]:
         """The bytecode prefixes autoloop's children use (training's and the evaluator's)."""
-        from autoloop.evaluation import PYCACHE_KINDS, pycache_dir
+        from autoloop.trust.evaluation import PYCACHE_KINDS, pycache_dir
 
         return [pycache_dir(kind, self.pycache_root()) for kind in PYCACHE_KINDS]
 
@@ -108,7 +108,7 @@ class Verifier:
             problems = integrity.dataset_problems(controller.data_dir()) + integrity.bytecode_problems(self.harness_dir)
             if problems:
                 return integrity.describe_pause(problems, controller.tag)
-            from autoloop.evaluation import PYCACHE_KINDS, warm_pycache
+            from autoloop.trust.evaluation import PYCACHE_KINDS, warm_pycache
 
             for kind in PYCACHE_KINDS:
                 # The harness's bytecode in both prefixes, written by a trusted process now, so
@@ -135,13 +135,13 @@ class Verifier:
         return self._harness_fingerprint
 
     def _rewarm(self) -> None:
-        from autoloop.worker import rewarm_bytecode
+        from autoloop.measure.worker import rewarm_bytecode
 
         rewarm_bytecode(self.harness_dir, self.python, self.pycache_root())
 
     def refresh_bytecode(self, controller) -> None:
         """A run's planted bytecode was removed and written again by the trusted warm-up
-        (autoloop.worker): the reference takes the fresh bytecode, so the next `check_run`
+        (autoloop.measure.worker): the reference takes the fresh bytecode, so the next `check_run`
         compares with what the runs after it will find, and the run goes on."""
         if self._reference is not None:
             import dataclasses
@@ -154,7 +154,7 @@ class Verifier:
         """Why the trial is invalid whatever its metric (tampering, a broken budget), or None.
 
         `feed`: the data feed's summary when the run drew its batches from it; then the
-        feed's own measurements (autoloop.budget) judge the time spent, not the trial's
+        feed's own measurements (autoloop.trust.budget) judge the time spent, not the trial's
         report or the wall clock."""
         if before is not None:
             after = self.snapshot(controller)

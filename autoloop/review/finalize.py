@@ -22,7 +22,7 @@ checked out here, so finalizing works while the run is still going. Instead:
 * `drop_null` leaves out the kept changes that the latest `autoloop ablate` marked as
   candidates to drop (their effect on the best commit is indistinguishable from zero,
   or harmful; `decision.drop` of the ablation trial). The final tree is then the best
-  commit's tree with those changes reverse-applied (autoloop.ablate.reverse_applied),
+  commit's tree with those changes reverse-applied (autoloop.review.ablate.reverse_applied),
   which is exactly the tree that ablation measured when one change is dropped. With
   `--per-trial` each kept commit's tree has the dropped changes before it reverted. The
   best trial's checkpoint was trained with the dropped changes, so it is not copied.
@@ -37,11 +37,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from autoloop.errors import AutoloopError
+from autoloop.config import STATE_DIR
 from autoloop.gitops import BRANCH_PREFIX, GitRepo
-from autoloop.review import CHANGE_KINDS, baseline_trial, best_trial, kept_trials, require_trials, trial_file
+from autoloop.review.queries import CHANGE_KINDS, baseline_trial, best_trial, kept_trials, require_trials, trial_file
 from autoloop.store import utcnow
-
-STATE_DIR = ".autoloop"
 
 
 @dataclass
@@ -97,8 +96,8 @@ def changes_to_drop(store, run: dict, git: GitRepo, best_sha: str, kept: list[di
     """The kept trials whose latest ablation marked them as candidates to drop, each with
     an `ablation_note`; refused when there is no ablation, or when it measured another
     best commit (the run went on since: ablate again)."""
-    from autoloop.effects import ablation_verdict, format_interval
-    from autoloop.review import latest_ablations
+    from autoloop.decide.effects import ablation_verdict, format_interval
+    from autoloop.review.queries import latest_ablations
 
     ablations = {a["trial"]: a for a in latest_ablations(store, run)}
     measured = {a["trial"]: a for a in ablations.values() if a.get("figures") is not None}
@@ -128,9 +127,9 @@ def trial_message(run: dict, trial: dict) -> str:
 
 
 def run_lock_held(repo_root: Path, tag: str) -> bool:
-    """True while a controller runs in this working tree (see autoloop.lock): `tag`, or any
+    """True while a controller runs in this working tree (see autoloop.loop.lock): `tag`, or any
     other run, since a checkout would pull the tree from under it either way."""
-    from autoloop.lock import holder
+    from autoloop.loop.lock import holder
 
     return holder(repo_root) is not None
 
@@ -223,7 +222,7 @@ def finalize(store, run: dict, repo_dir: Path, *, branch: str | None = None, per
 
 def _without(git: GitRepo, commit: str, dropped: list[dict], what: str) -> str:
     """The tree of `commit` with the dropped changes reverse-applied, latest first."""
-    from autoloop.ablate import NotRevertible, change_diff, reverse_applied
+    from autoloop.review.ablate import NotRevertible, change_diff, reverse_applied
 
     try:
         tree, _files = reverse_applied(git, commit, [change_diff(git, t) for t in sorted(dropped, key=lambda t: -t["number"])])

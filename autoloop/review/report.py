@@ -2,7 +2,7 @@
 to share.
 
 The page holds a headline (trials, kept, discarded, crashed, invalid, keep rate, GPU
-hours, baseline -> best and the relative gain; definitions in `autoloop.review`), a
+hours, baseline -> best and the relative gain; definitions in `autoloop.review.queries`), a
 progress chart (kept trials measured at several seeds with error bars of ±1.96 standard
 errors), the loss curves of the baseline and the best trial, the kept changes in order
 with their deltas (mean ± standard error where a trial has several runs), the latest
@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from autoloop.errors import AutoloopError
-from autoloop.effects import ablation_verdict, format_estimate, format_interval
-from autoloop.review import (
+from autoloop.decide.effects import ablation_verdict, format_estimate, format_interval
+from autoloop.review.queries import (
     CRASHED, baseline_trial, best_trial, common_reasons, describe_noise, headline, idea_outcomes, kept_trials,
     latest_ablations, noise_info, progress_points, require_trials, select,
 )
@@ -124,7 +124,7 @@ def worker_counts(store, run: dict) -> list[dict]:
 
 
 def flagged_trials(store, run: dict) -> list[dict]:
-    """Trials whose curve the diagnosis flagged (autoloop.diagnosis), with the messages."""
+    """Trials whose curve the diagnosis flagged (autoloop.decide.diagnosis), with the messages."""
     import json
 
     rows = select(store, "SELECT number, status, description, flags FROM trials WHERE run_id = ? AND flags IS NOT NULL "

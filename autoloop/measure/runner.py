@@ -15,13 +15,13 @@ pid, which is also the group id, cannot be reused, so signalling the group can n
 unrelated process. A process group counts as gone when only zombies are left in it (an
 orphaned grandchild that was killed may wait a moment for init to reap it).
 
-The child's environment comes from an allow-list (`autoloop.sandbox.allowed_environment`:
+The child's environment comes from an allow-list (`autoloop.measure.sandbox.allowed_environment`:
 PATH, locale, thread and GPU settings, ...; never a secret, whatever its name), plus
 PYTHONUNBUFFERED=1, plus the AUTOLOOP_* contract variables the caller passes, plus a
 per-trial marker (AUTOLOOP_TRIAL_MARKER).
 
 With a `SandboxPolicy` of kind "bwrap" the command runs inside bubblewrap
-(autoloop/sandbox.py). The group recorded and signalled is bubblewrap's: killing it kills
+(autoloop/measure/sandbox.py). The group recorded and signalled is bubblewrap's: killing it kills
 bubblewrap's inner process (PID 1 of the trial's namespace, through --die-with-parent),
 and with it the kernel kills every process in the namespace, `setsid` daemons included. A
 SIGTERM therefore ends a sandboxed trial at once, without a grace period inside.
@@ -63,7 +63,7 @@ from pathlib import Path
 from typing import Any
 
 from autoloop.errors import AutoloopError
-from autoloop.sandbox import SandboxPaths, SandboxPolicy, allowed_environment
+from autoloop.measure.sandbox import SandboxPaths, SandboxPolicy, allowed_environment
 
 TRIAL_MARKER = "AUTOLOOP_TRIAL_MARKER"
 PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
@@ -226,7 +226,7 @@ def gpu_busy_report() -> list[str]:
 
 
 def child_environment(extra: dict[str, Any]) -> dict[str, str]:
-    """A child process's environment (see `autoloop.sandbox.allowed_environment`)."""
+    """A child process's environment (see `autoloop.measure.sandbox.allowed_environment`)."""
     return allowed_environment(extra)
 
 

@@ -37,7 +37,7 @@ import json
 from pathlib import Path
 
 from autoloop.errors import AutoloopError
-from autoloop.review import require_trials, select
+from autoloop.review.queries import require_trials, select
 from autoloop.store import JSON_COLUMNS, Kind, MetricSource, Status
 
 FORMATS = ("tsv", "csv", "json")

@@ -20,7 +20,7 @@ is measured against the best at the same seeds:
    (`Controller.measure_commit`): the reverted commit as role `ablation` on the ablation
    trial, the best commit as role `incumbent` on the best trial (a seed the best already
    has is not trained again, so K ablations share the best's K runs).
-4. **Effect** = `paired_effect(best runs, ablated runs)` (autoloop.decide): val_bpb with
+4. **Effect** = `paired_effect(best runs, ablated runs)` (autoloop.decide.rule): val_bpb with
    the change minus without it, paired by seed, with a 95% interval from the run's pooled
    noise (or the pairs' own spread before the noise is measured). Negative: the change
    helps. An interval that contains 0 marks the change `null`, a candidate to drop; one
@@ -31,7 +31,7 @@ is measured against the best at the same seeds:
 The ablation trial's status is `discard` (the branch never moves to it); if the reverted
 commit fails to train, the trial is a `crash` whose reason says that later changes need
 this one. `autoloop finalize --drop-null` leaves out the changes whose latest ablation
-marked them `drop` (see autoloop.finalize); `show`, `log` and the report show the
+marked them `drop` (see autoloop.review.finalize); `show`, `log` and the report show the
 figures.
 """
 
@@ -46,7 +46,7 @@ import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from autoloop.effects import ablation_effect, ablation_verdict, format_interval
+from autoloop.decide.effects import ablation_effect, ablation_verdict, format_interval
 from autoloop.errors import AutoloopError
 from autoloop.gitops import REF_PREFIX, GitRepo
 from autoloop.store import Kind, Status, utcnow
@@ -141,7 +141,7 @@ def effect_figures(best_runs: dict[int, float], ablated_runs: dict[int, float], 
                    level: float = LEVEL) -> dict:
     """The ablation trial's decision: the paired effect of the change (best minus best
     without it) over the seeds both sides have, its interval, and the verdicts."""
-    from autoloop.decide import paired_effect
+    from autoloop.decide.rule import paired_effect
 
     effect, low, high = paired_effect(best_runs, ablated_runs, noise, level)
     seeds = sorted(set(best_runs) & set(ablated_runs))
@@ -229,7 +229,7 @@ def ablate(controller, *, seeds: int = DEFAULT_SEEDS, say=None) -> Ablation:
     the run's lock). Returns the table; the figures are in the ablation trials."""
     if seeds < 1:
         raise AutoloopError(f"--seeds {seeds} measures nothing: give 1 or more (3 by default)")
-    from autoloop.review import best_trial
+    from autoloop.review.queries import best_trial
 
     store, git, run = controller.store, controller.repo, controller.run_row
     say = say or (lambda message: None)
@@ -313,7 +313,7 @@ def _ablate_one(controller, best: dict, best_commit: str, change: dict, files: d
         say(f"trial {trial['number']}: {reason}")
         return
 
-    from autoloop.decide import estimate
+    from autoloop.decide.rule import estimate
 
     noise = _noise(controller)
     best_runs, ablated = _best_runs(controller, best), _runs(store, trial, ("ablation",))
@@ -343,7 +343,7 @@ def ablate_run(repo: Path, run: dict, *, db: str | None = None, seeds: int = DEF
     `verifier=None` for a fake training script)."""
     import signal
 
-    from autoloop.controller import Controller
+    from autoloop.loop.controller import Controller
 
     if seeds < 1:
         raise AutoloopError(f"--seeds {seeds} measures nothing: give 1 or more (3 by default)")

@@ -2,14 +2,14 @@
 
 The controller runs one thread per trial in flight, each bound to a slot; the trial's
 measurements (training runs and evaluations) go through that slot as `MeasureJob`s and
-come back as `JobResult`s (autoloop.job). A slot never touches the db or git refs: the
+come back as `JobResult`s (autoloop.measure.job). A slot never touches the db or git refs: the
 controller records what it returns. Three executors:
 
 * `serial` (the default): one slot that runs jobs in this process, in the project folder;
 * `local`: one slot per GPU of this machine (or `workers` pretend devices on a CPU), each
   with its own git worktree and `CUDA_VISIBLE_DEVICES`, running every job in a worker
-  process (`python -m autoloop.worker`) so that a killed worker loses one trial, not the run;
-* `ray`: one slot per GPU of a Ray cluster (autoloop.executors.ray, the `[ray]` extra).
+  process (`python -m autoloop.measure.worker`) so that a killed worker loses one trial, not the run;
+* `ray`: one slot per GPU of a Ray cluster (autoloop.measure.executors.ray, the `[ray]` extra).
 
 Slot interface (duck-typed): `name`, `device` (the GPU model, or "cpu"; comparisons pair
 runs on the same kind), `project_dir` (where training runs; None for a remote worker),
@@ -60,12 +60,12 @@ def make_executor(controller) -> Executor:
     """The executor the controller's config asks for (serial: None, the controller's own slot)."""
     cfg = controller.config
     if cfg.executor == "local":
-        from autoloop.executors.local import local_executor
+        from autoloop.measure.executors.local import local_slots
 
-        executor = local_executor(controller, cfg.workers)
+        executor = Executor("local", local_slots(controller, cfg.workers))
     elif cfg.executor == "ray":
         try:
-            from autoloop.executors.ray import RayExecutor
+            from autoloop.measure.executors.ray import RayExecutor
         except ImportError as exc:
             raise AutoloopError(f"--executor ray needs Ray ({exc}): pip install 'autoloop[ray]'") from exc
         # repo_dir: a job sends its commit's tracked files, so modules train.py imports reach the node.

@@ -25,7 +25,7 @@ node side (`_JobActor.run`)
     if it is not) and that its fingerprint is the controller's, and the same for the
     harness's code: different data or a different harness gives a failed result naming
     both fingerprints and the fix, never a measurement on other data; then runs
-    `autoloop.worker.run_job` with the job pointed at the node's paths.
+    `autoloop.measure.worker.run_job` with the job pointed at the node's paths.
 
 How things end:
 * the actor dies (process killed, node lost, out of memory): status "lost", reason
@@ -104,7 +104,7 @@ def _one_line(text: Any, limit: int = 300) -> str:
 
 
 def _job_types():
-    from autoloop.job import JobResult, MeasureJob
+    from autoloop.measure.job import JobResult, MeasureJob
 
     return MeasureJob, JobResult
 
@@ -322,7 +322,7 @@ _GUARD = r"""
 import json, os, shutil, sys, time
 actor, groups, scratch = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 try:
-    from autoloop.runner import kill_process_group
+    from autoloop.measure.runner import kill_process_group
 except Exception:
     kill_process_group = None
 while os.getppid() == actor:
@@ -556,7 +556,7 @@ class _JobActor:
             shipped["checkpoint.pt"] = (st.st_size, st.st_mtime_ns)
             changes["checkpoint"] = str(checkpoint)
         job = _with_fields(job, **changes)
-        from autoloop.worker import run_job
+        from autoloop.measure.worker import run_job
 
         return run_job(job, project_dir=project, run_dir=run_dir, on_start=self._on_start,
                        should_abort=self._should_abort)
@@ -637,7 +637,7 @@ class RaySlot:
 
     def _harness_fingerprint(self, job) -> str:
         from autoloop.harness.fingerprint import compute_harness_fingerprint
-        from autoloop.integrity import harness_dir
+        from autoloop.trust.integrity import harness_dir
 
         where = str(getattr(job, "harness_dir", None) or harness_dir())
         if where not in self._harness_fps:

@@ -60,7 +60,8 @@ def main() -> None:
     import torch
 
     from autoloop import harness as H
-    from autoloop.trust.evaluation import evaluate_checkpoint, warm_eval_cache
+    from autoloop.trust.bytecode import warm_eval_cache
+    from autoloop.trust.evaluation import evaluate_checkpoint
     from autoloop.harness.constants import EVAL_TOKENS
 
     ds = H.load_dataset()

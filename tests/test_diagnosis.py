@@ -146,7 +146,8 @@ def test_real_run_at_the_default_learning_rate_is_not_divergence(tmp_path, sessi
 
 
 def test_flags_are_shown_by_log_and_show(tmp_path):
-    from autoloop.review.queries import format_log, format_trial, log_rows, trial_detail
+    from autoloop.review.queries import log_rows, trial_detail
+    from autoloop.review.text import format_log, format_trial
     from autoloop.store import Store
 
     store = Store(tmp_path / "experiments.db")

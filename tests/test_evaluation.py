@@ -26,15 +26,9 @@ from conftest import REPO_ROOT
 from test_verify import edited, tiny_train_source
 
 from autoloop.trust import integrity
-from autoloop.trust.evaluation import (
-    HELDOUT_Z,
-    evaluate_checkpoint,
-    heldout_guard,
-    heldout_threshold,
-    pycache_dir,
-    pycache_env,
-    suspicious_identity,
-)
+from autoloop.decide.heldout import HELDOUT_Z, heldout_guard, heldout_threshold, suspicious_identity
+from autoloop.trust.bytecode import pycache_dir, pycache_env
+from autoloop.trust.evaluation import evaluate_checkpoint
 from autoloop.measure.runner import _judge, run_training
 
 STEPS = 4

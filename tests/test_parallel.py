@@ -83,7 +83,8 @@ def test_workers_train_at_once_each_on_its_own_device_and_folder(wide_repo, exec
     assert any(overlapping(a, b) for a in proposals for b in proposals if a["worker"] != b["worker"])
     # status and the report count trials per worker.
     from autoloop.review.report import report_data
-    from autoloop.review.queries import format_status, run_status
+    from autoloop.review.queries import run_status
+    from autoloop.review.text import format_status
 
     store = Store(wide_repo / "experiments.db")
     try:

@@ -36,7 +36,8 @@ from autoloop.harness.causality import check_causality
 from autoloop.decide.overfit import overfitting_signal, watch
 from autoloop.proposers.proposal import Edit, Proposal
 from autoloop.proposers.base import ProposerChain
-from autoloop.review.queries import format_log, format_status, log_rows, run_status
+from autoloop.review.queries import log_rows, run_status
+from autoloop.review.text import format_log, format_status
 from autoloop.measure.runner import RunOutcome
 from autoloop.store import Kind, Status, Store
 from autoloop.trust.watch import Verifier

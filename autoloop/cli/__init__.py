@@ -120,7 +120,7 @@ def status(repo: RepoOpt = Path("."), tag: TagOpt = None, db: DbOpt = None,
     if as_json:
         typer.echo(json.dumps(info, indent=1, default=str))
         return
-    from autoloop.review.queries import format_status
+    from autoloop.review.text import format_status
 
     typer.echo(format_status(info))
 
@@ -192,7 +192,7 @@ def seed(
 def ideas(repo: RepoOpt = Path("."), db: DbOpt = None,
           as_json: Annotated[bool, typer.Option("--json", help="Print the ideas as JSON.")] = False):
     """List the seeded ideas and what became of them."""
-    from autoloop.review.queries import format_ideas
+    from autoloop.review.text import format_ideas
 
     store = open_store(repo, db)
     rows = store.ideas()

@@ -59,7 +59,8 @@ def log(
     as_json: Annotated[bool, typer.Option("--json", help="Print every matching trial as JSON (no default limit), for scripts and agents.")] = False,
 ):
     """List the trials of a run: what was tried, what was kept, and why."""
-    from autoloop.review.queries import DEFAULT_LOG_LAST, count_trials, format_log, log_rows
+    from autoloop.review.queries import DEFAULT_LOG_LAST, count_trials, log_rows
+    from autoloop.review.text import format_log
 
     with _Session(repo, db, tag) as s:
         if as_json:
@@ -81,7 +82,8 @@ def show(
     as_json: JsonOpt = False,
 ):
     """Show one trial in full: every field, the evidence behind its decision, its diff and the tail of its log."""
-    from autoloop.review.queries import format_trial, trial_detail
+    from autoloop.review.queries import trial_detail
+    from autoloop.review.text import format_trial
 
     with _Session(repo, db, tag) as s:
         detail = trial_detail(s.store, s.run, number, repo, log_lines=max(lines, 0))
@@ -102,7 +104,8 @@ def diff(number: NumberArg, repo: RepoOpt = Path("."), tag: TagOpt = None, db: D
 
 def best(repo: RepoOpt = Path("."), tag: TagOpt = None, db: DbOpt = None, as_json: JsonOpt = False):
     """Show the best commit of a run, its val_bpb against the baseline, and held-out val_bpb where verified."""
-    from autoloop.review.queries import best_summary, format_best
+    from autoloop.review.queries import best_summary
+    from autoloop.review.text import format_best
 
     with _Session(repo, db, tag) as s:
         info = best_summary(s.store, s.run)

@@ -1285,7 +1285,7 @@ class Controller:
         return outcome
 
     def _heldout_problem(self, trial, incumbent, heldouts: dict, inc_heldouts: dict) -> str | None:
-        from autoloop.trust.evaluation import heldout_guard
+        from autoloop.decide.heldout import heldout_guard
 
         if not inc_heldouts:
             return None

@@ -261,7 +261,7 @@ class Measurer:
             return None, f"the worker was lost during verification: {result.reason}", None
         if not result.ok:
             return False, f"failed verification: {result.reason}", None
-        from autoloop.trust.evaluation import suspicious_identity
+        from autoloop.decide.heldout import suspicious_identity
 
         if row.get("metric") is not None and abs(result.metric - row["metric"]) > 1e-6:
             return False, (f"re-evaluated val_bpb {result.metric:.6f} differs from its first evaluation "

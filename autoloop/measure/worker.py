@@ -6,7 +6,7 @@ what happens between the controller's checkout and its record (autoloop.measure.
 1. kind "train": the data feed (autoloop.harness.feed) serves the train split from this
    process; with external evaluation training sees a meta-only view of the dataset and is
    told AUTOLOOP_EVAL=external. Training reads bytecode from its own prefix, filled first
-   by a trusted warm-up (autoloop.trust.evaluation.pycache_env).
+   by a trusted warm-up (autoloop.trust.bytecode.pycache_env).
 2. The harness, its bytecode, the import hooks and the data are snapshot before and after
    the run (autoloop.trust.integrity); a change makes the run `invalid`. Planted harness bytecode
    alone is removed and written again by the trusted warm-up (`JobResult.repaired`); any
@@ -113,7 +113,7 @@ def contract_env(job: MeasureJob, run_dir: Path) -> dict[str, Any]:
 
 
 def _pycache_prefixes(job: MeasureJob) -> list[Path]:
-    from autoloop.trust.evaluation import PYCACHE_KINDS, pycache_dir
+    from autoloop.trust.bytecode import PYCACHE_KINDS, pycache_dir
 
     root = Path(job.integrity_cache_root) if job.integrity_cache_root else _cache_root(job)
     return [pycache_dir(kind, root) for kind in PYCACHE_KINDS]
@@ -204,7 +204,7 @@ def rewarm_bytecode(harness_dir: Path, python: str, cache_root: Path) -> None:
     """Write the harness's bytecode again from a trusted process, in every prefix and, where
     Python writes bytecode beside the sources, there too (after planted bytecode was removed)."""
     from autoloop.trust import integrity
-    from autoloop.trust.evaluation import PYCACHE_KINDS, warm_pycache
+    from autoloop.trust.bytecode import PYCACHE_KINDS, warm_pycache
 
     for kind in PYCACHE_KINDS:
         warm_pycache(kind, python, cache_root, force=True)
@@ -286,7 +286,7 @@ def _train_job(job: MeasureJob, project_dir: Path, run_dir: Path, on_start: OnSt
     readonly = [project_dir]
     sandbox = None
     if job.harness_mode:
-        from autoloop.trust.evaluation import pycache_dir, pycache_env, warm_pycache
+        from autoloop.trust.bytecode import pycache_dir, pycache_env, warm_pycache
         from autoloop.harness.data import make_meta_only_view
         from autoloop.harness.feed import FeedServer
         from autoloop.measure.sandbox import detect
@@ -450,7 +450,7 @@ WARMED_ENV = "AUTOLOOP_WARMED_PYCACHE"
 def _inherit_warm_pycache() -> None:
     """Bytecode prefixes the parent (the controller, on this machine) has already filled by
     its trusted warm-up: a worker process per job need not import torch again to redo it."""
-    from autoloop.trust import evaluation
+    from autoloop.trust import bytecode
 
     try:
         keys = json.loads(os.environ.pop(WARMED_ENV, "") or "[]")
@@ -458,7 +458,7 @@ def _inherit_warm_pycache() -> None:
         return
     for key in keys:
         if isinstance(key, list) and len(key) == 4:
-            evaluation._warmed.add(tuple(key))
+            bytecode._warmed.add(tuple(key))
 
 
 def main(argv: list[str] | None = None) -> int:

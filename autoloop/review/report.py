@@ -30,9 +30,10 @@ from pathlib import Path
 from autoloop.errors import AutoloopError
 from autoloop.decide.effects import ablation_verdict, format_estimate, format_interval
 from autoloop.review.queries import (
-    CRASHED, baseline_trial, best_trial, common_reasons, describe_noise, headline, idea_outcomes, kept_trials,
-    latest_ablations, noise_info, progress_points, require_trials, select,
+    CRASHED, baseline_trial, best_trial, common_reasons, headline, idea_outcomes, kept_trials, latest_ablations,
+    noise_info, progress_points, require_trials, select,
 )
+from autoloop.review.text import describe_noise
 from autoloop.store import Kind, Status, utcnow
 
 MAX_TABLE_ROWS = 200

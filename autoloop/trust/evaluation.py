@@ -9,130 +9,30 @@ the runner (own process group, deadline, log file), sandboxed when given a sandb
 it reads the source copy, the checkpoint, the data and its bytecode cache, and writes
 only `out_dir`.
 
-Bytecode (why every child gets PYTHONPYCACHEPREFIX, `pycache_env`)
-    Python trusts a .pyc in `__pycache__` whose header carries the source's mtime and
-    size, so a trial that writes a poisoned `autoloop/harness/__pycache__/metric.*.pyc`
-    with the real file's mtime and size would change every later evaluation. With
-    PYTHONPYCACHEPREFIX set, Python neither reads nor writes `__pycache__` beside the
-    sources: it uses the prefix folder. Training and evaluation get separate prefixes
-    under the controller's cache: training's is writable by training (its own cache; its
-    harness part is written first by `warm_pycache` and then watched by the integrity
-    snapshot); the evaluator's is written only by `warm_pycache` (a trusted process that imports
-    the harness and torch, no trial code) and is read-only for the evaluator
-    (PYTHONDONTWRITEBYTECODE=1, read-only in the sandbox) and never visible writable to a
-    training run. Unsandboxed, the evaluator's prefix is watched: a change while the
-    worker ran fails the evaluation, naming the file. The integrity snapshot
-    (autoloop.trust.integrity) also covers the harness's `__pycache__` and the `.pth` files of
-    site-packages around every training run.
-
-Held-out guard (`heldout_guard`)
-    A keep candidate's val bpb improved by `val_delta` (candidate - incumbent, negative
-    is better) over n paired runs; its held-out bpb moved by `heldout_delta`. For honest
-    work the two move together: both splits are unseen text of the same distribution.
-    The gap g = heldout_delta - val_delta is ~0 plus noise. Each delta is a mean of n
-    paired differences whose one-run SD is `pair_sd`, so its standard error is
-    pair_sd / sqrt(n), and the gap's is at most sqrt(2) * pair_sd / sqrt(n) (the two
-    deltas are positively correlated in practice - same model, same seeds - which only
-    makes the true SD smaller, so the rule errs towards keeping). The candidate is
-    refused when
-
-        g > HELDOUT_Z * sqrt(2 / n) * pair_sd   (and g > HELDOUT_MIN_GAP)
-
-    HELDOUT_Z = 2: an honest candidate is refused with probability <= 2.3% (one-sided
-    normal tail) and a candidate that fits val at held-out's expense (val -0.57, held-out
-    +0.10: g = 0.67) is refused at any realistic noise. HELDOUT_MIN_GAP ignores gaps below
-    the precision anything is reported at when the noise estimate is ~0.
+The bytecode prefixes the evaluator reads are autoloop.trust.bytecode's; the rules on the
+figures it returns (held-out guard, identical val/held-out) are autoloop.decide.heldout's.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
-import subprocess
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from autoloop.decide.heldout import suspicious_identity
 from autoloop.measure.runner import run_training
+from autoloop.trust.bytecode import pycache_dir, pycache_env, warm_eval_cache
 
 VERDICT_FILE = "eval.json"
 EVAL_LOG = "eval.log"
-HELDOUT_Z = 2.0
-HELDOUT_MIN_GAP = 1e-3
-# Val and held-out are different text: an honest gain on one is rarely exactly the gain on
-# the other (measured: a 0.305 bpb LR fix gained 0.287 on held-out). This share of the val
-# gain is allowed besides the noise; fitting val (0.57 on val, -0.10 on held-out) is far past it.
-HELDOUT_RELATIVE = 0.1
-PYCACHE_KINDS = ("train", "eval")
-# Python's own flags for the bytecode cache.
-ENV_PYCACHE_PREFIX = "PYTHONPYCACHEPREFIX"
-ENV_DONT_WRITE_BYTECODE = "PYTHONDONTWRITEBYTECODE"
-
-_warmed: set[tuple[str, str, str, str]] = set()
 
 
 # ---------------------------------------------------------------------------------------
-# Bytecode caches
+# Watching the evaluator's bytecode prefix
 # ---------------------------------------------------------------------------------------
-
-
-def pycache_dir(kind: str, cache_root: Path | str) -> Path:
-    if kind not in PYCACHE_KINDS:
-        raise ValueError(f"pycache kind must be one of {PYCACHE_KINDS}, not {kind!r}")
-    return Path(cache_root) / "pycache" / kind
-
-
-def pycache_env(kind: str, cache_root: Path | str) -> dict[str, str | None]:
-    """Environment entries for an autoloop child process's bytecode (None = unset it).
-
-    Both prefixes are written only by `warm_pycache`, a trusted process that imports no
-    trial code; the children read them (PYTHONDONTWRITEBYTECODE=1, and the sandbox mounts
-    them read-only). kind "train": what training imports (torch, its compiler, the
-    harness), so a trial starts fast and no trial can leave bytecode behind for the runs
-    after it (the incumbent's re-measurements among them). kind "eval": the evaluator's,
-    which imports the trial's train.py. A change in either is tampering (autoloop.trust.integrity).
-    """
-    return {
-        ENV_PYCACHE_PREFIX: str(pycache_dir(kind, cache_root)),
-        ENV_DONT_WRITE_BYTECODE: "1",
-    }
-
-
-def warm_eval_cache(python: str, cache_root: Path | str, *, env: dict[str, str] | None = None) -> float:
-    """Fill the evaluator's bytecode prefix (see `warm_pycache`)."""
-    return warm_pycache("eval", python, cache_root, env=env)
-
-
-def warm_pycache(kind: str, python: str, cache_root: Path | str, *, env: dict[str, str] | None = None,
-                 force: bool = False) -> float:
-    """Fill a bytecode prefix from a trusted process (the harness + torch, no trial code);
-    once per (kind, python, prefix, PYTHONPATH) in this process. Returns the seconds spent.
-
-    For "eval" this is the only writer. For "train" it makes the harness's bytecode there
-    current before any trial runs, so an honest trial writes none of it and the integrity
-    snapshot can treat any harness .pyc a trial adds or changes there as tampering."""
-    prefix = pycache_dir(kind, cache_root)
-    base = dict(env if env is not None else os.environ)
-    key = (kind, python, str(prefix), base.get("PYTHONPATH", ""))
-    if key in _warmed and not force:
-        return 0.0
-    prefix.mkdir(parents=True, exist_ok=True)
-    base.pop(ENV_DONT_WRITE_BYTECODE, None)
-    base[ENV_PYCACHE_PREFIX] = str(prefix)
-    started = time.monotonic()
-    code = "import autoloop.harness.evaluate as e; e._harness_modules()"
-    if kind == "train":
-        # What a training run imports beyond the harness: the optimizers and, on a GPU, the
-        # compiler (imported lazily by torch.compile); best effort.
-        code += "\ntry:\n    import torch.optim, torch._dynamo, torch._inductor.compile_fx\nexcept Exception:\n    pass"
-    done = subprocess.run([python, "-c", code], env=base, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, timeout=600, check=False)
-    if done.returncode == 0:
-        _warmed.add(key)
-    return time.monotonic() - started
 
 
 def tree_signature(root: Path) -> dict[str, str]:
@@ -223,8 +123,8 @@ def evaluate_checkpoint(
 ) -> EvalResult:
     """Evaluate `checkpoint` with the model of `source_dir/script` in a separate process.
 
-    `source_dir`: the trial's editable files copied from its commit (Verifier's
-    `_snapshot_sources`); the worker runs from there so the trial's imports of its own
+    `source_dir`: the trial's editable files copied from its commit
+    (autoloop.measure.worker.write_sources); the worker runs from there so the trial's imports of its own
     siblings resolve to the copy. `sandbox`: an object with `.wrap(argv, *, env, cwd,
     writable, readonly, hidden) -> (argv, env)` (autoloop.measure.sandbox), or None to run
     unsandboxed. Writes `out_dir/eval.json` (the verdict) and `out_dir/eval.log` (names:
@@ -302,42 +202,3 @@ def evaluate_checkpoint(
     if identical:  # the worker checks this too; a verdict file is only as good as its writer
         return result(False, identical, "failed", verdict)
     return result(True, None, "ok", verdict)
-
-
-# ---------------------------------------------------------------------------------------
-# Rules on the figures
-# ---------------------------------------------------------------------------------------
-
-
-def suspicious_identity(val_bpb: float | None, heldout_bpb: float | None) -> str | None:
-    """A reason when val and held-out bpb agree to 9 significant digits (see
-    autoloop.harness.evaluate.suspicious_identity, the one rule)."""
-    from autoloop.harness.evaluate import suspicious_identity as rule
-
-    return rule(val_bpb, heldout_bpb)
-
-
-def heldout_threshold(pair_sd: float | None, n: int) -> float:
-    """The largest held-out-minus-val gap the noise explains (see the module docstring)."""
-    sd = pair_sd if pair_sd is not None and math.isfinite(pair_sd) and pair_sd > 0 else 0.0
-    return max(HELDOUT_Z * math.sqrt(2.0 / max(int(n), 1)) * sd, HELDOUT_MIN_GAP)
-
-
-def heldout_guard(val_delta: float, heldout_delta: float | None, pair_sd: float | None, n: int) -> str | None:
-    """Why a keep candidate is refused because held-out did not follow val, or None.
-
-    Deltas are candidate minus incumbent in bpb (negative is better); `pair_sd` the SD of
-    one paired difference (the run's pooled noise), `n` the number of paired runs the
-    deltas average. No held-out figure: nothing to guard (None).
-    """
-    if heldout_delta is None or val_delta is None:
-        return None
-    gap = heldout_delta - val_delta
-    allowed = heldout_threshold(pair_sd, n) + HELDOUT_RELATIVE * max(-val_delta, 0.0)
-    if gap <= allowed:
-        return None
-    held = f"got worse by {heldout_delta:.4f}" if heldout_delta > 0 else f"improved only {-heldout_delta:.4f}"
-    val = f"improved by {-val_delta:.4f}" if val_delta < 0 else f"changed by {val_delta:+.4f}"
-    return (f"held-out bpb {held} while val bpb {val}: a gap of {gap:.4f} bpb, more than the {allowed:.4f} the "
-            f"noise and the splits' difference explain ({HELDOUT_Z:g} x sqrt(2/{n}) x paired SD {pair_sd or 0:.4f} "
-            f"+ {HELDOUT_RELATIVE:g} x the val gain); it fits val, not the text")

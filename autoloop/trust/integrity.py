@@ -19,7 +19,7 @@ Bytecode and import hooks, before and after each trial
     without reading the source, and runs every `.pth` file (and sitecustomize /
     usercustomize) in site-packages at start-up. So the snapshot also hashes the harness's
     `__pycache__` files (and the harness part of the bytecode prefixes the controller gives
-    its children, autoloop.trust.evaluation.pycache_env) and those files in every site-packages
+    its children, autoloop.trust.bytecode.pycache_env) and those files in every site-packages
     folder (sysconfig purelib/platlib, site.getsitepackages(), the user site). A trial that
     added or modified one is `invalid`, naming the file (a deleted .pyc is harmless:
     Python compiles the source again). `precompile_harness` writes the harness's own

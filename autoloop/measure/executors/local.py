@@ -115,10 +115,10 @@ class LocalSlot:
         job_file.write_text(job.to_json())
         env = dict(os.environ)
         env.update(self.device_env)
-        from autoloop.trust import evaluation
+        from autoloop.trust import bytecode
         from autoloop.measure.worker import WARMED_ENV
 
-        env[WARMED_ENV] = json.dumps(sorted(evaluation._warmed))
+        env[WARMED_ENV] = json.dumps(sorted(bytecode._warmed))
         from autoloop.measure.runner import process_start_time
 
         proc = subprocess.Popen(

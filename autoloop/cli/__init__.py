@@ -70,7 +70,8 @@ def run(
 ):
     """Run the research loop: baseline first, then proposals, until a stop condition."""
     from autoloop.loop.controller import Controller
-    from autoloop.cli.display import Display, format_metric
+    from autoloop.cli.display import Display
+    from autoloop.review.text import format_metric
 
     config = config_for(
         repo, tag=tag, db=db, max_trials=max_trials, hours=hours, time_budget=time_budget, max_steps=max_steps,

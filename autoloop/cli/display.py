@@ -3,36 +3,16 @@ time left, and the best so far. Reads the trial's progress file, like `autoloop 
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
 from rich.console import Console
 
+from autoloop.review.queries import last_progress
+from autoloop.review.text import format_metric
+
 _STYLE = {"keep": "bold green", "discard": "dim", "crash": "red", "timeout": "red", "invalid": "magenta",
           "interrupted": "yellow"}
-
-
-def last_progress(path: Path) -> dict | None:
-    """The last complete JSON line of a progress file (cheap: reads only the tail)."""
-    try:
-        with open(path, "rb") as handle:
-            handle.seek(0, 2)
-            size = handle.tell()
-            handle.seek(max(0, size - 4096))
-            lines = handle.read().decode(errors="replace").splitlines()
-    except OSError:
-        return None
-    for line in reversed(lines):
-        try:
-            return json.loads(line)
-        except ValueError:
-            continue
-    return None
-
-
-def format_metric(value) -> str:
-    return "-" if value is None else f"{value:.6f}"
 
 
 class Display:

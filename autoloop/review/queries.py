@@ -34,7 +34,6 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Iterable
 
-from autoloop.cli.display import last_progress
 from autoloop.decide.effects import ablation_effect, decision_of, trial_effect
 from autoloop.errors import AutoloopError
 from autoloop.store import Kind, Status
@@ -172,6 +171,24 @@ def tail_lines(path: Path, count: int = LOG_TAIL_LINES, max_bytes: int = 65536) 
     if size > max_bytes and lines:
         lines = lines[1:]  # the first line is probably cut
     return lines[-count:]
+
+
+def last_progress(path: Path) -> dict | None:
+    """The last complete JSON line of a progress file (cheap: reads only the tail)."""
+    try:
+        with open(path, "rb") as handle:
+            handle.seek(0, 2)
+            size = handle.tell()
+            handle.seek(max(0, size - 4096))
+            lines = handle.read().decode(errors="replace").splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        try:
+            return json.loads(line)
+        except ValueError:
+            continue
+    return None
 
 
 def archive_ref(run: dict, trial: dict) -> str | None:

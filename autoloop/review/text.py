@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import json
 
-from autoloop.cli.display import format_metric
 from autoloop.decide.effects import (
     ablation_effect, ablation_verdict, decision_figures, decision_of, flags_of, format_estimate, format_interval,
     trial_effect,
 )
 from autoloop.review.queries import no_diff_reason, select
 from autoloop.store import Kind
+
+
+def format_metric(value) -> str:
+    return "-" if value is None else f"{value:.6f}"
 
 
 def _cut(text: str | None, width: int) -> str:

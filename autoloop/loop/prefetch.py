@@ -25,7 +25,9 @@ idea meanwhile) waits for the next turn.
 Rules that keep this safe:
 
 * Only proposers run in the thread. The controller's crash-safety order is unchanged:
-  rows, commits and refs are still written by the main thread, one trial at a time.
+  rows, commits and refs are still written by the trial's own thread (the main thread,
+  or with several workers the thread of each trial in flight, autoloop.loop.run), never
+  by this one.
 * The thread gets its own `GitRepo` (GitPython keeps persistent `git cat-file`
   processes per repository object, which must not be shared across threads); the Store
   is thread-safe (one connection, an RLock).

@@ -1,6 +1,6 @@
 """What one measurement asks of a worker, and what the worker answers.
 
-A measurement has two halves (docs/architecture.md, design/SCALE.md): the controller's
+A measurement has two halves (docs/architecture.md, docs/scale-out.md): the controller's
 (checkout, seals, the db and git) and the worker's (data feed, sandbox, training, budget
 check, evaluation: `autoloop.measure.worker.run_job`). The worker may run in the controller's
 process (the serial slot), in a worker subprocess on the same machine, or on a Ray node

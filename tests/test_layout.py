@@ -1,0 +1,198 @@
+"""The package's shape is checked, not just described.
+
+* No import circle among autoloop's modules outside `autoloop/harness/` (whose two circles
+  go with a harness version bump): every `import autoloop...` and `from autoloop... import`
+  counts, at module level and inside functions, because a function-level import is still a
+  dependency, only a later one.
+* docs/architecture.md opens with the package tree, one line per module; the tree and the
+  modules on disk agree.
+* README's "## Commands" table and `autoloop --help` agree (sqlite-utils' tests/test_docs.py
+  is the model): every command is documented and every documented command exists.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "autoloop"
+ARCHITECTURE = ROOT / "docs" / "architecture.md"
+README = ROOT / "README.md"
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def all_modules() -> dict[str, Path]:
+    return {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def imported_modules(path: Path, modules: dict[str, Path]) -> set[str]:
+    """The autoloop modules `path` imports, wherever in the file the import statement is.
+
+    `from autoloop.x import y` is an edge to `autoloop.x.y` when that is a module, else to
+    `autoloop.x`. The parent packages Python initialises on the way are not counted: a
+    package's `__init__` importing its own submodules is not a circle.
+    """
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names if alias.name.split(".")[0] == "autoloop")
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module \
+                and node.module.split(".")[0] == "autoloop":
+            for alias in node.names:
+                child = f"{node.module}.{alias.name}"
+                found.add(child if child in modules else node.module)
+    return {name for name in found if name in modules}
+
+
+def import_graph() -> dict[str, set[str]]:
+    modules = all_modules()
+    return {name: imported_modules(path, modules) - {name} for name, path in modules.items()}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import circle in `graph` as a list of modules (first == last), or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state:
+                cycle = visit(nxt)
+                if cycle:
+                    return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for start in sorted(graph):
+        if start not in state:
+            cycle = visit(start)
+            if cycle:
+                return cycle
+    return None
+
+
+def outside_harness(name: str) -> bool:
+    return not (name == "autoloop.harness" or name.startswith("autoloop.harness."))
+
+
+def test_no_import_circle_outside_the_harness():
+    graph = import_graph()
+    graph = {m: {d for d in deps if outside_harness(d)} for m, deps in graph.items() if outside_harness(m)}
+    cycle = find_cycle(graph)
+    assert cycle is None, "import circle: " + " -> ".join(cycle)
+
+
+def test_the_cycle_finder_finds_a_known_circle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    cycle = find_cycle(graph)
+    assert cycle is not None and cycle[0] == cycle[-1] and set(cycle) == {"a", "b", "c"}
+    assert find_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
+
+
+def test_function_level_imports_count(tmp_path):
+    source = tmp_path / "m.py"
+    source.write_text("def f():\n    from autoloop.store import Store\n    import autoloop.config\n")
+    modules = {"autoloop.store": Path(), "autoloop.config": Path()}
+    assert imported_modules(source, modules) == {"autoloop.store", "autoloop.config"}
+
+
+# ---------------------------------------------------------------------------- the package tree
+
+TREE_LINE = re.compile(r"^[│├└─\s]*(\S+?)(?:\s{2,}(.*))?$")
+
+
+def documented_tree(text: str) -> dict[str, str]:
+    """{path relative to the repository: comment} from the first fenced block of
+    docs/architecture.md, a tree drawn with │ ├── └── and indented by four per level."""
+    block = text.split("```", 2)[1].splitlines()[1:]
+    entries: dict[str, str] = {}
+    stack: list[str] = []  # the folders above the current line
+    for line in block:
+        if not line.strip():
+            continue
+        depth = len(re.match(r"^[│├└─ ]*", line).group(0)) // 4
+        name, comment = TREE_LINE.match(line).groups()
+        stack = stack[:depth]
+        path = "".join(stack) + name
+        entries[path] = (comment or "").strip()
+        if name.endswith("/"):
+            stack.append(name)
+    return entries
+
+
+def test_architecture_opens_with_the_package_tree():
+    text = ARCHITECTURE.read_text()
+    head = text.split("```", 1)[0]
+    assert head.count("\n## ") <= 1 and "## Package tree" in head, "docs/architecture.md must open with the tree"
+    assert documented_tree(text), "no tree in docs/architecture.md's first code block"
+
+
+def test_the_tree_names_every_module_and_only_modules_that_exist():
+    """Every .py under autoloop/ (an `__init__.py` may be named by its folder's line
+    instead) and every package folder has a line with a comment saying what it owns."""
+    tree = documented_tree(ARCHITECTURE.read_text())
+    on_disk = {p.relative_to(ROOT).as_posix() for p in PACKAGE.rglob("*.py") if "__pycache__" not in p.parts}
+    folders = {p.relative_to(ROOT).as_posix() + "/" for p in [PACKAGE, *PACKAGE.rglob("*")] if p.is_dir()
+               and (p / "__init__.py").exists()}
+    missing = sorted(path for path in on_disk if path not in tree and not (
+        path.endswith("/__init__.py") and path[: -len("__init__.py")] in tree))
+    missing += sorted(folder for folder in folders if folder not in tree)
+    assert not missing, f"modules missing from the tree in docs/architecture.md: {missing}"
+    stale = sorted(path for path in tree if path not in on_disk and path not in folders)
+    assert not stale, f"docs/architecture.md's tree names what does not exist: {stale}"
+    silent = sorted(path for path, comment in tree.items() if not comment and path != "autoloop/")
+    assert not silent, f"tree lines without a word on what the module owns: {silent}"
+
+
+def test_the_tree_parser_reads_nesting():
+    text = "x\n```\nautoloop/\n├── a.py      one\n├── p/        pkg\n│   └── b.py  two\n└── c.py      three\n```\n"
+    assert documented_tree(text) == {"autoloop/": "", "autoloop/a.py": "one", "autoloop/p/": "pkg",
+                                     "autoloop/p/b.py": "two", "autoloop/c.py": "three"}
+
+
+# ---------------------------------------------------------------------------- README's commands
+
+
+def readme_commands() -> set[str]:
+    """The command names of README's "## Commands" table (`autoloop NAME ...` cells)."""
+    section = README.read_text().split("\n## Commands\n", 1)[1].split("\n## ", 1)[0]
+    return set(re.findall(r"^\| `autoloop ([a-z][a-z-]*)", section, flags=re.M))
+
+
+def cli_commands() -> set[str]:
+    import typer.main
+
+    from autoloop.cli import app
+
+    return set(typer.main.get_command(app).list_commands(None))
+
+
+def test_readme_commands_table_matches_the_cli():
+    documented, actual = readme_commands(), cli_commands()
+    assert actual - documented == set(), f"commands missing from README's Commands table: {sorted(actual - documented)}"
+    assert documented - actual == set(), f"README's Commands table names no such command: {sorted(documented - actual)}"
+
+
+@pytest.mark.parametrize("name", sorted(readme_commands()))
+def test_every_documented_command_has_help(name):
+    from typer.testing import CliRunner
+
+    from autoloop.cli import app
+
+    result = CliRunner().invoke(app, [name, "--help"])
+    assert result.exit_code == 0 and "Usage" in result.output, result.output

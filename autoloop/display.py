@@ -3,7 +3,6 @@ time left, and the best so far. Reads the trial's progress file, like `autoloop 
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
@@ -14,21 +13,12 @@ _STYLE = {"keep": "bold green", "discard": "dim", "crash": "red", "timeout": "re
 
 
 def last_progress(path: Path) -> dict | None:
-    """The last complete JSON line of a progress file (cheap: reads only the tail)."""
-    try:
-        with open(path, "rb") as handle:
-            handle.seek(0, 2)
-            size = handle.tell()
-            handle.seek(max(0, size - 4096))
-            lines = handle.read().decode(errors="replace").splitlines()
-    except OSError:
-        return None
-    for line in reversed(lines):
-        try:
-            return json.loads(line)
-        except ValueError:
-            continue
-    return None
+    """The last complete progress record of a progress file (cheap: reads only the tail).
+    The trial's code writes that file: it is read without following links, only if it is
+    a regular file, and only its known numeric fields are kept (autoloop.serve.files)."""
+    from autoloop.serve.files import last_progress as read_last
+
+    return read_last(path)
 
 
 def format_metric(value) -> str:

@@ -219,16 +219,13 @@ def trial_file(trial: dict, run: dict, repo: Path | None, column: str, name: str
 
 
 def tail_lines(path: Path, count: int = LOG_TAIL_LINES, max_bytes: int = 65536) -> list[str]:
-    """The last `count` lines of a text file, reading at most `max_bytes` from its end."""
-    with open(path, "rb") as handle:
-        handle.seek(0, 2)
-        size = handle.tell()
-        handle.seek(max(0, size - max_bytes))
-        data = handle.read().decode(errors="replace")
-    lines = data.splitlines()
-    if size > max_bytes and lines:
-        lines = lines[1:]  # the first line is probably cut
-    return lines[-count:]
+    """The last `count` lines of a text file, reading at most `max_bytes` from its end.
+    The trial's folder is writable by its code: a link or a FIFO there reads as nothing
+    (autoloop.serve.files.read_tail)."""
+    from autoloop.serve.files import read_tail
+
+    text = read_tail(path, max_bytes)
+    return text.splitlines()[-count:] if text and count > 0 else []
 
 
 def archive_ref(run: dict, trial: dict) -> str | None:

@@ -446,7 +446,7 @@ def test_the_report_draws_the_same_tree(night, tmp_path):
     night.trial(SCRIPT, "keep", night.best["metric"] - 0.001)  # a kept one: its label is drawn too
     report = build_report(night.store, night.store.get_run("live"), tmp_path / "report")
     page = report.html_path.read_text()
-    assert "<h2>Experiment tree</h2>" in page and '<svg xmlns="http://www.w3.org/2000/svg" class="tree"' in page
+    assert "<h2>Experiment tree</h2>" in page and '<svg class="tree"' in page
     tree = report.data["tree"]
     assert svg(tree) in page
     for n in tree["nodes"]:
@@ -527,3 +527,20 @@ def test_a_browser_shows_new_trials_without_a_reload(night, server, tmp_path):
     for png in (run_png, tree_png):
         assert png.stat().st_size > 10_000 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     print(f"screenshots in {out}")
+
+
+def test_replies_are_json_without_nan_and_big_ones_are_gzipped_for_a_browser():
+    import gzip
+
+    from starlette.requests import Request
+
+    from autoloop.serve.app import _json
+
+    browser = Request({"type": "http", "method": "GET", "path": "/", "query_string": b"",
+                       "headers": [(b"accept-encoding", b"gzip, deflate, br")]})
+    big = {"rows": ["x" * 100] * 400}
+    reply = _json(big, request=browser)
+    assert reply.headers["content-encoding"] == "gzip" and json.loads(gzip.decompress(reply.body)) == big
+    assert "content-encoding" not in _json({"small": 1}, request=browser).headers
+    assert "content-encoding" not in _json(big).headers  # a client that did not ask
+    assert _json({"v": float("nan"), "w": [float("inf"), 1.5]}).body == b'{"v":null,"w":[null,1.5]}'

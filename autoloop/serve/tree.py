@@ -265,9 +265,11 @@ def _e(value) -> str:
 
 
 def svg(tree: dict) -> str:
-    """The tree as an inline <svg> element (no scripts, no links; every text escaped)."""
+    """The tree as an inline <svg> element for an HTML page (no namespace URL needed there,
+    so the report stays free of any http:// reference; no scripts, no links; every text
+    escaped)."""
     w, h = tree["width"], tree["height"]
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" class="tree" width="{w:.0f}" height="{h:.0f}" '
+    out = [f'<svg class="tree" width="{w:.0f}" height="{h:.0f}" '
            f'viewBox="0 0 {w:.0f} {h:.0f}" role="img" aria-label="experiment tree">']
     for lane in tree["lanes"]:
         out.append(f'<text x="6" y="{lane["y"] + 4:.1f}" font-size="12" fill="#656d76">{_e(lane["name"])}</text>')

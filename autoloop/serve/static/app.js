@@ -266,18 +266,22 @@
           ctx.fillStyle = "#14532d";
           ctx.textBaseline = "bottom";
           let previous = -Infinity;
+          const angle = 0.5, edge = u.bbox.left + u.bbox.width + 8 * devicePixelRatio;
           for (const i of labels) {
             const x = u.valToPos(xs[i], "x", true), y = u.valToPos(kept[i], "y", true);
-            if (x - previous < 90 * devicePixelRatio) continue;  // labels closer than that would overlap
+            if (x - previous < 60 * devicePixelRatio) continue;  // labels closer than that would overlap
+            // Every label goes up and to the right at one angle (parallel lines never cross),
+            // cut to the room left before the chart's right edge.
+            const room = (edge - x - 6 * devicePixelRatio) / Math.cos(angle);
+            let text = label(i);
+            while (text.length > 3 && ctx.measureText(text).width > room) text = text.slice(0, -2) + "…";
+            if (ctx.measureText(text).width > room) continue;
             previous = x;
-            // Labels in the right third grow leftwards, so they stay on the chart.
-            const leftwards = x > u.bbox.left + 0.66 * u.bbox.width;
             ctx.save();
-            ctx.textAlign = leftwards ? "right" : "left";
-            ctx.translate(x + (leftwards ? -6 : 6) * devicePixelRatio, y - 5 * devicePixelRatio);
-            ctx.rotate(leftwards ? 0.3 : -0.3);
-            const text = label(i);
-            ctx.fillText(text.length > 34 ? text.slice(0, 33) + "…" : text, 0, 0);  // canvas text: never parsed as HTML
+            ctx.textAlign = "left";
+            ctx.translate(x + 6 * devicePixelRatio, y - 5 * devicePixelRatio);
+            ctx.rotate(-angle);
+            ctx.fillText(text, 0, 0);  // canvas text: never parsed as HTML
             ctx.restore();
           }
           ctx.restore();

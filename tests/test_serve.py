@@ -497,8 +497,11 @@ def test_a_browser_shows_new_trials_without_a_reload(night, server, tmp_path):
         pytest.skip("no chromium installed (.ci/run installs Debian's chromium)")
     pytest.importorskip("websockets")
     out = Path(os.environ.get("AUTOLOOP_SCREENSHOTS") or tmp_path)
-    with Browser(server.link) as browser:
+    with Browser(server.link) as browser:  # the token link: its cookie lets this browser steer
         browser.wait_for("document.querySelector('#trials-table tr[data-trial]') !== null", 20)
+        browser.navigate(server.base + "/#/r/live")  # the newest run is shown first; other tests may add one
+        browser.wait_for("document.querySelector('#run-head .tag') !== null && "
+                         "document.querySelector('#run-head .tag').textContent === 'live'", 10)
         browser.wait_for("document.querySelector('#live .card') !== null && document.querySelector('#stats .stat') !== null", 10)
         browser.evaluate("window.__sameDocument = 'yes'")
         assert browser.evaluate("document.querySelector('#seed-form') !== null")  # the token link's cookie: may steer

@@ -100,6 +100,11 @@ class Config:
     search_mode: str = "shared"
     migrate_every: int = 10
     allow_mixed_devices: bool = False  # workers on different GPU models in one run (their numbers differ)
+    # A command run on the night's events (a keep, a confirmed gain, a pause, a lost worker,
+    # the end), the event as JSON on stdin (autoloop/loop/notify.py); killed after
+    # notify_timeout seconds. It may name secrets ($WEBHOOK_URL): it is never stored in the db.
+    notify: str | None = None
+    notify_timeout: float = 10.0
 
     def train_argv(self) -> list[str]:
         argv = shlex.split(self.train_command)

@@ -67,6 +67,8 @@ def run(
     search_mode: Annotated[Optional[str], typer.Option(help="With several workers: 'shared' (default, every worker from the one best commit) or 'islands' (a lineage per worker, the best migrating).")] = None,
     migrate_every: Annotated[Optional[int], typer.Option(help="Islands: the best lineage migrates to the others every N trials (10 by default; 0: never).")] = None,
     allow_mixed_devices: Annotated[Optional[bool], typer.Option("--allow-mixed-devices", help="Allow workers on different GPU models; each candidate is then compared with the incumbent measured on its own kind.")] = None,
+    notify: Annotated[Optional[str], typer.Option(help="A shell command run on events (a keep, a confirmed gain, a pause, a lost worker, the end of the run), the event as JSON on stdin; killed after --notify-timeout seconds, and never slows the run (docs/serve.md).")] = None,
+    notify_timeout: Annotated[Optional[float], typer.Option(help="Seconds a --notify command may take before it is killed (10 by default).")] = None,
 ):
     """Run the research loop: baseline first, then proposals, until a stop condition."""
     from autoloop.loop.controller import Controller
@@ -82,7 +84,7 @@ def run(
         sandbox="off" if no_sandbox else None, check=False if no_check else None, llm_model=llm_model, llm_base_url=llm_base_url, agent_command=agent_command, max_cost=max_cost,
         workers=workers, executor=executor or ("local" if workers and workers > 0 and executor is None else None),
         ray_address=ray_address, search_mode=search_mode, migrate_every=migrate_every,
-        allow_mixed_devices=allow_mixed_devices,
+        allow_mixed_devices=allow_mixed_devices, notify=notify, notify_timeout=notify_timeout,
     )
     display = Display()
     display.say(f"autoloop run '{config.tag}' on branch autoloop/{config.tag} ({config.db})", "bold")
@@ -216,6 +218,9 @@ def _register_commands() -> None:
     app.command("export")(handles_errors(cli_review.export))
     app.command("prepare")(handles_errors(prepare))
     app.command("search-plan")(handles_errors(search_plan))
+    from autoloop.cli.serve import serve  # the [serve] extra is imported only when the command runs
+
+    app.command("serve")(handles_errors(serve))
 
 
 _register_commands()

@@ -36,6 +36,7 @@ import os
 import shutil
 import signal
 import statistics
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -53,6 +54,7 @@ from autoloop.proposers import ProposalContext, build_chain
 from autoloop.measure.measurer import Measurement, Measurer
 from autoloop.measure.runner import gpu_busy_report, kill_process_group
 from autoloop.loop.scheduler import Scheduler, WorkItem
+from autoloop.loop.notify import notifier_for
 from autoloop.store import IdeaStatus, Kind, MetricSource, RunStatus, Status, Store
 
 # `Controller(verifier=...)` default: the real verifier (autoloop.trust.watch). Pass None to turn
@@ -112,6 +114,8 @@ class Controller:
         self._in_flight: set[int] = set()
         self._requeue: list[tuple[int, str | None]] = []  # (trial id, its lineage in islands mode)
         self.executor = None
+        # `--notify CMD` (autoloop/loop/notify.py): events go to a background thread, never waited on.
+        self.notifier = notifier_for(config, on_failure=self._notify_failed)
 
     # ------------------------------------------------------------------ paths and setup
 
@@ -136,6 +140,20 @@ class Controller:
 
     def _event(self, kind: str, message: str, trial_id: int | None = None) -> None:
         self.store.add_event(self.run_row["id"], kind, message, trial_id=trial_id)
+        self.notifier.event(kind, message)  # a pause is news for --notify
+
+    def _notify_failed(self, message: str) -> None:
+        """Called once, from the notifier's thread, when the notify command first fails."""
+        self._say(message, "yellow")
+        if self.store is not None and self.run_row is not None:
+            self.store.add_event(self.run_row["id"], "notify_failed", message)
+
+    def _notify_end(self, summary: RunSummary) -> None:
+        """The `end` notification (an error on its way out included), then a bounded drain."""
+        self.notifier.run_ended(summary, error=sys.exc_info()[1])
+        problems = self.notifier.close()
+        if problems:
+            self._say(problems, "yellow")
 
     def _exclude_runtime_files(self) -> None:
         """Keep .autoloop/ and the db out of `git status` in a user's own repo too."""
@@ -656,6 +674,7 @@ class Controller:
                     self._converge_git_at_exit()
             finally:
                 self._fill_summary(summary)
+                self._notify_end(summary)
                 self.close()
         return summary
 
@@ -1399,6 +1418,7 @@ class Controller:
         final = self.store.trial_by_id(trial["id"])
         if self.display is not None:
             self.display.trial_finished(final)
+        self.notifier.trial_finished(final)  # a keep or a confirmed gain, for --notify
         return final
 
     def _integrity_pause(self) -> WorkItem | None:
@@ -1462,4 +1482,6 @@ def _now() -> str:
 def _config_dict(config: Config) -> dict:
     from dataclasses import asdict
 
-    return asdict(config)
+    stored = asdict(config)
+    stored["notify"] = None  # the user's notify command may hold a webhook's secret: never in the db
+    return stored

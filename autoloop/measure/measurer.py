@@ -236,6 +236,7 @@ class Measurer:
             return self._record(owner, running, m, "invalid", f"the trial wrote to experiments.db: {problem} "
                                                                "(the recorded values were put back)")
         if result.status == "lost":
+            c.notifier.worker_lost(getattr(slot, "name", None), running, result.reason)
             return self._record(owner, running, m, "lost", result.reason or "the worker was lost")
         return self._record(owner, running, m, result.status, result.reason)
 
@@ -258,6 +259,7 @@ class Measurer:
         result = slot.run(job, run_dir, on_start=on_start, should_abort=lambda: c.abort_requested)
         self._received(result, run_dir)
         if result.status == "lost":
+            c.notifier.worker_lost(getattr(slot, "name", None), running, result.reason)
             return None, f"the worker was lost during verification: {result.reason}", None
         if not result.ok:
             return False, f"failed verification: {result.reason}", None

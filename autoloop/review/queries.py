@@ -81,13 +81,13 @@ def parse_choices(value: str | Iterable[str] | None, vocabulary, what: str) -> l
     return values or None
 
 
-def _minutes(trial: dict) -> float | None:
+def trial_minutes(trial: dict) -> float | None:
     if trial.get("wall_seconds") is not None:
         return round(trial["wall_seconds"] / 60, 2)
     return None
 
 
-def _delta(trial: dict) -> float | None:
+def trial_delta(trial: dict) -> float | None:
     if trial.get("delta") is not None:
         return trial["delta"]
     if trial.get("metric") is not None and trial.get("best_before") is not None:
@@ -125,8 +125,8 @@ def log_rows(store, run: dict, *, last: int | None = None, status=None, kind=Non
     for t in rows:
         row = {k: t.get(k) for k in fields if k in t}
         row["flags"] = json.loads(row["flags"]) if isinstance(row.get("flags"), str) else row.get("flags")  # raw SQL: JSON text
-        row["delta"] = _delta(t)
-        row["minutes"] = _minutes(t)
+        row["delta"] = trial_delta(t)
+        row["minutes"] = trial_minutes(t)
         effect = trial_effect(t)
         row["distinguishable"] = effect.distinguishable
         row["near_miss"] = effect.near_miss if effect.noise_aware else None
@@ -161,34 +161,22 @@ def trial_file(trial: dict, run: dict, repo: Path | None, column: str, name: str
 
 
 def tail_lines(path: Path, count: int = LOG_TAIL_LINES, max_bytes: int = 65536) -> list[str]:
-    """The last `count` lines of a text file, reading at most `max_bytes` from its end."""
-    with open(path, "rb") as handle:
-        handle.seek(0, 2)
-        size = handle.tell()
-        handle.seek(max(0, size - max_bytes))
-        data = handle.read().decode(errors="replace")
-    lines = data.splitlines()
-    if size > max_bytes and lines:
-        lines = lines[1:]  # the first line is probably cut
-    return lines[-count:]
+    """The last `count` lines of a text file, reading at most `max_bytes` from its end.
+    The trial's folder is writable by its code: a link or a FIFO there reads as nothing
+    (autoloop.serve.files.read_tail)."""
+    from autoloop.serve.files import read_tail
+
+    text = read_tail(path, max_bytes)
+    return text.splitlines()[-count:] if text and count > 0 else []
 
 
 def last_progress(path: Path) -> dict | None:
-    """The last complete JSON line of a progress file (cheap: reads only the tail)."""
-    try:
-        with open(path, "rb") as handle:
-            handle.seek(0, 2)
-            size = handle.tell()
-            handle.seek(max(0, size - 4096))
-            lines = handle.read().decode(errors="replace").splitlines()
-    except OSError:
-        return None
-    for line in reversed(lines):
-        try:
-            return json.loads(line)
-        except ValueError:
-            continue
-    return None
+    """The last complete progress record of a progress file (cheap: reads only the tail).
+    The trial's code writes that file: it is read without following links, only if it is
+    a regular file, and only its known numeric fields are kept (autoloop.serve.files)."""
+    from autoloop.serve.files import last_progress as read_last
+
+    return read_last(path)
 
 
 def archive_ref(run: dict, trial: dict) -> str | None:
@@ -208,8 +196,8 @@ def trial_detail(store, run: dict, number: int, repo: Path | None = None, *, log
     trial = get_trial(store, run, number)
     detail = {k: v for k, v in trial.items() if k not in _PROCESS_FIELDS}
     detail["run"] = run["tag"]
-    detail["delta"] = _delta(trial)
-    detail["minutes"] = _minutes(trial)
+    detail["delta"] = trial_delta(trial)
+    detail["minutes"] = trial_minutes(trial)
     detail["keep_margin"] = (run.get("config") or {}).get("keep_margin")
     detail["measurements"] = trial_measurements(store, trial)
     detail["ablations"] = ablations_of(store, run, trial)

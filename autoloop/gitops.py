@@ -33,7 +33,7 @@ Every file a proposal adds is tracked in its commit, so moving off that commit r
 A project in a subfolder
 ------------------------
 The project folder is the folder autoloop runs in, the one holding train.py; it may be a
-subfolder of a bigger repository. `GitRepo.open(folder)` remembers it as `root`, and the
+subfolder of a bigger repository. `GitRepo.open(folder)` remembers it as `project_dir`, and the
 worktree's top level as `toplevel`; `prefix` is the folder relative to the top ("" or
 "sub/"). Every path the controller and proposals use (edits, `file_reader`, `diff`,
 `changed_paths`, `dirty_files`) is relative to the project folder, and GitRepo adds the
@@ -112,11 +112,11 @@ class GitRepo:
         self._lock = threading.RLock()
         self.repo = repo
         self.toplevel = Path(repo.working_tree_dir)  # type: ignore[arg-type]
-        self.root = Path(project) if project is not None else self.toplevel  # the project folder
+        self.project_dir = Path(project) if project is not None else self.toplevel  # the project folder
         self.prefix = ""  # the project folder relative to the top level: "" or "sub/"
         if project is not None:
             try:
-                rel = self.root.resolve().relative_to(self.toplevel.resolve()).as_posix()
+                rel = self.project_dir.resolve().relative_to(self.toplevel.resolve()).as_posix()
             except ValueError:
                 raise AutoloopError(f"{project} is not inside the working tree {self.toplevel}: run autoloop in it") from None
             if rel.split("/")[0] == ".git":
@@ -196,7 +196,7 @@ class GitRepo:
             return self.repo.head.commit.hexsha
         except ValueError:
             raise AutoloopError(
-                f"{self.root} has no commits yet: run `git add -A && git commit -m init` first"
+                f"{self.project_dir} has no commits yet: run `git add -A && git commit -m init` first"
             ) from None
 
     def current_branch(self) -> str | None:
@@ -223,8 +223,8 @@ class GitRepo:
         if not self.prefix:
             return files
         # Relative to the project folder ("../x" outside it), like every other path here.
-        top, root = self.toplevel.resolve(), self.root.resolve()
-        return [os.path.relpath(top / path, root) for path in files]
+        top, project = self.toplevel.resolve(), self.project_dir.resolve()
+        return [os.path.relpath(top / path, project) for path in files]
 
     @staticmethod
     def _porcelain_paths(out: str) -> list[str]:
@@ -251,6 +251,14 @@ class GitRepo:
         """True if `ancestor` is `descendant` or one of its ancestors."""
         return self._succeeds("merge-base", "--is-ancestor", ancestor, descendant)
 
+    def is_valid_branch_name(self, branch: str) -> bool:
+        """True if `branch` can name a branch (`git check-ref-format`)."""
+        return self._succeeds("check-ref-format", f"refs/heads/{branch}")
+
+    def tree_of(self, commit: str) -> str:
+        """The sha of `commit`'s tree."""
+        return self._git("rev-parse", f"{commit}^{{tree}}")
+
     # -- branch of a run ------------------------------------------------------------------
 
     def ensure_branch(self, tag: str) -> tuple[str, str, bool]:
@@ -266,7 +274,7 @@ class GitRepo:
         if dirty:
             shown = ", ".join(dirty[:5]) + (f" and {len(dirty) - 5} more" if len(dirty) > 5 else "")
             raise AutoloopError(
-                f"{self.root} has uncommitted changes to tracked files ({shown}): "
+                f"{self.project_dir} has uncommitted changes to tracked files ({shown}): "
                 "commit them or `git stash` them, then rerun"
             )
         branch = branch_name(tag)
@@ -326,6 +334,33 @@ class GitRepo:
         finally:
             shutil.rmtree(tmpdir, ignore_errors=True)
 
+    def commit_tree(self, tree: str, parent: str, message: str) -> str:
+        """A commit of `tree` on top of `parent` (no ref moves), with the repository's
+        identity or autoloop's fallback; returns its sha."""
+        return self._git("commit-tree", tree, "-p", parent, "-m", message, env=self._identity_env())
+
+    def rebased_files(self, parent: str, commit: str, onto: str) -> tuple[dict[str, str], str | None]:
+        """The edit `parent` -> `commit` merged onto `onto`, file by file (`git merge-file`,
+        a three-way merge of each changed file): ({path: content}, None), or ({}, why it
+        does not apply). Nothing is written to the repository."""
+        import subprocess
+
+        merged = {}
+        for path in self.changed_paths(parent, commit):
+            base, theirs, ours = (self.file_reader(sha)(path) for sha in (parent, commit, onto))
+            if theirs is None or base is None or ours is None:
+                return {}, f"{path} was added or deleted"
+            with tempfile.TemporaryDirectory(prefix="autoloop-rebase-") as tmp:
+                names = []
+                for name, text in (("ours", ours), ("base", base), ("theirs", theirs)):
+                    (Path(tmp) / name).write_text(text)
+                    names.append(str(Path(tmp) / name))
+                done = subprocess.run(["git", "merge-file", "-p", *names], capture_output=True, text=True)
+            if done.returncode != 0:
+                return {}, f"its change to {path} conflicts with the new best"
+            merged[path] = done.stdout
+        return merged, None
+
     def checkout_commit(self, branch: str, sha: str) -> None:
         """Point `branch` at `sha`, check the branch out and make the worktree match.
 
@@ -354,6 +389,16 @@ class GitRepo:
         ref = f"{REF_PREFIX}{validate_tag(tag)}/trials/{int(number)}"
         self._git("update-ref", "-m", f"autoloop: archive trial {number}", ref, sha)
         return ref
+
+    def set_branch(self, branch: str, sha: str, *, expected: str | None, message: str) -> None:
+        """Point `branch` at `sha` only if it is still at `expected` (None: only if it does
+        not exist yet): a compare-and-swap, so a branch someone created or moved meanwhile is
+        never clobbered. For branches outside the run's own (`autoloop finalize`)."""
+        self._git("update-ref", "-m", message, f"refs/heads/{branch}", sha, expected or "0" * 40)
+
+    def checkout_branch(self, branch: str) -> None:
+        """Check out an existing branch (the worktree follows; tracked changes must not conflict)."""
+        self._git("checkout", "-q", branch)
 
     def set_lineage_branch(self, branch: str, sha: str) -> None:
         """Point a lineage's branch (`autoloop/<tag>-w<k>`, islands mode) at `sha` without

@@ -29,7 +29,8 @@ class Constant:
     comment: str  # the trailing comment on that line, without '#'
 
 
-def _literal(node: ast.expr):
+def literal(node: ast.expr):
+    """The value of a constant's expression: a literal, or simple arithmetic of literals (None if neither)."""
     try:
         return ast.literal_eval(node)
     except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
@@ -109,7 +110,7 @@ def read_constants(source: str, device: str | None = None) -> dict[str, Constant
                 comment = "; ".join(part for part in (comment, earlier.comment) if part)
             found[target.id] = Constant(
                 name=target.id,
-                value=_literal(value),
+                value=literal(value),
                 source=line[value.col_offset : value.end_col_offset].decode(),
                 lineno=value.lineno,
                 col=len(line[: value.col_offset].decode()),

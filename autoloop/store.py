@@ -474,14 +474,14 @@ class Store:
         """Names recorded in `_migrations`, in the order they were applied."""
         if not self._table_exists("_migrations"):
             return []
-        return [row["name"] for row in self._query("SELECT name FROM _migrations ORDER BY rowid")]
+        return [row["name"] for row in self.query("SELECT name FROM _migrations ORDER BY rowid")]
 
     def _migrate(self) -> None:
         known = [name for name, _ in MIGRATIONS]
         if not self._table_exists("_migrations"):
             others = [
                 row["name"]
-                for row in self._query(
+                for row in self.query(
                     "SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite_%'"
                 )
             ]
@@ -563,16 +563,20 @@ class Store:
                     self.conn.execute("ROLLBACK")
                 raise
 
-    def _query(self, sql: str, params: Iterable[Any] = ()) -> list[dict[str, Any]]:
-        """Run a read and fetch everything now, so no read transaction outlives the call."""
+    def query(self, sql: str, params: Iterable[Any] = ()) -> list[dict[str, Any]]:
+        """Run a read and fetch everything now, so no read transaction outlives the call: the
+        one way a reader outside the Store (the review's queries, the db seal) runs SQL of
+        its own. Rows are plain dicts (JSON columns not decoded)."""
         with self._lock:
             cursor = self.conn.execute(sql, tuple(params))
             names = [d[0] for d in cursor.description]
             return [dict(zip(names, row)) for row in cursor.fetchall()]
 
+    _query = query  # trust/seal.py's spelling until its rewrite (issue 23) calls query()
+
     def _table_exists(self, name: str) -> bool:
         return bool(
-            self._query("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (name,))
+            self.query("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (name,))
         )
 
     def _encode(self, table: str, fields: dict[str, Any]) -> dict[str, Any]:
@@ -608,8 +612,12 @@ class Store:
                 row[name] = json.loads(row[name])
         return row
 
+    def rows(self, table: str, sql: str, params: Iterable[Any] = ()) -> list[dict[str, Any]]:
+        """A read of `table`'s rows with its JSON columns decoded (for readers: review, the live page)."""
+        return self._rows(table, sql, params)
+
     def _rows(self, table: str, sql: str, params: Iterable[Any] = ()) -> list[dict[str, Any]]:
-        return [self._decode(table, row) for row in self._query(sql, params)]  # type: ignore[misc]
+        return [self._decode(table, row) for row in self.query(sql, params)]  # type: ignore[misc]
 
     def _insert(self, table: str, fields: dict[str, Any]) -> int:
         with self.transaction():
@@ -669,7 +677,7 @@ class Store:
             return self._run_by_id(run["id"])
 
     def stop_requested(self, run_id: int) -> bool:
-        rows = self._query("SELECT stop_requested FROM runs WHERE id = ?", (run_id,))
+        rows = self.query("SELECT stop_requested FROM runs WHERE id = ?", (run_id,))
         return bool(rows and rows[0]["stop_requested"])
 
     # -- trials ---------------------------------------------------------------------------
@@ -681,7 +689,7 @@ class Store:
         numbers stay unique per run across lineages and concurrent writers.
         """
         with self.transaction():
-            number = self._query(
+            number = self.query(
                 "SELECT COALESCE(MAX(number), 0) + 1 AS n FROM trials WHERE run_id = ?", (run_id,)
             )[0]["n"]
             row_id = self._insert(
@@ -758,14 +766,26 @@ class Store:
         return self.trials(run_id=run_id, status=Status.RUNNING)
 
     def best_trial(self, run_id: int, lineage: str | None = None) -> dict[str, Any] | None:
-        """The incumbent: the most recent kept trial (a successful baseline is the first), or None.
+        """The incumbent: the most recent kept trial (a successful baseline is the first), or
+        None. The one way to find the best trial (the loop, the review, the proposers).
 
         A trial is kept only when it beats the incumbent of its time (by the run's decision
         rule), so the latest keep is the best: under the paired rule it is not necessarily
         the lowest single number, which may be a lucky draw of an earlier trial. Kept
         trials of one run share a metric source (verified, or reported for third-party
         scripts), so their metrics are comparable.
+
+        `lineage` (islands mode, autoloop.loop.islands): that lineage's incumbent, the trial
+        `runs.islands` names for it; a lineage without one yet starts from the run's main
+        line ("main": the latest keep made outside every lineage).
         """
+        if lineage is not None and lineage != "main":
+            islands = self._run_by_id(run_id).get("islands") or {}
+            trial_id = islands.get(lineage) if isinstance(islands, dict) else None
+            row = self.trial_by_id(trial_id) if trial_id is not None else None
+            if row is not None:
+                return row
+            lineage = "main"
         sql = "SELECT * FROM trials WHERE run_id = ? AND status = ? AND metric IS NOT NULL"
         params: list[Any] = [run_id, Status.KEEP.value]
         if lineage is not None:
@@ -860,7 +880,7 @@ class Store:
         return len(rows)
 
     def curve(self, trial_id: int) -> list[dict[str, Any]]:
-        return self._query(
+        return self.query(
             "SELECT step, seconds, loss, lr, grad_norm FROM curves WHERE trial_id = ? ORDER BY step, id",
             (trial_id,),
         )
@@ -955,7 +975,7 @@ class Store:
         if last is not None:
             sql = f"SELECT * FROM ({sql} ORDER BY id DESC LIMIT ?)"
             params.append(last)
-        return self._query(sql + " ORDER BY id", params)
+        return self.query(sql + " ORDER BY id", params)
 
     def integrity_check(self) -> list[str]:
         """`PRAGMA integrity_check` rows; ["ok"] for a healthy file."""

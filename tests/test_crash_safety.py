@@ -136,7 +136,32 @@ def test_soak_random_kills(fake_repo):
     store.close()
     assert all(i["status"] == "done" for i in ideas), "every idea evaluated exactly once to completion"
     done_trials = [r for r in rows if r["status"] != "interrupted" and r["kind"] == "proposal"]
-    assert len(done_trials) == len(ideas) == len({r["idea_id"] for r in done_trials})
+    # ...or ended by the crash-loop guard, when the controller died in two of its trials.
+    twice = {r["idea_id"] for r in rows if r["status"] == "interrupted" and "stopped twice" in (r["reason"] or "")}
+    assert len(done_trials) + len(twice) == len(ideas) == len({r["idea_id"] for r in done_trials} | twice)
+
+
+
+def test_an_idea_whose_trials_kill_the_controller_twice_is_not_tried_a_third_time(fake_repo):
+    """The crash-loop guard (autoloop.loop.recovery): the first death gives the idea back to
+    the queue as before; when its next trial dies too, the idea is done, and the night goes on."""
+    seed(fake_repo, "kills the controller", "LR=0.01")
+    seed(fake_repo, "next idea", "LR=0.012", priority=-1)
+    # The baseline trains once; the idea's trial dies as its training starts.
+    died = autoloop_run(fake_repo, fault="during_training:2")
+    assert died.returncode == -signal.SIGKILL, died.stdout + died.stderr
+    # Recovered: the idea is back in the queue, and its new trial dies the same way.
+    died = autoloop_run(fake_repo, fault="during_training:1")
+    assert died.returncode == -signal.SIGKILL, died.stdout + died.stderr
+    run_loop(fake_repo, max_trials=1)
+    rows = assert_consistent(fake_repo)
+    assert [r["description"] for r in rows[1:]] == ["kills the controller", "kills the controller", "next idea"]
+    assert [r["status"] for r in rows[1:3]] == ["interrupted", "interrupted"]
+    assert "stopped twice" in rows[2]["reason"] and "stopped twice" not in rows[1]["reason"]
+    assert rows[3]["status"] in ("keep", "discard")
+    with Store(fake_repo / "experiments.db") as store:
+        first = next(i for i in store.ideas() if i["text"] == "kills the controller")
+        assert first["status"] == "done" and first["trial_id"] == rows[2]["id"]
 
 
 # ---------------------------------------------------------------------- a full disk

@@ -119,6 +119,31 @@ def test_a_kill_between_measurements_loses_none_and_repeats_none(tmp_path):
     assert len(trials) == 2  # the resumed trial is the same trial
 
 
+
+def test_a_trial_the_controller_died_in_twice_is_not_resumed_a_third_time(tmp_path):
+    """The crash-loop guard (autoloop.loop.recovery): resumed after a dead controller, a trial
+    that dies with the controller again ends interrupted and its idea is done."""
+    repo = fake_repo_with(tmp_path, NOISE=0.01)
+    seed(repo, "a better lr", "LR=0.018")  # a gain that takes four paired runs to show
+    code = (
+        "import sys; from autoloop.config import resolve; from autoloop.loop.controller import Controller\n"
+        "Controller(resolve(sys.argv[1], {'tag': 't', 'proposers': 'ideas', 'max_trials': 2, 'drift_every': 0}),"
+        " sys.argv[1], verifier=None).run()\n"
+    )
+    env = {**os.environ, "AUTOLOOP_FAULT": "between_measurements:1"}
+    for _ in range(2):  # killed; resumed and killed again
+        died = subprocess.run([sys.executable, "-c", code, str(repo)], env=env, capture_output=True, timeout=120)
+        assert died.returncode == -9, died.stderr.decode()[-2000:]
+    _, trials, measurements = rows(repo)
+    assert trials[1]["status"] == "running" and len(measurements[2]) >= 2
+    run_loop(repo, max_trials=0)
+    _, trials, _ = rows(repo)
+    assert len(trials) == 2 and trials[1]["status"] == "interrupted", trials[1]
+    assert "stopped twice" in trials[1]["reason"]
+    with Store(repo / "experiments.db") as store:
+        assert store.ideas()[0]["status"] == "done"
+
+
 def test_strict_rule_is_one_run_lower_wins(tmp_path):
     repo = fake_repo_with(tmp_path, NOISE=0.0)
     seed(repo, "better lr", "LR=0.012")

@@ -28,6 +28,8 @@ Rules that keep this safe:
   rows, commits and refs are still written by the trial's own thread (the main thread,
   or with several workers the thread of each trial in flight, autoloop.loop.run), never
   by this one.
+* The prepared job is one piece of state shared by threads: trials' threads start it
+  as their training starts, the main thread takes it; `job_lock` guards it.
 * The thread gets its own `GitRepo` (GitPython keeps persistent `git cat-file`
   processes per repository object, which must not be shared across threads); the Store
   is thread-safe (one connection, an RLock).
@@ -78,7 +80,7 @@ class Prefetcher:
         self.controller = controller
         self.first_number = first_number
         self._job: _Job | None = None
-        self._starting = threading.Lock()  # trials on several workers start training at once
+        self.job_lock = threading.Lock()  # guards `_job`: trials on several workers start training at once
 
     @property
     def store(self):
@@ -93,7 +95,7 @@ class Prefetcher:
         skip_slow = False
         for proposer in self.controller.chain().proposers:
             slow = getattr(proposer, "slow", False)
-            if slow and self._job is not None:
+            if slow and self._prepared():
                 ready, proposal = self._take(parent)
                 if proposal is not None:
                     return proposal
@@ -105,6 +107,10 @@ class Prefetcher:
             if proposal is not None:
                 return proposal
         return None
+
+    def _prepared(self) -> bool:
+        with self.job_lock:
+            return self._job is not None
 
     def _run_ends_after_current(self) -> bool:
         cfg = self.controller.config
@@ -119,7 +125,7 @@ class Prefetcher:
 
     def start(self) -> None:
         """Start preparing the next proposal in the background (called as training starts)."""
-        with self._starting:
+        with self.job_lock:
             self._start()
 
     def _start(self) -> None:
@@ -130,7 +136,7 @@ class Prefetcher:
 
         parent = self.controller.best_commit()
         try:
-            repo = GitRepo.open(self.controller.repo_dir)
+            repo = GitRepo.open(self.controller.project_dir)
         except Exception as exc:  # never fail the trial that is starting: ask later instead
             self.store.add_event(self.controller.run_row["id"], "prefetch", f"could not prefetch: {exc}")
             return
@@ -146,7 +152,8 @@ class Prefetcher:
         (True, proposal) to use; (True, None) when the slow proposers had nothing;
         (False, None) when it was released because it no longer applies (ask again).
         """
-        job, self._job = self._job, None
+        with self.job_lock:
+            job, self._job = self._job, None
         job.done.wait()
         if job.error is not None:
             raise job.error
@@ -168,7 +175,7 @@ class Prefetcher:
         ctx = self.controller.proposal_context(parent)
         cfg = self.controller.config
         try:
-            files = materialize(proposal, str(self.controller.repo_dir), parent, ctx.read_parent_file)
+            files = materialize(proposal, str(self.controller.project_dir), parent, ctx.read_parent_file)
             validate(files, ctx.read_parent_file, editable=cfg.editable, protected=cfg.protected)
         except InvalidProposal:
             return False
@@ -184,7 +191,8 @@ class Prefetcher:
 
     def close(self) -> None:
         """At the end of the run: hand back whatever was prepared and not run."""
-        job, self._job = self._job, None
+        with self.job_lock:
+            job, self._job = self._job, None
         if job is None:
             return
         if job.done.wait(CLOSE_WAIT_SECONDS):

@@ -1,36 +1,79 @@
-"""The loop over several workers: one thread per trial in flight, each bound to a slot.
+"""The one loop: fill free slots from the scheduler, wait for a trial to end, repeat.
 
-`Controller.run` hands over to `ParallelLoop` when the executor has workers (local, ray).
-Each trial still runs the sequential `Controller.execute` (measure as often as its
-decision needs, verify, finish), in its own thread and on its own slot, so the decision
-code is the one the serial loop runs. The controller process stays the only writer of
-the db (the Store serialises its connection) and of git refs (a lock around commits,
-finishes and checkouts); workers only train and evaluate.
+`Controller.run` opens the run and hands it to `Loop`. The loop's slots are the
+executor's workers (local, ray: one thread per trial in flight) or, with the serial
+executor, one inline slot whose trial runs in the main thread itself, start to end,
+before the loop looks again. Either way each trial runs the same code
+(`Controller.execute` with its `TrialContext`, autoloop.loop.trial), and stops and pauses
+are decided here only, before each work item:
 
-The main thread fills free slots from the scheduler and waits for any trial to end:
+* a stop (`stop_reason`): Ctrl-C, `--max-trials` (counting the trials in flight),
+  `autoloop stop`, `--hours` (no trial starts that could not finish in time);
+* a pause (`next_pause`): one a trial asked for (a full disk, a large drift), taken first
+  whatever else would stop the run; the harness or the data changed under the run (the
+  verifier's check, then what a worker found); or the scheduler's own (the baseline
+  fails, the incumbent fails on re-run, workers keep getting lost);
+* nothing new starts while the baseline, a circuit-breaker re-run or a drift check is in
+  flight: every later trial needs its answer;
+* a stop or a pause lets the trials in flight end, then ends the loop; the pause is
+  recorded on the run;
+* an error in a trial's thread stops the others (they end `interrupted`) and is raised;
+  with the inline slot it is raised at once.
 
-* nothing new starts while the baseline or a circuit-breaker re-run is in flight: every
-  later trial needs its answer;
-* in *shared* mode every slot trains proposals from the one best commit; a trial that
-  beats its incumbent after another trial was kept is not kept over the newer best: the
-  controller discards it with that reason and re-queues its edit on the new best when it
-  still applies (`Controller._stale_keep`);
-* in *islands* mode slot k advances lineage `w<k>` (branch `autoloop/<tag>-w<k>`); every
-  `migrate_every` finished trials the best lineage's incumbent is adopted by the lineages
-  it beats (`Controller.migrate`);
-* a pause (the harness changed, a drift, a full disk) or a stop lets the trials in flight
-  end, then ends the loop;
-* an error in a trial's thread stops the others (they end `interrupted`) and is raised.
+The controller process stays the only writer of the db (the Store serialises its
+connection) and of git refs (`Controller.refs_lock`); workers only train and evaluate.
+What trials share across threads is owned by one object with a lock that says what it
+guards: `Pauses` below, autoloop.loop.noise's `NoiseEstimate`, autoloop.loop.islands'
+`Requeue`, `SharedDisplay`.
 """
 
 from __future__ import annotations
 
+import statistics
 import threading
+import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
+from autoloop.loop.scheduler import BLOCKING, Work, WorkItem
 from autoloop.store import Kind, RunStatus, Status
 
 WAIT_SECONDS = 1.0
+
+
+class Pauses:
+    """Pauses asked for between work items: by a trial (a full disk, a large drift) and by a
+    measurement whose worker found the harness or data changed. `lock` guards both: trial
+    threads set them, the loop takes them before its next item."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self._requested: str | None = None
+        self._from_worker: str | None = None
+
+    def request(self, reason: str) -> None:
+        """Pause before the next work item, whatever else would stop the run (the latest wins)."""
+        with self.lock:
+            self._requested = reason
+
+    def from_worker(self, reason: str) -> None:
+        """A worker's alarm: taken after the verifier's own check (the first one is kept)."""
+        with self.lock:
+            if self._from_worker is None:
+                self._from_worker = reason
+
+    def requested(self) -> bool:
+        with self.lock:
+            return self._requested is not None
+
+    def take_requested(self) -> str | None:
+        with self.lock:
+            reason, self._requested = self._requested, None
+            return reason
+
+    def take_from_worker(self) -> str | None:
+        with self.lock:
+            reason, self._from_worker = self._from_worker, None
+            return reason
 
 
 class SharedDisplay:
@@ -38,7 +81,7 @@ class SharedDisplay:
 
     def __init__(self, display):
         self.display = display
-        self.lock = threading.Lock()
+        self.lock = threading.Lock()  # one line at a time
 
     def say(self, message: str, style: str | None = None) -> None:
         with self.lock:
@@ -57,23 +100,39 @@ class SharedDisplay:
             self.display.trial_finished(trial)
 
 
-class ParallelLoop:
-    def __init__(self, controller, executor):
+class InlinePool:
+    """The serial executor's one slot: `submit` runs the trial now, in this (the main) thread,
+    and hands back its finished future; an error is raised at once."""
+
+    def submit(self, fn, *args) -> Future:
+        future: Future = Future()
+        future.set_result(fn(*args))
+        return future
+
+    def shutdown(self, wait: bool = True) -> None:
+        pass
+
+
+class Loop:
+    def __init__(self, controller, slots: list, *, threaded: bool):
         self.c = controller
-        self.executor = executor
-        self.slots = list(executor.slots)
-        self.inflight: dict[Future, tuple[object, object]] = {}
+        self.slots = list(slots)
+        self.threaded = threaded
+        self.inflight: dict[Future, tuple[object, WorkItem]] = {}
         self.pause_reason: str | None = None
 
     def run(self, summary, started: float) -> None:
         c = self.c
-        if c.display is not None and not isinstance(c.display, SharedDisplay):
+        if self.threaded and c.display is not None and not isinstance(c.display, SharedDisplay):
             c.display = SharedDisplay(c.display)
-        c.load_requeued()
+        c.requeue.load()
         free = list(self.slots)
         stopping = False
         error: BaseException | None = None
-        pool = ThreadPoolExecutor(max_workers=len(self.slots), thread_name_prefix="autoloop-worker")
+        if self.threaded:
+            pool = ThreadPoolExecutor(max_workers=len(self.slots), thread_name_prefix="autoloop-worker")
+        else:
+            pool = InlinePool()
         try:
             while True:
                 if not stopping and error is None:
@@ -94,7 +153,7 @@ class ParallelLoop:
                         continue
                     summary.trials_run += 1
                     c.scheduler.observe(trial)
-                    c.after_parallel_trial(trial)
+                    c.islands.after_trial(trial)
         finally:
             if error is not None or c.abort_requested:
                 c.abort_requested = True
@@ -105,42 +164,88 @@ class ParallelLoop:
             summary.stop_reason = f"paused: {self.pause_reason}"
             summary.paused = True
             c.store.update_run(c.run_row["id"], status=RunStatus.PAUSED, pause_reason=self.pause_reason)
-            c._event("paused", self.pause_reason)
+            c.event("paused", self.pause_reason)
 
     def _busy_ids(self) -> set[int]:
-        return set(self.c.trials_in_flight())
+        """The trials in flight that the scheduler could offer to resume (only trials of an
+        earlier invocation are resumed, and only through a RESUME item)."""
+        return {item.derived_from for _, item in self.inflight.values() if item.kind is Work.RESUME}
 
     def _fill(self, free: list, pool, summary, started: float) -> bool:
         """Start trials on free slots; True once nothing more may start (stop or pause)."""
         c = self.c
         while free:
-            reason = c._stop_reason(started, summary.trials_run + len(self.inflight))
+            reason = self.stop_reason(started, summary.trials_run + len(self.inflight))
             if reason:
                 summary.stop_reason = reason
                 return True
             if self.inflight and self._blocking():
                 return False
             slot = free[0]
-            lineage = c.lineage_of(slot)
-            item = c._integrity_pause() or c.scheduler.next_item(lineage=lineage, busy=self._busy_ids())
+            lineage = c.islands.lineage_of(slot)
+            item = self.next_pause() or c.scheduler.next_item(lineage=lineage, busy=self._busy_ids())
             if item is None:
                 if not self.inflight:
                     summary.stop_reason = c.scheduler.exhausted_reason
                     return True
                 return False
-            if item.kind == "pause":
+            if item.kind is Work.PAUSE:
                 self.pause_reason = item.reason
                 return True
             free.pop(0)
-            future = pool.submit(c.execute_on, slot, item, lineage)
-            self.inflight[future] = (slot, item)
+            self.inflight[pool.submit(c.execute, item, c.context(slot, item, lineage))] = (slot, item)
         return False
 
     def _blocking(self) -> bool:
         """A trial in flight whose answer every next trial needs: the baseline (the first
-        incumbent) or a circuit-breaker re-run (is the machine broken?)."""
+        incumbent), a circuit-breaker re-run (is the machine broken?) or a drift check."""
         for _, item in self.inflight.values():
-            if item.kind in ("baseline", "rerun") or item.trial_kind in (Kind.BASELINE, Kind.RERUN):
+            if item.kind in BLOCKING or item.trial_kind in (Kind.BASELINE, Kind.RERUN):
                 return True
         store = self.c.store
         return not any(t["status"] == Status.KEEP.value for t in store.trials(self.c.run_row["id"], kind=Kind.BASELINE))
+
+    # ------------------------------------------------------------------ stops and pauses
+
+    def stop_reason(self, started: float, trials_run: int) -> str | None:
+        c = self.c
+        cfg = c.config
+        if c.pauses.requested():
+            return None  # the pause (a full disk, a drift) is recorded first, whatever else would stop the run
+        if c.abort_requested:
+            return "interrupted (Ctrl-C)"
+        if cfg.max_trials is not None and trials_run >= cfg.max_trials:
+            return f"reached --max-trials {cfg.max_trials}"
+        if c.store.stop_requested(c.run_row["id"]):
+            return "stopped by `autoloop stop`"
+        if cfg.hours is not None:
+            left = started + cfg.hours * 3600 - time.time()
+            if left < self.trial_estimate():
+                return f"--hours {cfg.hours}: the next trial could not finish in the {max(left, 0) / 60:.1f} min left"
+        return None
+
+    def trial_estimate(self) -> float:
+        """The median wall time of a recent trial, every run it took (its own and the
+        incumbent's re-measurements) counted."""
+        c = self.c
+        walls = []
+        for t in c.store.trials(c.run_row["id"], last=20):
+            runs = [m.get("wall_seconds") or 0.0 for m in c.store.measurements_for(t["id"])]
+            wall = sum(runs) if runs else t.get("wall_seconds")
+            if wall:
+                walls.append(wall)
+        if walls:
+            return statistics.median(walls)
+        return c.config.time_budget + 30.0
+
+    def next_pause(self) -> WorkItem | None:
+        """A pause when the disk filled up, a drift check found a large shift, or the harness
+        or the data changed under the run (autoloop.trust.watch, or a worker's own check)."""
+        c = self.c
+        requested = c.pauses.take_requested()
+        if requested:
+            return WorkItem(Work.PAUSE, reason=requested)
+        check = getattr(c.verifier, "check_run", None)
+        reason = check(c) if check is not None else None
+        from_worker = c.pauses.take_from_worker()
+        return WorkItem(Work.PAUSE, reason=reason or from_worker) if (reason or from_worker) else None

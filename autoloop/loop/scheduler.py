@@ -17,6 +17,7 @@ prepared while the previous trial trained (`autoloop.loop.prefetch`).
 
 from __future__ import annotations
 
+import enum
 import json
 import shutil
 from dataclasses import dataclass
@@ -30,14 +31,42 @@ _FAILED = (Status.CRASH.value, Status.TIMEOUT.value)
 _LOW_DISK_BYTES = 1 << 30
 
 
+class Work(str, enum.Enum):
+    """What a work item does: one vocabulary. Each kind that starts a trial has the value of
+    that trial's `store.Kind` (the schema's CHECK constraint), so `Kind(work.value)` is its
+    row's kind; RESUME goes on with a trial left running, PAUSE pauses the run."""
+
+    BASELINE = Kind.BASELINE.value  # the unmodified script, the first incumbent
+    PROPOSAL = Kind.PROPOSAL.value  # an edit to try
+    REPAIR = Kind.REPAIR.value  # an edit that fixes a crashed one (the proposer's, or out of memory)
+    RERUN = Kind.RERUN.value  # circuit breaker: is the incumbent itself still fine?
+    DRIFT = Kind.DRIFT.value  # the incumbent measured again: did the machine change?
+    RESUME = "resume"
+    PAUSE = "pause"
+
+
+# Items whose answer every next trial needs (the first incumbent; is the machine broken?):
+# nothing new starts beside them.
+BLOCKING = frozenset({Work.BASELINE, Work.RERUN, Work.DRIFT})
+# Items that measure the run's own incumbent, shared by every lineage.
+OF_THE_INCUMBENT = frozenset({Kind.BASELINE, Kind.RERUN, Kind.DRIFT})
+
+
 @dataclass
 class WorkItem:
-    kind: str  # "baseline" | "rerun" | "proposal" | "resume" | "pause"
+    kind: Work
     reason: str = ""
     proposal: Proposal | None = None
     parent: str | None = None
-    derived_from: int | None = None
-    trial_kind: Kind = Kind.PROPOSAL
+    derived_from: int | None = None  # the trial it continues (RESUME) or comes from (a repair, a re-base)
+    resumed_kind: Kind | None = None  # RESUME: the kind of the trial it goes on with
+
+    @property
+    def trial_kind(self) -> Kind | None:
+        """The kind of the trial this item runs (None for a pause)."""
+        if self.kind is Work.RESUME:
+            return self.resumed_kind
+        return None if self.kind is Work.PAUSE else Kind(self.kind.value)
 
 
 class Scheduler:
@@ -69,12 +98,12 @@ class Scheduler:
         running = [t for t in self.store.running_trials(self.controller.run_row["id"])
                    if t["id"] not in busy and t["number"] < self.first_number]
         if running:
-            return WorkItem("resume", reason=f"resume trial {running[0]['number']}", derived_from=running[0]["id"],
-                            trial_kind=Kind(running[0]["kind"]))
+            return WorkItem(Work.RESUME, reason=f"resume trial {running[0]['number']}", derived_from=running[0]["id"],
+                            resumed_kind=Kind(running[0]["kind"]))
         limit = max(1, self.controller.config.max_consecutive_failures)
         lost = self._lost_tail(limit)
         if lost:
-            return WorkItem("pause", reason=(
+            return WorkItem(Work.PAUSE, reason=(
                 f"{len(lost)} trials in a row lost their worker (last: {lost[-1]['reason']}): a node or GPU is down, "
                 f"or something kills the workers; fix it and resume with `autoloop run --tag {self.controller.tag}`"))
         trials = self._recent()
@@ -82,16 +111,16 @@ class Scheduler:
         if not any(t["status"] == Status.KEEP.value for t in baselines):
             failed = [t for t in baselines if t["number"] >= self.first_number]
             if failed:
-                return WorkItem("pause", reason=self._diagnose(f"the baseline fails: {failed[-1]['reason']}"))
-            return WorkItem("baseline", reason="baseline: the unmodified training script", trial_kind=Kind.BASELINE)
+                return WorkItem(Work.PAUSE, reason=self._diagnose(f"the baseline fails: {failed[-1]['reason']}"))
+            return WorkItem(Work.BASELINE, reason="baseline: the unmodified training script")
         tail = self._failure_tail(trials)
         if tail and tail[-1]["kind"] == Kind.RERUN.value:
-            return WorkItem("pause", reason=self._diagnose(f"the incumbent itself failed on re-run: {tail[-1]['reason']}"))
+            return WorkItem(Work.PAUSE, reason=self._diagnose(f"the incumbent itself failed on re-run: {tail[-1]['reason']}"))
         if len(tail) >= limit:
             best = self.store.best_trial(self.controller.run_row["id"])
             return WorkItem(
-                "rerun", reason=f"circuit breaker: {len(tail)} failures in a row; re-running the incumbent",
-                derived_from=best["id"] if best else None, trial_kind=Kind.RERUN,
+                Work.RERUN, reason=f"circuit breaker: {len(tail)} failures in a row; re-running the incumbent",
+                derived_from=best["id"] if best else None,
             )
         repair = self._oom_repair_item(trials) or self._repair_item(trials)
         if repair is not None:
@@ -99,10 +128,10 @@ class Scheduler:
         drift = self._drift_item()
         if drift is not None:
             return drift
-        requeued = self.controller.take_requeued(lineage)
+        requeued = self.controller.requeue.take(lineage)
         if requeued is not None:
             return requeued
-        parent = self.controller.parent_for(lineage)
+        parent = self.controller.islands.parent_for(lineage)
         again = self._near_miss_item(parent)
         if again is not None:
             return again
@@ -113,7 +142,7 @@ class Scheduler:
                 "have nothing to offer; seed ideas with `autoloop seed` and run again"
             )
             return None
-        return WorkItem("proposal", reason=proposal.description, proposal=proposal, parent=parent)
+        return WorkItem(Work.PROPOSAL, reason=proposal.description, proposal=proposal, parent=parent)
 
     def observe(self, trial: dict) -> None:
         """Hook for schedulers that learn from results; the state lives in the db."""
@@ -146,8 +175,8 @@ class Scheduler:
             return None
         if proposal is None:
             return None
-        return WorkItem("proposal", reason=proposal.description, proposal=proposal, parent=parent,
-                        derived_from=last["id"], trial_kind=Kind.REPAIR)
+        return WorkItem(Work.REPAIR, reason=proposal.description, proposal=proposal, parent=parent,
+                        derived_from=last["id"])
 
     def _oom_repair_item(self, trials: list[dict]) -> WorkItem | None:
         """A trial that ran out of memory, again with half the per-device batch and twice the
@@ -201,8 +230,8 @@ class Scheduler:
             edits=[Edit(path=script, content=set_constants(source, {name: half}, path=script))],
             source="oom-repair",
         )
-        return WorkItem("proposal", reason=proposal.description, proposal=proposal, parent=last["parent_commit"],
-                        derived_from=last["id"], trial_kind=Kind.REPAIR)
+        return WorkItem(Work.REPAIR, reason=proposal.description, proposal=proposal, parent=last["parent_commit"],
+                        derived_from=last["id"])
 
     def _drift_item(self) -> WorkItem | None:
         """Every `drift_every` trials (counted since the last drift check or the baseline),
@@ -216,8 +245,8 @@ class Scheduler:
         best = self.store.best_trial(self.controller.run_row["id"])
         if best is None:
             return None
-        return WorkItem("rerun", reason=f"drift check: the incumbent (trial {best['number']}) measured again",
-                        derived_from=best["id"], trial_kind=Kind.DRIFT)
+        return WorkItem(Work.DRIFT, reason=f"drift check: the incumbent (trial {best['number']}) measured again",
+                        derived_from=best["id"])
 
     def _near_miss_item(self, parent: str) -> WorkItem | None:
         """A discard within the noise of an earlier incumbent, tried once on the new best."""
@@ -236,8 +265,8 @@ class Scheduler:
                 f"again on the new best (near miss of trial {trial['number']}): {trial.get('description') or ''}",
                 edits=edits, patch=patch, source=trial.get("proposer") or "controller",
             )
-            return WorkItem("proposal", reason=proposal.description, proposal=proposal, parent=parent,
-                            derived_from=trial["id"], trial_kind=Kind.PROPOSAL)
+            return WorkItem(Work.PROPOSAL, reason=proposal.description, proposal=proposal, parent=parent,
+                            derived_from=trial["id"])
         return None
 
     def _lost_tail(self, limit: int) -> list[dict]:
@@ -267,7 +296,7 @@ class Scheduler:
         from autoloop.errors import is_disk_full
         from autoloop.measure.runner import gpu_busy_report
 
-        free = shutil.disk_usage(self.controller.repo_dir).free
+        free = shutil.disk_usage(self.controller.project_dir).free
         if is_disk_full(what):  # the failure itself says so ("No space left on device"), whatever is free now
             return f"{what}; the disk is full ({free >> 20} MB free now): free some space and resume"
         if free < _LOW_DISK_BYTES:

@@ -6,9 +6,10 @@ re-measurements are rows of the incumbent's trial, with `for_trial_id` naming th
 comparison that asked for them). `autoloop.decide.rule` reads them; the controller is the only
 writer. A measurement has two halves; this module is the controller's:
 
-1. The slot the run goes to (`Controller.current_slot()`: the serial slot, or one worker
-   per device when trials run side by side, autoloop.measure.executors) checks the commit out
-   (serial: in the project folder, as by hand).
+1. The slot the run goes to (an argument: the trial's, autoloop.loop.trial.TrialContext;
+   the serial slot, or one worker per device when trials run side by side,
+   autoloop.measure.executors) checks the commit out (serial: in the project folder, as by
+   hand).
 2. What decides is sealed (`autoloop.trust.seal.StoreSeal`): a training run that writes to
    experiments.db is caught, and the sealed values are put back.
 3. A `MeasureJob` (autoloop.measure.job) carries everything the worker half needs, and the slot
@@ -21,7 +22,12 @@ writer. A measurement has two halves; this module is the controller's:
    seal is checked, and the measurement is recorded with the device it ran on. A worker
    that died ("lost") leaves a `lost` row; the trial ends interrupted, its idea goes back
    to the queue. A harness or data change the worker found pauses the run
-   (`Controller.worker_pause`), as the verifier's own check does.
+   (`MeasureHost.worker_pause`), as the verifier's own check does.
+
+What a Measurer reads from the run it measures for is `MeasureHost` below (the controller
+is the one implementation); what one measurement is about comes as arguments: the commit,
+the seed, the trial that owns the row (`owner`), the trial whose comparison it serves
+(`running`), and the slot it runs on. Nothing depends on the calling thread.
 
 A script that does not follow the harness contract (no result JSON, only a printed
 block) is measured as before: its printed number is `reported`, never compared with
@@ -32,15 +38,37 @@ scripts) the result JSON's own val_bpb is the metric (`harness`).
 from __future__ import annotations
 
 import shutil
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 from autoloop.loop import faults
 from autoloop.errors import AutoloopError
 from autoloop.measure.job import JobResult, MeasureJob
 from autoloop.measure.runner import RunOutcome
 from autoloop.measure.worker import EVAL_DEADLINE_FLOOR_SECONDS, RESULT_FIELDS  # noqa: F401  (re-exported)
+from autoloop.store import Status
+
+# A measurement's status: ok | crash | timeout | invalid | aborted (the user stopped it) |
+# lost (its worker died: a process, a Ray node). How each ends the trial is `trial_status`.
+_OWN_RUN_ENDS = {"aborted": Status.INTERRUPTED, "lost": Status.INTERRUPTED, "timeout": Status.TIMEOUT,
+                 "invalid": Status.INVALID}
+
+
+def trial_status(status: str, *, own: bool = True) -> Status:
+    """The status a trial ends with when one of its measurements did not succeed: the one
+    mapping of measurement statuses onto `Status`.
+
+    A run of the trial's own code (`own`) that timed out or was invalid is the trial's
+    fault; aborted or lost is not (`interrupted`: its idea goes back to the queue); any
+    other failure is a crash. A failed re-measurement of the incumbent is never the
+    candidate's timeout or invalidity: a crash of the comparison, unless aborted or lost.
+    """
+    if not own:
+        return Status.INTERRUPTED if status in ("aborted", "lost") else Status.CRASH
+    return _OWN_RUN_ENDS.get(status, Status.CRASH)
 
 
 @dataclass
@@ -70,14 +98,39 @@ class Measurement:
         return self.run_dir / "checkpoint.pt"
 
 
-class Measurer:
-    """Runs measurements for a controller (which owns the store, the repo and the config)."""
+class MeasureHost(Protocol):
+    """What a Measurer reads from the run it measures for (autoloop.loop.controller.Controller).
 
-    def __init__(self, controller):
-        self.c = controller
+    Attributes are read when used, not copied: the run row, the display and the abort flag
+    change while a run goes on.
+    """
+
+    config: object  # autoloop.config.Config: the budget, train command, sandbox, verify, dataset
+    store: object  # autoloop.store.Store: the measurements rows, the trial's process group
+    run_row: dict  # the run: its id, base commit, data fingerprint
+    verifier: object | None  # autoloop.trust.watch.Verifier (None: no harness rules, tests' fakes)
+    display: object | None  # live progress: trial_started, poll
+    abort_requested: bool  # Ctrl-C: the run in flight is stopped
+    tag: str
+    state_dir: Path  # .autoloop/ of the project, hidden from the trial
+
+    def trial_dir(self, number: int) -> Path: ...  # a trial's folder; its runs go under runs/<k>
+    def db_path(self) -> Path: ...  # experiments.db, hidden from the trial
+    def git_dir(self) -> Path: ...  # hidden from the trial
+    def data_dir(self) -> Path: ...  # the prepared dataset
+    def sources_of(self, commit: str) -> tuple[str, dict[str, str]]: ...  # what the evaluator imports
+    def compile_cache_dirs(self) -> list[Path]: ...
+    def training_started(self, running: dict) -> None: ...  # the scheduler prepares the next proposal
+    def worker_pause(self, reason: str) -> None: ...  # a worker found the harness or data changed
+
+
+class Measurer:
+    """Runs measurements for the run it is given (a `MeasureHost`)."""
+
+    def __init__(self, host: MeasureHost):
+        self.c = host
         self._sandbox = None
         self._said_unsandboxed = False
-        self._serial = None  # the serial slot, when the controller has no current_slot()
 
     # ------------------------------------------------------------------ set-up
 
@@ -119,19 +172,7 @@ class Measurer:
         hidden = [c.git_dir(), c.state_dir, db, db.with_name(db.name + "-wal"), db.with_name(db.name + "-shm")]
         return hidden
 
-    # ------------------------------------------------------------------ the slot and the job
-
-    def slot(self):
-        """The slot this thread measures on: the controller's (`current_slot`, one per
-        worker when trials run side by side), else the serial slot, made once."""
-        current = getattr(self.c, "current_slot", None)
-        if current is not None:
-            return current()
-        if self._serial is None:
-            from autoloop.measure.executors.serial import SerialSlot
-
-            self._serial = SerialSlot(self.c)
-        return self._serial
+    # ------------------------------------------------------------------ the job
 
     def job(self, kind: str, commit: str, seed: int, *, role: str, slot, verify: bool = False, **extra) -> MeasureJob:
         """Everything the worker half needs for one run of `commit` (autoloop.measure.job)."""
@@ -157,7 +198,7 @@ class Measurer:
             harness_dir=str(verifier.harness_dir) if getattr(verifier, "harness_dir", None) else None,
             integrity_cache_root=str(pycache_root()) if pycache_root is not None else None,
             integrity_python=getattr(verifier, "python", None), cache_root=str(cache_root()),
-            compile_cache=str(c.compile_cache_dirs()[0]), python=c.python,
+            compile_cache=str(c.compile_cache_dirs()[0]), python=sys.executable,
             hidden=[str(p) for p in self._hidden()], db_path=str(c.db_path()),
             env=dict(getattr(slot, "device_env", None) or {}), **extra,
         )
@@ -180,17 +221,17 @@ class Measurer:
 
     # ------------------------------------------------------------------ one run
 
-    def measure(self, commit: str, seed: int, *, owner: dict, role: str, running: dict,
-                verify: bool = False) -> Measurement:
-        """Train `commit` at `seed` and evaluate it; record the measurement on `owner`.
+    def measure(self, commit: str, seed: int, *, owner: dict, role: str, running: dict, slot,
+                best_metric: float | None = None, verify: bool = False) -> Measurement:
+        """Train `commit` at `seed` on `slot` and evaluate it; record the measurement on `owner`.
 
         `running`: the trial whose comparison this run serves (the row that holds the
-        process group while it trains, so recovery can kill it).
+        process group while it trains, so recovery can kill it). `best_metric`: its
+        incumbent's, for the live display.
         """
         c = self.c
         store = c.store
         run_dir = self.run_dir(owner)
-        slot = self.slot()
         slot.prepare(commit)
         log_path = run_dir / "train.log"
         store.update_trial(running["id"], log_path=str(log_path), heartbeat_at=_now())
@@ -201,7 +242,7 @@ class Measurer:
             seal = StoreSeal.capture(store, c.run_row["id"])
         job = self.job("train", commit, seed, role=role, slot=slot, verify=verify)
         if c.display is not None:
-            c.display.trial_started(running, c.best_metric(), c.config)
+            c.display.trial_started(running, best_metric, c.config)
         trained = [False]
 
         def on_start(pid: int, pgid: int, start_time: int | None) -> None:
@@ -209,8 +250,7 @@ class Measurer:
             if not trained[0]:  # the training process (the evaluation's start comes after)
                 trained[0] = True
                 faults.fault_point("during_training")
-                if c.scheduler is not None:
-                    c.scheduler.prefetch(running)  # the next proposal is prepared while this trial trains
+                c.training_started(running)  # the next proposal is prepared while this trial trains
 
         last_beat = [time.monotonic()]
 
@@ -240,15 +280,14 @@ class Measurer:
             return self._record(owner, running, m, "lost", result.reason or "the worker was lost")
         return self._record(owner, running, m, result.status, result.reason)
 
-    def verify(self, owner: dict, running: dict, row: dict) -> tuple[bool | None, str | None, float | None]:
-        """Held-out and causality for an already measured run (a keep candidate's).
+    def verify(self, owner: dict, running: dict, row: dict, *, slot) -> tuple[bool | None, str | None, float | None]:
+        """Held-out and causality for an already measured run (a keep candidate's), on `slot`.
         Returns (ok, reason, heldout) and marks the row verified; ok is None when the
         worker was lost (not the trial's fault: the trial is interrupted)."""
         run_dir = Path(row["log_path"]).parent if row.get("log_path") else None
         if run_dir is None or not (run_dir / "checkpoint.pt").exists():
             return False, f"the checkpoint of its run at seed {row.get('seed')} is gone, so it cannot be verified", None
         c = self.c
-        slot = self.slot()
         job = self.job("verify", owner["trial_commit"] or c.run_row["base_commit"], int(row.get("seed") or 0),
                        role=row.get("role") or "candidate", slot=slot, verify=True,
                        checkpoint=str(run_dir / "checkpoint.pt"), result=_result_of(run_dir))

@@ -458,7 +458,7 @@ def _inherit_warm_pycache() -> None:
         return
     for key in keys:
         if isinstance(key, list) and len(key) == 4:
-            bytecode._warmed.add(tuple(key))
+            bytecode.mark_warmed(tuple(key))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -137,7 +137,7 @@ class AgentProposer:
         return proposal
 
     def _prompt(self, ctx, context: str) -> tuple[str, str | None]:
-        program, program_hash = brief.read_program(ctx.repo.root)
+        program, program_hash = brief.read_program(ctx.repo.project_dir)
         if program is None:
             program = brief.FALLBACK_PROGRAM
         instructions = INSTRUCTIONS.format(editable=", ".join(ctx.config.editable), first=ctx.config.editable[0])
@@ -233,7 +233,7 @@ class AgentProposer:
     def _transcript_path(self, ctx) -> Path:
         from autoloop.config import STATE_DIR
 
-        folder = Path(ctx.repo.root) / STATE_DIR / ctx.config.tag / "transcripts"
+        folder = Path(ctx.repo.project_dir) / STATE_DIR / ctx.config.tag / "transcripts"
         folder.mkdir(parents=True, exist_ok=True)
         stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime()) + f"-{time.monotonic_ns() % 10**6:06d}"
         return folder / f"{stamp}-agent.log"

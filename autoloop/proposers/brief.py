@@ -57,12 +57,12 @@ val_bpb (bits per byte, lower is better) improves. Propose one focused change at
 # ---------------------------------------------------------------------------------------
 
 
-def read_program(repo_dir: Path | str) -> tuple[str | None, str | None]:
+def read_program(project_dir: Path | str) -> tuple[str | None, str | None]:
     """(text, hash) of program.md at the repository root; (None, None) when absent.
 
     The hash is the controller's: sha256 of the bytes, first 16 hex digits.
     """
-    path = Path(repo_dir) / "program.md"
+    path = Path(project_dir) / "program.md"
     if not path.exists():
         return None, None
     data = path.read_bytes()
@@ -446,7 +446,7 @@ def editable_paths(ctx, read_file) -> list[str]:
     for pattern in ctx.config.editable:
         if any(ch in pattern for ch in "*?["):
             listed = subprocess.run(
-                ["git", "ls-tree", "-r", "--name-only", ctx.parent_commit], cwd=ctx.repo.root,
+                ["git", "ls-tree", "-r", "--name-only", ctx.parent_commit], cwd=ctx.repo.project_dir,
                 capture_output=True, text=True, check=True,
             ).stdout.splitlines()
             paths.extend(p for p in listed if matches(p, [pattern]) and p not in paths)

@@ -214,12 +214,12 @@ class LLMProposer:
     # ------------------------------------------------------------------ proposing
 
     def _messages(self, ctx, user: str) -> tuple[list[dict], str | None]:
-        program, program_hash = brief.read_program(ctx.repo.root)
+        program, program_hash = brief.read_program(ctx.repo.project_dir)
         if program is None:
             if not self._warned_program:
                 self._warned_program = True
                 ctx.store.add_event(ctx.run["id"], "program_missing",
-                                    f"no program.md in {ctx.repo.root}: the llm proposer uses a short built-in brief")
+                                    f"no program.md in {ctx.repo.project_dir}: the llm proposer uses a short built-in brief")
             program = brief.FALLBACK_PROGRAM
         answer_format = ANSWER_FORMAT.format(path=ctx.config.editable[0], editable=", ".join(ctx.config.editable))
         return [{"role": "system", "content": program}, {"role": "user", "content": user + "\n" + answer_format}], \
@@ -241,7 +241,7 @@ class LLMProposer:
     def _check(self, ctx, proposal: Proposal) -> Proposal:
         """Validate as the controller will, and refuse what was already tried."""
         resolve_searches(proposal, ctx.read_parent_file)
-        files = materialize(proposal, str(ctx.repo.root), ctx.parent_commit, ctx.read_parent_file)
+        files = materialize(proposal, str(ctx.repo.project_dir), ctx.parent_commit, ctx.read_parent_file)
         changed = validate(files, ctx.read_parent_file, editable=ctx.config.editable, protected=ctx.config.protected)
         duplicate = brief.find_duplicate(brief.files_diff(changed, ctx.read_parent_file), ctx.history())
         if duplicate is not None:
@@ -303,7 +303,7 @@ class LLMProposer:
             return None
         from autoloop.config import STATE_DIR
 
-        folder = Path(ctx.repo.root) / STATE_DIR / ctx.config.tag / "transcripts"
+        folder = Path(ctx.repo.project_dir) / STATE_DIR / ctx.config.tag / "transcripts"
         folder.mkdir(parents=True, exist_ok=True)
         stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime()) + f"-{time.monotonic_ns() % 10**6:06d}"
         path = folder / f"{stamp}-llm.json"
@@ -327,7 +327,7 @@ class LLMProposer:
 
         def check(proposal: Proposal) -> Proposal:
             resolve_searches(proposal, read_crashed)
-            fixed = materialize(proposal, str(ctx.repo.root), crashed, read_crashed)
+            fixed = materialize(proposal, str(ctx.repo.project_dir), crashed, read_crashed)
             files = {path: read_crashed(path) for path in crashed_paths}
             files.update(fixed)
             whole = Proposal(

@@ -98,11 +98,11 @@ def _first_line(data: bytes, fallback: str) -> str:
     return lines[0] if lines else fallback
 
 
-def _git_location(repo_dir: str) -> tuple[str, str]:
+def _git_location(project_dir: str) -> tuple[str, str]:
     """(the worktree's top level, the project folder relative to it: "" or "sub/")."""
-    out = subprocess.run(["git", "rev-parse", "--show-toplevel", "--show-prefix"], cwd=repo_dir, capture_output=True)
+    out = subprocess.run(["git", "rev-parse", "--show-toplevel", "--show-prefix"], cwd=project_dir, capture_output=True)
     if out.returncode != 0:
-        raise InvalidProposal(f"{repo_dir} is not in a git repository: {_first_line(out.stderr, 'git rev-parse failed')}")
+        raise InvalidProposal(f"{project_dir} is not in a git repository: {_first_line(out.stderr, 'git rev-parse failed')}")
     top, _, prefix = out.stdout.decode("utf-8", errors="surrogateescape").partition("\n")
     return top.strip(), prefix.strip()
 
@@ -129,16 +129,16 @@ def _utf8(path: str, data: bytes) -> str:
         ) from None
 
 
-def _apply_patch(repo_dir: str, parent: str, patch: str | bytes) -> dict[str, str | None]:
+def _apply_patch(project_dir: str, parent: str, patch: str | bytes) -> dict[str, str | None]:
     """Apply a diff to the parent commit's tree in a temporary index (never the worktree).
 
-    Paths in the patch are relative to the project folder `repo_dir`, which may be a
+    Paths in the patch are relative to the project folder `project_dir`, which may be a
     subfolder ("sub/") of the git worktree; a patch whose paths all start with "sub/"
     (`git diff` run in the subfolder writes them so) is taken as relative to the top level.
     git runs at the top level with `--directory=sub` where needed: git apply run in a
     subfolder would treat `diff --git` patches and plain ones differently."""
     data = patch_bytes(patch)
-    top, prefix = _git_location(repo_dir)
+    top, prefix = _git_location(project_dir)
     directory: list[str] = []
     if prefix:
         as_top = _patch_paths(top, data, [])
@@ -189,14 +189,14 @@ def _invalid_on_any_failure(verb: str):
 
 
 @_invalid_on_any_failure("applied")
-def materialize(proposal: Proposal, repo_dir: str, parent: str, read_parent_file) -> dict[str, str | None]:
+def materialize(proposal: Proposal, project_dir: str, parent: str, read_parent_file) -> dict[str, str | None]:
     """New contents of every touched file (None = deleted), computed from the parent.
 
     Raises InvalidProposal for anything that makes the proposal unusable, whatever the cause
     (a full disk excepted: that propagates)."""
     files: dict[str, str | None] = {}
     if proposal.patch:
-        files.update(_apply_patch(repo_dir, parent, proposal.patch))
+        files.update(_apply_patch(project_dir, parent, proposal.patch))
 
     def current(path: str) -> str:
         if path in files:

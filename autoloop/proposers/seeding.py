@@ -28,7 +28,7 @@ from pathlib import Path
 
 from autoloop.config import Config
 from autoloop.errors import AutoloopError
-from autoloop.pyconst import Constant, _literal, parse_value, read_constants
+from autoloop.pyconst import Constant, literal, parse_value, read_constants
 from autoloop import pyast
 
 # train.py is ~30 KB, so a rewrite of the whole file is well under 100 KB; 1 MB leaves
@@ -81,7 +81,7 @@ def check_value(constant: Constant, text: str, known: dict[str, Constant], path:
     try:
         value = ast.literal_eval(node)
     except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
-        value = _literal(node)  # arithmetic of literals (2**18), evaluated as constants are read
+        value = literal(node)  # arithmetic of literals (2**18), evaluated as constants are read
         if value is None:
             raise AutoloopError(f"--set {name}={text}: {text!r} is not a value: give a literal, e.g. {name}={constant.source}") from None
     if not _finite(value):
@@ -177,7 +177,7 @@ def current_best(config: Config, repo: Path, tag: str | None):
         return git_repo, git_repo.head(), f"HEAD (run '{run['tag']}' has no commit yet)"
     if not git_repo.commit_exists(sha):
         raise AutoloopError(
-            f"run '{run['tag']}' is at commit {sha[:12]}, which is not in {git_repo.root}: seed from the clone that ran it"
+            f"run '{run['tag']}' is at commit {sha[:12]}, which is not in {git_repo.project_dir}: seed from the clone that ran it"
         )
     return git_repo, sha, where
 
@@ -217,19 +217,19 @@ def seed_idea(config: Config, repo: Path, description: str, *, sets: list[str], 
         what = " ".join(f"--set {pair}" for pair in sets) if sets else Path(patch).name
         if patch_text and sets:
             what = f"{Path(patch).name} with {what}"
-        repo_dir = str(repo.resolve())
+        project_dir = str(repo.resolve())
         try:
             if sets:
                 target = config.editable[0]
                 source = read_best(target)
                 if patch_text:  # the constants are set on top of the patched file, as materialize does
                     source = materialize(idea_proposal({"text": description, "patch": patch_text}, config),
-                                         repo_dir, best, read_best).get(target, source)
+                                         project_dir, best, read_best).get(target, source)
                 if source is None:
                     raise AutoloopError(f"{target} is not in {best[:7]}, {where}: --set edits constants of {target}")
                 sets_parsed = parse_sets(sets, source, target)
             proposal = idea_proposal({"text": description, "sets": sets_parsed, "patch": patch_text}, config)
-            files = materialize(proposal, repo_dir, best, read_best)
+            files = materialize(proposal, project_dir, best, read_best)
             validate(files, read_best, editable=config.editable, protected=config.protected)
         except InvalidProposal as exc:
             raise AutoloopError(f"{what} cannot be seeded: {exc} (checked against {best[:7]}, {where})") from None

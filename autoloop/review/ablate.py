@@ -49,6 +49,7 @@ from pathlib import Path
 from autoloop.decide.effects import ablation_effect, ablation_verdict, format_interval
 from autoloop.errors import AutoloopError
 from autoloop.gitops import REF_PREFIX, GitRepo
+from autoloop.loop.noise import runs_of
 from autoloop.store import Kind, Status, utcnow
 
 DEFAULT_SEEDS = 3
@@ -78,7 +79,7 @@ def change_diff(git: GitRepo, trial: dict) -> str:
 
 
 def _git_bytes(git: GitRepo, *args: str, env: dict | None = None, stdin: bytes | None = None) -> bytes:
-    done = subprocess.run(["git", *args], cwd=git.root, env={**os.environ, **(env or {})}, input=stdin,
+    done = subprocess.run(["git", *args], cwd=git.project_dir, env={**os.environ, **(env or {})}, input=stdin,
                           capture_output=True)
     if done.returncode != 0:
         raise NotRevertible(done.stderr.decode(errors="replace").strip() or f"git {args[0]} failed")
@@ -193,37 +194,6 @@ def _ok(measurement) -> bool:
     return _get(measurement, "status") in (None, "ok") and _get(measurement, "metric") is not None
 
 
-def _runs(store, trial: dict, roles: tuple[str, ...]) -> dict[int, float]:
-    """{seed: metric} of a trial's successful measurements in these roles (first per seed)."""
-    runs: dict[int, float] = {}
-    for row in store.measurements(trial["id"]):
-        if row.get("status") not in (None, "ok") or row.get("metric") is None or row.get("seed") is None:
-            continue
-        if (row.get("role") or "candidate") in roles:
-            runs.setdefault(int(row["seed"]), float(row["metric"]))
-    return runs
-
-
-def _best_runs(controller, best: dict) -> dict[int, float]:
-    runs = getattr(controller, "incumbent_runs", None)
-    if runs is not None:
-        return dict(runs(best))
-    return _runs(controller.store, best, ("baseline", "candidate", "incumbent"))
-
-
-def _seeds(controller, k: int) -> list[int]:
-    seeds = getattr(controller, "seeds", None)
-    return list(seeds(k)) if seeds is not None else [controller.config.seed + i for i in range(k)]
-
-
-def _noise(controller):
-    update = getattr(controller, "update_noise", None)
-    if update is not None:
-        return update()
-    noise = getattr(controller, "noise", None)
-    return noise() if noise is not None else None
-
-
 def ablate(controller, *, seeds: int = DEFAULT_SEEDS, say=None) -> Ablation:
     """Ablate every kept change of the controller's run (the controller is open: it holds
     the run's lock). Returns the table; the figures are in the ablation trials."""
@@ -240,7 +210,7 @@ def ablate(controller, *, seeds: int = DEFAULT_SEEDS, say=None) -> Ablation:
     changes = kept_changes(store, run, git, best_commit)
     if not changes:
         raise AutoloopError(f"run '{run['tag']}' kept no change over its baseline: there is nothing to ablate")
-    seed_list = _seeds(controller, seeds)
+    seed_list = controller.seeds(seeds)
     result = Ablation(run=run["tag"], best_trial=best["number"], best_commit=best_commit, seeds=seed_list)
     try:
         for change in changes:
@@ -261,9 +231,7 @@ def ablate(controller, *, seeds: int = DEFAULT_SEEDS, say=None) -> Ablation:
             if controller.abort_requested:
                 break
     finally:
-        converge = getattr(controller, "_converge_git", None)
-        if converge is not None:
-            converge()
+        controller.converge_git()
     return result
 
 
@@ -287,7 +255,7 @@ def _ablate_one(controller, best: dict, best_commit: str, change: dict, files: d
 
     failure = None
     for seed in seeds:
-        if seed not in _best_runs(controller, best):
+        if seed not in controller.incumbent_runs(best):
             m = controller.measure_commit(best_commit, seed, owner=best, role="incumbent", for_trial=trial)
             if _get(m, "status") == "aborted" or controller.abort_requested:
                 failure = (Status.INTERRUPTED, "interrupted by the user")
@@ -315,8 +283,8 @@ def _ablate_one(controller, best: dict, best_commit: str, change: dict, files: d
 
     from autoloop.decide.rule import estimate
 
-    noise = _noise(controller)
-    best_runs, ablated = _best_runs(controller, best), _runs(store, trial, ("ablation",))
+    noise = controller.update_noise()
+    best_runs, ablated = controller.incumbent_runs(best), runs_of(store, trial, ("ablation",))
     figures = effect_figures(best_runs, ablated, noise, kept_trial=change["number"])
     mean, se = estimate(list(ablated.values()), noise)
     best_mean = sum(best_runs[s] for s in figures["seeds"]) / len(figures["seeds"])
@@ -351,7 +319,7 @@ def ablate_run(repo: Path, run: dict, *, db: str | None = None, seeds: int = DEF
     previous_handlers = {}
     for sig in (signal.SIGINT, signal.SIGTERM):
         try:  # Ctrl-C stops the current measurement cleanly, as in `autoloop run`
-            previous_handlers[sig] = signal.signal(sig, controller._on_signal)
+            previous_handlers[sig] = signal.signal(sig, controller.on_signal)
         except ValueError:  # not the main thread
             pass
     try:

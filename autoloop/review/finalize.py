@@ -134,13 +134,13 @@ def run_lock_held(repo_root: Path, tag: str) -> bool:
     return holder(repo_root) is not None
 
 
-def finalize(store, run: dict, repo_dir: Path, *, branch: str | None = None, per_trial: bool = False,
+def finalize(store, run: dict, project_dir: Path, *, branch: str | None = None, per_trial: bool = False,
              force: bool = False, checkout: bool = False, drop_null: bool = False) -> Finalized:
     require_trials(store, run)
-    git = GitRepo.open(repo_dir)
+    git = GitRepo.open(project_dir)
     tag = run["tag"]
     branch = branch or default_branch(tag)
-    if not git._succeeds("check-ref-format", f"refs/heads/{branch}"):
+    if not git.is_valid_branch_name(branch):
         raise AutoloopError(f"'{branch}' is not a valid branch name: pick another with --branch")
     own = run.get("branch") or BRANCH_PREFIX + tag
     if branch == own or branch.startswith(own + "-w"):
@@ -152,7 +152,7 @@ def finalize(store, run: dict, repo_dir: Path, *, branch: str | None = None, per
         raise AutoloopError(f"branch '{branch}' is checked out: switch to another branch before replacing it with --force")
 
     if checkout:  # refuse before writing anything
-        if run_lock_held(git.root, tag):
+        if run_lock_held(git.project_dir, tag):
             raise AutoloopError(f"run '{tag}' is still running on this checkout, so --checkout would pull the tree from "
                                 "under it: finalize without --checkout, or after the run stops")
         dirty = git.dirty_files()
@@ -162,13 +162,13 @@ def finalize(store, run: dict, repo_dir: Path, *, branch: str | None = None, per
 
     base_sha = run.get("base_commit")
     if not base_sha or not git.commit_exists(base_sha):
-        raise AutoloopError(f"the base commit of run '{tag}' ({base_sha}) is not in {git.root}: run finalize in the run's repository (--repo)")
+        raise AutoloopError(f"the base commit of run '{tag}' ({base_sha}) is not in {git.project_dir}: run finalize in the run's repository (--repo)")
     best = best_trial(store, run)
     if best is None:
         raise AutoloopError(f"run '{tag}' has no successful trial yet: nothing to finalize")
     best_sha = best["trial_commit"]
     if not best_sha or not git.commit_exists(best_sha):
-        raise AutoloopError(f"the best commit of run '{tag}' ({best_sha}) is not in {git.root}: run finalize in the run's repository (--repo)")
+        raise AutoloopError(f"the best commit of run '{tag}' ({best_sha}) is not in {git.project_dir}: run finalize in the run's repository (--repo)")
     kept = [t for t in kept_trials(store, run)
             if t["kind"] in CHANGE_KINDS and t.get("trial_commit") and t["trial_commit"] != base_sha
             and git.commit_exists(t["trial_commit"]) and git.is_ancestor(t["trial_commit"], best_sha)]
@@ -176,13 +176,12 @@ def finalize(store, run: dict, repo_dir: Path, *, branch: str | None = None, per
         raise AutoloopError(f"run '{tag}' kept no change over its baseline: there is nothing to finalize")
 
     dropped = changes_to_drop(store, run, git, best_sha, kept) if drop_null else []
-    expected_tree = git._git("rev-parse", f"{best_sha}^{{tree}}")
+    expected_tree = git.tree_of(best_sha)
     if dropped:
         left = {t["number"] for t in dropped}
         kept = [t for t in kept if t["number"] not in left]
         expected_tree = _without(git, best_sha, dropped, "the best commit")
 
-    identity = git._identity_env()
     commits: list[str] = []
     parent = base_sha
     if per_trial:
@@ -190,32 +189,32 @@ def finalize(store, run: dict, repo_dir: Path, *, branch: str | None = None, per
         for t in kept:
             before = [d for d in dropped if d["number"] < t["number"]]
             tree = _without(git, t["trial_commit"], before, f"trial {t['number']}") if before else \
-                git._git("rev-parse", f"{t['trial_commit']}^{{tree}}")
+                git.tree_of(t['trial_commit'])
             steps.append((tree, trial_message(run, t)))
     else:
         steps = [(expected_tree, squash_message(run, kept, baseline_trial(store, run), best, dropped))]
     for tree, message in steps:
-        parent = git._git("commit-tree", tree, "-p", parent, "-m", message, env=identity)
+        parent = git.commit_tree(tree, parent, message)
         commits.append(parent)
-    if per_trial and dropped and git._git("rev-parse", f"{parent}^{{tree}}") != expected_tree:
+    if per_trial and dropped and git.tree_of(parent) != expected_tree:
         # A dropped change after the last kept one: one more commit leaves it out.
         message = (f"Leave out trial {', '.join(str(t['number']) for t in dropped)} (ablation: no benefit)\n\n"
                    + "".join(f"- trial {t['number']}: {t.get('description')} ({t['ablation_note']})\n" for t in dropped))
-        parent = git._git("commit-tree", expected_tree, "-p", parent, "-m", message, env=identity)
+        parent = git.commit_tree(expected_tree, parent, message)
         commits.append(parent)
-    final_tree = git._git("rev-parse", f"{parent}^{{tree}}")
+    final_tree = git.tree_of(parent)
     if final_tree != expected_tree:  # cannot happen; guard the promise anyway
         raise AutoloopError(f"internal error: the finalized tree differs from the best commit {best_sha[:12]}"
                             f"{' without the dropped changes' if dropped else ''}; nothing was written")
     # Compare-and-swap: fail instead of clobbering a branch someone created meanwhile.
-    git._git("update-ref", "-m", f"autoloop finalize {tag}", f"refs/heads/{branch}", parent, existing or "0" * 40)
+    git.set_branch(branch, parent, expected=existing, message=f"autoloop finalize {tag}")
 
     result = Finalized(branch=branch, commit=parent, base_commit=base_sha, best_commit=best_sha,
                        best_trial=best["number"], commits=commits, trials=[t["number"] for t in kept],
                        dropped=[t["number"] for t in dropped])
-    _keep_checkpoint(result, run, best, git.root)
+    _keep_checkpoint(result, run, best, git.project_dir)
     if checkout:
-        git._git("checkout", "-q", branch)
+        git.checkout_branch(branch)
         result.checked_out = True
     return result
 

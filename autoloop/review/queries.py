@@ -63,9 +63,7 @@ _PROCESS_FIELDS = ("pgid", "pid", "pid_start_time", "heartbeat_at")
 def select(store, sql: str, params: Iterable[Any] = ()) -> list[dict[str, Any]]:
     """Run a read-only query on the store and fetch every row now (see the Store's
     concurrency rules: no read transaction may outlive the call)."""
-    cursor = store.db.execute(sql, tuple(params))
-    names = [d[0] for d in cursor.description]
-    return [dict(zip(names, row)) for row in cursor.fetchall()]
+    return store.query(sql, params)
 
 
 def parse_choices(value: str | Iterable[str] | None, vocabulary, what: str) -> list[str] | None:
@@ -295,13 +293,7 @@ def baseline_trial(store, run: dict) -> dict | None:
 
 
 def best_trial(store, run: dict) -> dict | None:
-    """The kept trial at the run's best commit, else the kept trial with the lowest metric."""
-    if run.get("best_commit"):
-        rows = select(store, "SELECT * FROM trials WHERE run_id = ? AND status = ? AND trial_commit = ? "
-                             "AND metric IS NOT NULL ORDER BY number DESC LIMIT 1",
-                      (run["id"], Status.KEEP.value, run["best_commit"]))
-        if rows:
-            return rows[0]
+    """The run's incumbent (`Store.best_trial`, the one definition)."""
     return store.best_trial(run["id"])
 
 

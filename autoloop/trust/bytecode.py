@@ -34,6 +34,16 @@ ENV_DONT_WRITE_BYTECODE = "PYTHONDONTWRITEBYTECODE"
 _warmed: set[tuple[str, str, str, str]] = set()
 
 
+def warmed() -> list[tuple[str, str, str, str]]:
+    """The prefixes filled in this process, sorted: what a worker process inherits."""
+    return sorted(_warmed)
+
+
+def mark_warmed(key: tuple[str, str, str, str]) -> None:
+    """A prefix the parent process filled (a worker's inheritance): not warmed again here."""
+    _warmed.add(key)
+
+
 def pycache_dir(kind: str, cache_root: Path | str) -> Path:
     if kind not in PYCACHE_KINDS:
         raise ValueError(f"pycache kind must be one of {PYCACHE_KINDS}, not {kind!r}")

@@ -1,6 +1,6 @@
 """Where measurements run: an executor is a set of slots, one per device.
 
-The controller runs one thread per trial in flight, each bound to a slot; the trial's
+The controller runs one thread per trial in flight, each on a slot (its TrialContext's); the trial's
 measurements (training runs and evaluations) go through that slot as `MeasureJob`s and
 come back as `JobResult`s (autoloop.measure.job). A slot never touches the db or git refs: the
 controller records what it returns. Three executors:
@@ -12,7 +12,9 @@ controller records what it returns. Three executors:
 * `ray`: one slot per GPU of a Ray cluster (autoloop.measure.executors.ray, the `[ray]` extra).
 
 Slot interface (duck-typed): `name`, `device` (the GPU model, or "cpu"; comparisons pair
-runs on the same kind), `project_dir` (where training runs; None for a remote worker),
+runs on the same kind), `moves_branch` (optional, False by default: True only for the
+serial slot, whose training runs on the run's own branch in the project folder, so the
+branch follows each trial), `project_dir` (where training runs; None for a remote worker),
 `device_env` (environment that pins the device), `prepare(commit)` (make the project
 folder hold `commit`'s files), `run(job, run_dir, on_start=None, should_abort=None) ->
 JobResult`, `close()`.
@@ -68,8 +70,8 @@ def make_executor(controller) -> Executor:
             from autoloop.measure.executors.ray import RayExecutor
         except ImportError as exc:
             raise AutoloopError(f"--executor ray needs Ray ({exc}): pip install 'autoloop[ray]'") from exc
-        # repo_dir: a job sends its commit's tracked files, so modules train.py imports reach the node.
-        ray = RayExecutor(address=cfg.ray_address, workers=cfg.workers or None, repo_dir=controller.repo_dir)
+        # The project folder: a job sends its commit's tracked files, so modules train.py imports reach the node.
+        ray = RayExecutor(address=cfg.ray_address, workers=cfg.workers or None, repo_dir=controller.project_dir)
         executor = Executor("ray", list(ray.slots), ray.close)
     else:
         raise AutoloopError(f"executor = {cfg.executor!r} is not one of serial, local, ray: fix the setting")

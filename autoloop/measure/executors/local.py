@@ -118,7 +118,7 @@ class LocalSlot:
         from autoloop.trust import bytecode
         from autoloop.measure.worker import WARMED_ENV
 
-        env[WARMED_ENV] = json.dumps(sorted(bytecode._warmed))
+        env[WARMED_ENV] = json.dumps(bytecode.warmed())
         from autoloop.measure.runner import process_start_time
 
         proc = subprocess.Popen(

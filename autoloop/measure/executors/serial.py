@@ -23,6 +23,7 @@ class SerialSlot:
     """One slot, the controller's own folder and devices (no device environment of its own)."""
 
     name = "serial"
+    moves_branch = True  # training runs in the project folder, on the run's branch: it follows each trial
 
     def __init__(self, controller):
         self.controller = controller
@@ -30,7 +31,7 @@ class SerialSlot:
 
     @property
     def project_dir(self) -> Path:
-        return self.controller.repo_dir
+        return self.controller.project_dir
 
     def prepare(self, commit: str) -> None:
         self.controller.checkout_for_measurement(commit)

@@ -6,7 +6,7 @@ code), trains it for a fixed budget, and keeps the edit only if val_bpb improves
 
     python train.py                                  # harness default budget (300 s)
     AUTOLOOP_TIME_BUDGET=30 python train.py          # a 30-second run
-    AUTOLOOP_MAX_STEPS=50 AUTOLOOP_SEED=1 python train.py   # step mode: deterministic
+    AUTOLOOP_MAX_STEPS=50 AUTOLOOP_SEED=1 python train.py   # step mode (deterministic on a CPU)
 
 Every AUTOLOOP_* variable is optional (docs/architecture.md, "Contracts"):
 the result JSON, checkpoint and progress file are written only when their paths are set.
@@ -14,18 +14,34 @@ Data, tokenizer, evaluation (val_bpb) and the clock come from the fixed harness
 (autoloop.harness) so no edit here can change how a trial is scored.
 
 On CUDA it trains a ~25M-parameter model (the scale of autoresearch's baseline; the byte
-vocabulary makes the embeddings small) with torch.compile and bf16 autocast; on a CPU it
-trains a tiny one in fp32, eager, so a 30-second run on a laptop still learns visibly.
+vocabulary makes the embeddings small) with torch.compile and bf16 (embeddings, rotary
+tables and the residual stream in bf16, as autoresearch and nanochat keep them); on a CPU
+it trains a tiny one in fp32, eager, so a 30-second run on a laptop still learns visibly.
 The scale switch is one block ("Device and scale") below the hyperparameters.
 
+Before the first batch is drawn, the model and Muon are warmed up on random tokens and
+put back as they were: torch.compile compiles there, so whether it works is known before
+the harness's data feed serves anything, and a compiler that fails (no C compiler, no
+Triton, an inductor bug) means an eager run, said in one WARNING line. An error of the
+code itself (a shape bug, a pinned attention kernel that cannot run these shapes) is
+raised as itself.
+
+Determinism: step mode repeats bit for bit on a CPU. On CUDA it does not: the fused
+attention kernels' backward (flash, cuDNN, efficient) accumulates in a nondeterministic
+order, so two runs at the same seed differ in the last bits and drift apart slowly.
+
 Importable names (the harness, `autoloop check` and tests rely on them): build_model,
-model_config, GPT, muon_orthogonalize, Muon, build_optimizers, make_train_step,
-attention_kernel, lr_multiplier, weight_decay_at, muon_momentum_at, flops_per_token,
-executed_flops_per_token. Training runs only under __main__.
+model_config, GPT, muon_orthogonalize, muon_update, Muon, build_optimizers,
+make_train_step, prepare_training, warm_up, attention_kernel, choose_attention_kernel,
+time_attention_kernels, kernel_from_op_names, softcapped_cross_entropy, lr_multiplier,
+weight_decay_at, muon_momentum_at, flops_per_token, flops_per_token_palm,
+executed_flops_per_token, peak_flops, mfu_figures, is_compile_error. Training runs only
+under __main__.
 """
 
 import contextlib
 import gc
+import itertools
 import math
 import resource
 import sys
@@ -35,6 +51,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from autoloop import harness as H
 
@@ -52,15 +69,18 @@ N_KV_HEAD = 4  # key/value heads; < N_HEAD gives grouped-query attention; range 
 MLP_RATIO = 4  # MLP hidden width = MLP_RATIO * MODEL_DIM; range 1..8 int
 ROPE_BASE = 10000.0  # rotary embedding base frequency
 LOGIT_SOFTCAP = 15.0  # logits = cap * tanh(logits / cap): keeps early training stable
+VOCAB_PAD_MULTIPLE = 64  # embedding and lm_head rows padded to a multiple of this (tensor-core shapes)
 # SDPA kernel: "flash" | "cudnn" | "efficient" | "math" | "auto". A named kernel that cannot
 # run these shapes is an error, never a silent fall back to math; "auto" times the usable
-# ones for the model's shapes on CUDA and takes the fastest (on a CPU: SDPA's own choice).
+# ones for the model's shapes on CUDA and leaves flash only for one clearly faster.
 ATTENTION_BACKEND = "auto"
+ATTENTION_AUTO_MARGIN = 0.05  # "auto" picks another kernel than flash only if it is this much faster
 
 # Batch
 TOTAL_BATCH_TOKENS = 2**19  # tokens per optimizer step (all micro-steps together)
-DEVICE_BATCH_SIZE = 64  # sequences per forward/backward (micro-step); lower it on OOM
+DEVICE_BATCH_SIZE = 64  # sequences per forward/backward (micro-step); lower it on OOM (`autoloop check` suggests one)
 EVAL_BATCH_SIZE = 32  # sequences per forward in the final evaluation
+LOSS_CHUNK_BYTES = 2**30  # fp32 logits per chunk of the training loss (its working memory is ~4x): bounds it at large vocabularies
 
 # Optimizer: Muon for the 2-D matrices of the blocks, AdamW for everything else
 MATRIX_LR = 0.04  # Muon learning rate; range 0.001..0.5 log
@@ -87,7 +107,7 @@ CURVE_POINTS = 256  # the result's loss curve is thinned to at most about this m
 # ---------------------------------------------------------------------------
 # ---- Device and scale ----
 # The one place where the device changes the run. On CUDA: the full model, compiled,
-# bf16 autocast, bf16 Muon, weights materialised straight on the GPU from the meta
+# bf16 activations, bf16 Muon, weights materialised straight on the GPU from the meta
 # device. On a CPU: a tiny model in fp32, eager, so a 30 s run learns visibly (a 2-core
 # CPU does roughly 25k tokens/s at this size). Each derived switch is one line of the
 # form `NAME = <expression>`, so a test can force the CUDA code path on a CPU by
@@ -107,8 +127,11 @@ if DEVICE_TYPE == "cpu":
     EVAL_BATCH_SIZE = 16
     MUON_MOMENTUM_WARMUP_STEPS = 50  # a CPU run has only a few hundred steps
 
-COMPILE = DEVICE_TYPE == "cuda"  # torch.compile the model (and Muon's orthogonalisation)
+COMPILE = DEVICE_TYPE == "cuda"  # torch.compile the model and Muon's step
 AUTOCAST_DTYPE = torch.bfloat16 if DEVICE_TYPE == "cuda" else None  # None: plain fp32
+# Token embedding table and rotary tables; the residual stream and every matmul follow the
+# embedding's dtype (Linear casts its fp32 master weight), as in autoresearch and nanochat.
+EMBEDDING_DTYPE = torch.bfloat16 if DEVICE_TYPE == "cuda" else torch.float32
 INIT_ON_META = DEVICE_TYPE == "cuda"  # build on the meta device, then allocate on the target
 MUON_DTYPE = torch.bfloat16 if DEVICE_TYPE == "cuda" else torch.float32  # Polar Express dtype
 
@@ -117,7 +140,9 @@ MUON_DTYPE = torch.bfloat16 if DEVICE_TYPE == "cuda" else torch.float32  # Polar
 # GPT: token embedding -> RMSNorm -> DEPTH x [attention, MLP] (pre-norm, parameter-free
 # RMSNorm) -> RMSNorm -> untied lm_head -> soft-capped logits. Attention uses rotary
 # position embeddings and RMSNorm on queries and keys (QK-norm); the MLP is ReLU^2.
-# Output projections start at zero, so every block starts as the identity.
+# Output projections start at zero, so every block starts as the identity. The
+# vocabulary is padded to a multiple of VOCAB_PAD_MULTIPLE rows; logits and the loss
+# cover the real vocabulary only.
 # ---------------------------------------------------------------------------
 
 
@@ -133,11 +158,18 @@ def model_config(vocab_size=None, seq_len=None):
         "mlp_ratio": MLP_RATIO,
         "rope_base": ROPE_BASE,
         "logit_softcap": LOGIT_SOFTCAP,
+        "vocab_pad_to": VOCAB_PAD_MULTIPLE,
     }
 
 
+def padded_vocab(cfg):
+    multiple = max(1, int(cfg.get("vocab_pad_to", 1)))
+    return -(-cfg["vocab_size"] // multiple) * multiple
+
+
 def norm(x):
-    return F.rms_norm(x, (x.size(-1),))
+    # Back to x's dtype: autocast may run rms_norm in fp32, which would promote q/k and the stream.
+    return F.rms_norm(x, (x.size(-1),)).to(x.dtype)
 
 
 def apply_rotary(x, cos, sin):
@@ -147,16 +179,33 @@ def apply_rotary(x, cos, sin):
     return torch.cat([x1 * cos + x2 * sin, x2 * cos - x1 * sin], dim=-1)
 
 
+class Linear(nn.Linear):
+    """nn.Linear whose fp32 master weight is cast to the input's dtype: bf16 activations give
+    bf16 matmuls with or without autocast (the optimizers still update fp32 weights)."""
+
+    def forward(self, x):
+        return F.linear(x, self.weight.to(x.dtype))
+
+
+# SDPA's kernels by the names ATTENTION_BACKEND uses.
+SDPA_KERNELS = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+                "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         self.n_head, self.n_kv_head = cfg["n_head"], cfg["n_kv_head"]
         self.head_dim = cfg["n_embd"] // cfg["n_head"]
         assert cfg["n_embd"] % cfg["n_head"] == 0 and cfg["n_head"] % cfg["n_kv_head"] == 0
-        self.c_q = nn.Linear(cfg["n_embd"], self.n_head * self.head_dim, bias=False)
-        self.c_k = nn.Linear(cfg["n_embd"], self.n_kv_head * self.head_dim, bias=False)
-        self.c_v = nn.Linear(cfg["n_embd"], self.n_kv_head * self.head_dim, bias=False)
-        self.c_proj = nn.Linear(self.n_head * self.head_dim, cfg["n_embd"], bias=False)
+        self.c_q = Linear(cfg["n_embd"], self.n_head * self.head_dim, bias=False)
+        self.c_k = Linear(cfg["n_embd"], self.n_kv_head * self.head_dim, bias=False)
+        self.c_v = Linear(cfg["n_embd"], self.n_kv_head * self.head_dim, bias=False)
+        self.c_proj = Linear(self.n_head * self.head_dim, cfg["n_embd"], bias=False)
+        # The SDPA kernel is pinned here, inside forward, so torch.compile traces the pin:
+        # the kernel is part of the compiled graph (and of its cache key), and a shared
+        # compile cache never hands one trial the kernel another one compiled. None: SDPA chooses.
+        self.kernel = None
 
     def forward(self, x, cos, sin):
         B, T, _ = x.shape
@@ -164,9 +213,8 @@ class CausalSelfAttention(nn.Module):
         k = self.c_k(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         v = self.c_v(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         q, k = norm(apply_rotary(q, cos, sin)), norm(apply_rotary(k, cos, sin))
-        # Under autocast q and k can come out of the norm in fp32; SDPA wants one dtype.
-        q, k = q.to(v.dtype), k.to(v.dtype)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_head != self.n_head)
+        with attention_kernel(self.kernel):
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_head != self.n_head)
         return self.c_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -174,8 +222,8 @@ class MLP(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         hidden = cfg["mlp_ratio"] * cfg["n_embd"]
-        self.c_fc = nn.Linear(cfg["n_embd"], hidden, bias=False)
-        self.c_proj = nn.Linear(hidden, cfg["n_embd"], bias=False)
+        self.c_fc = Linear(cfg["n_embd"], hidden, bias=False)
+        self.c_proj = Linear(hidden, cfg["n_embd"], bias=False)
 
     def forward(self, x):
         return self.c_proj(F.relu(self.c_fc(x)).square())
@@ -196,9 +244,10 @@ class GPT(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         self.config = dict(cfg)
-        self.wte = nn.Embedding(cfg["vocab_size"], cfg["n_embd"])
+        rows = padded_vocab(cfg)
+        self.wte = nn.Embedding(rows, cfg["n_embd"])
         self.blocks = nn.ModuleList([Block(cfg) for _ in range(cfg["n_layer"])])
-        self.lm_head = nn.Linear(cfg["n_embd"], cfg["vocab_size"], bias=False)
+        self.lm_head = Linear(cfg["n_embd"], rows, bias=False)
         # Rotary tables are derived, not learned: not in the state dict (persistent=False),
         # recomputed by init_weights on the real device.
         cos, sin = self._rotary_tables()
@@ -229,20 +278,90 @@ class GPT(nn.Module):
         self.cos.copy_(cos)
         self.sin.copy_(sin)
 
+    def set_attention_kernel(self, name):
+        """Pin every attention layer's SDPA call to kernel `name` (None: SDPA's own choice)."""
+        if name is not None and name not in SDPA_KERNELS:
+            raise ValueError(f"unknown attention kernel {name!r}: use one of {', '.join(SDPA_KERNELS)} or auto")
+        for module in self.modules():
+            if isinstance(module, CausalSelfAttention):
+                module.kernel = name
+
     def forward(self, idx, targets=None):
-        """Logits (B, T, vocab) in fp32; with targets, the mean cross-entropy instead."""
+        """Logits (B, T, vocab) in fp32, real vocabulary only; with targets, the mean cross-entropy instead."""
         T = idx.size(1)
         assert T <= self.cos.size(2), f"sequence of {T} tokens is longer than the rotary table ({self.cos.size(2)})"
         cos, sin = self.cos[:, :, :T], self.sin[:, :, :T]
         x = norm(self.wte(idx))
         for block in self.blocks:
             x = block(x, cos, sin)
-        logits = self.lm_head(norm(x)).float()
-        cap = self.config["logit_softcap"]
-        logits = cap * torch.tanh(logits / cap)
+        x = norm(x)
+        vocab, cap = self.config["vocab_size"], self.config["logit_softcap"]
         if targets is None:
-            return logits
-        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
+            logits = self.lm_head(x)[..., :vocab].float()  # the padding rows are never a prediction
+            return cap * torch.tanh(logits / cap)
+        return softcapped_cross_entropy(x.flatten(0, 1), self.lm_head.weight, targets.reshape(-1), cap, vocab)
+
+
+def softcapped_cross_entropy(x, weight, targets, cap, vocab=None, chunk_bytes=None):
+    """Mean cross-entropy of the soft-capped logits cap * tanh(x @ weight.T / cap) against targets.
+
+    x: (N, d) hidden states; weight: (V_padded, d), the lm_head, whose rows past `vocab`
+    are padding: computed (aligned matmuls) and sliced off before the softmax, so they are
+    never a prediction. The fp32 logits of all N rows take N x vocab x 4 bytes (17 GB at a
+    32k vocabulary and 131k tokens per micro-step), so above `chunk_bytes`
+    (LOSS_CHUNK_BYTES) the rows go through in chunks, each chunk's gradient computed on the
+    spot, and only one chunk's logits exist at a time. Below it (the byte vocabulary at
+    any batch here) the plain path, which torch.compile fuses best.
+    """
+    vocab = weight.size(0) if vocab is None else vocab
+    chunk_bytes = LOSS_CHUNK_BYTES if chunk_bytes is None else chunk_bytes
+    rows = max(1, int(chunk_bytes) // (4 * vocab))
+    if x.size(0) <= rows:
+        logits = F.linear(x, weight.to(x.dtype))[:, :vocab].float()
+        logits = cap * torch.tanh(logits / cap)
+        return F.cross_entropy(logits, targets)
+    return _ChunkedSoftcapCrossEntropy.apply(x, weight, targets, cap, vocab, rows)
+
+
+class _ChunkedSoftcapCrossEntropy(torch.autograd.Function):
+    """The loss and its gradients chunk by chunk in forward; backward only scales them.
+
+    d loss / d raw logit = (softmax - onehot) / N * (1 - tanh^2), the softcap's derivative;
+    zero for the padding columns. Kept for backward: dx (N x d, x's dtype) and dW
+    (V_padded x d, fp32), never N x V.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, targets, cap, vocab, rows):
+        n = x.size(0)
+        w = weight.to(x.dtype)
+        want_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        total = torch.zeros((), dtype=torch.float32, device=x.device)
+        dx = torch.empty_like(x) if want_grad else None
+        dw = torch.zeros(weight.shape, dtype=torch.float32, device=x.device) if want_grad else None
+        for start in range(0, n, rows):
+            # In place wherever it can be: a chunk needs ~4 chunk-sized fp32 buffers (logsumexp's included).
+            xc, yc = x[start:start + rows], targets[start:start + rows]
+            t = F.linear(xc, w)[:, :vocab].float().div_(cap).tanh_()
+            logits = t * cap
+            lse = torch.logsumexp(logits, dim=-1)
+            total = total + (lse - logits.gather(1, yc[:, None]).squeeze(1)).sum()
+            if want_grad:
+                g = logits.sub_(lse[:, None]).exp_()  # softmax
+                g.scatter_add_(1, yc[:, None], torch.full_like(g[:, :1], -1.0))
+                g.mul_(t.square_().neg_().add_(1)).div_(n)  # x (1 - tanh^2), the mean
+                g = F.pad(g, (0, weight.size(0) - vocab)).to(x.dtype)
+                dx[start:start + rows] = g @ w
+                dw += (g.t() @ xc).float()
+        if want_grad:
+            ctx.save_for_backward(dx, dw)
+        ctx.weight_dtype = weight.dtype
+        return total / n
+
+    @staticmethod
+    def backward(ctx, grad):
+        dx, dw = ctx.saved_tensors
+        return dx * grad.to(dx.dtype), (dw * grad).to(ctx.weight_dtype), None, None, None, None
 
 
 def build_model(config=None, device="cpu"):
@@ -262,11 +381,16 @@ def build_model(config=None, device="cpu"):
         with torch.device(device):
             model = GPT(config)
     model.init_weights()
+    if EMBEDDING_DTYPE != torch.float32:
+        # bf16 embedding rows and rotary tables: the residual stream starts (and stays) bf16.
+        model.wte.to(dtype=EMBEDDING_DTYPE)
+        model.cos, model.sin = model.cos.to(EMBEDDING_DTYPE), model.sin.to(EMBEDDING_DTYPE)
     return model
 
 
-# SDPA's kernels by the names ATTENTION_BACKEND uses (torch.nn.attention.SDPBackend members).
-SDPA_KERNELS = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "math": "MATH"}
+# ---------------------------------------------------------------------------
+# ---- Attention kernel ----
+# ---------------------------------------------------------------------------
 
 
 def attention_kernel(name):
@@ -277,59 +401,121 @@ def attention_kernel(name):
     """
     if name is None:
         return contextlib.nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
     if name not in SDPA_KERNELS:
         raise ValueError(f"unknown attention kernel {name!r}: use one of {', '.join(SDPA_KERNELS)} or auto")
-    return sdpa_kernel([getattr(SDPBackend, SDPA_KERNELS[name])])
+    return sdpa_kernel([SDPA_KERNELS[name]])
 
 
-def time_attention_kernels(config, batch_size, device, dtype, kernels=tuple(SDPA_KERNELS), repeats=10):
-    """Seconds per causal SDPA forward + backward at the model's shapes, per kernel.
+def time_attention_kernels(config, batch_size, device, dtype, kernels=tuple(SDPA_KERNELS), repeats=30):
+    """Median seconds of one causal SDPA forward + backward, per kernel, as the model calls it.
 
-    A kernel that cannot run the shapes maps to its error text (a str) instead of a time.
+    The model's layout: q and k contiguous (B, H, T, D) (rotary and norm write new tensors),
+    v a transposed view of the (B, T, H_kv, D) projection, the incoming gradient a
+    transposed view too, and enable_gqa when there are fewer kv heads. Three untimed calls
+    first, then `repeats` timed ones; the median, not the mean, so one hiccup does not
+    decide. A kernel that cannot run the shapes maps to its error text (a str).
     """
     head_dim = config["n_embd"] // config["n_head"]
-    shape_q = (batch_size, config["n_head"], config["seq_len"], head_dim)
-    shape_kv = (batch_size, config["n_kv_head"], config["seq_len"], head_dim)
-    q = torch.randn(shape_q, device=device, dtype=dtype, requires_grad=True)
-    k, v = (torch.randn(shape_kv, device=device, dtype=dtype, requires_grad=True) for _ in range(2))
-    gqa = config["n_kv_head"] != config["n_head"]
-    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
-    times = {}
+    B, T, Hq, Hkv = batch_size, config["seq_len"], config["n_head"], config["n_kv_head"]
+    gen = torch.Generator(device="cpu").manual_seed(0)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
+
+    q = rand(B, Hq, T, head_dim).requires_grad_()
+    k = rand(B, Hkv, T, head_dim).requires_grad_()
+    v = rand(B, T, Hkv, head_dim).requires_grad_()
+    dy = rand(B, T, Hq, head_dim).transpose(1, 2)
+    cuda = torch.device(device).type == "cuda"
+    out = {}
     for name in kernels:
         try:
-            with attention_kernel(name):
-                for i in range(repeats + 2):  # two untimed calls: kernel selection, allocator warm-up
-                    if i == 2:
-                        sync()
-                        t0 = time.perf_counter()
-                    y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-                    y.sum().backward()
-                sync()
-            times[name] = (time.perf_counter() - t0) / repeats
+            seconds = []
+            for i in range(3 + repeats):
+                if cuda:
+                    torch.cuda.synchronize(device)
+                t0 = time.perf_counter()
+                with attention_kernel(name):
+                    y = F.scaled_dot_product_attention(q, k, v.transpose(1, 2), is_causal=True, enable_gqa=Hkv != Hq)
+                y.backward(dy)
+                if cuda:
+                    torch.cuda.synchronize(device)
+                if i >= 3:
+                    seconds.append(time.perf_counter() - t0)
+            out[name] = float(np.median(seconds))
         except RuntimeError as exc:
-            times[name] = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        q.grad = k.grad = v.grad = None
-    return times
+            out[name] = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        finally:
+            q.grad = k.grad = v.grad = None
+    return out
 
 
-def choose_attention_kernel(config, batch_size, device, dtype, backend=None):
+def choose_attention_kernel(config, batch_size, device, dtype, backend=None, margin=None):
     """The SDPA kernel to pin: `backend` (ATTENTION_BACKEND by default), or with "auto" on
-    CUDA the fastest of flash, cuDNN and efficient at these shapes; None lets SDPA choose.
+    CUDA flash unless cuDNN or efficient is faster by more than `margin`
+    (ATTENTION_AUTO_MARGIN) at these shapes; None lets SDPA choose (a CPU).
+
+    The margin keeps the pick steady: two kernels within a few percent of each other swap
+    places from one timing to the next, and a trial's kernel should not depend on that.
     """
     backend = backend or ATTENTION_BACKEND
     if backend != "auto":
         return backend
     if torch.device(device).type != "cuda":
         return None  # a CPU has one fused kernel and math; SDPA picks the fused one when it can
+    margin = ATTENTION_AUTO_MARGIN if margin is None else margin
     times = time_attention_kernels(config, batch_size, device, dtype, kernels=("flash", "cudnn", "efficient"))
+    return pick_attention_kernel(times, margin)
+
+
+def pick_attention_kernel(times, margin, default="flash"):
+    """`default` unless another usable kernel takes less than (1 - margin) of its time; the
+    fastest when the default cannot run; "math" (said loudly) when none can."""
     usable = {name: t for name, t in times.items() if isinstance(t, float)}
     if not usable:
         # Said loudly: the math kernel is several times slower and needs T x T memory.
         print(f"WARNING: no fused attention kernel runs these shapes ({times}); using the math kernel", flush=True)
         return "math"
-    return min(usable, key=usable.get)
+    fastest = min(usable, key=usable.get)
+    if default in usable and usable[fastest] >= (1 - margin) * usable[default]:
+        return default
+    return fastest
+
+
+def kernel_from_op_names(names):
+    """The SDPA kernel named by the aten ops that ran (flash, cudnn, efficient, math).
+
+    Compiled code calls the fused kernels as extern ops, so they show by name; the math
+    kernel is composite (matmuls and a softmax, fused by the compiler), so "math" is what
+    ran when attention ran without any fused kernel.
+    """
+    joined = " ".join(names)
+    for op, kernel in (("_flash_attention", "flash"), ("_cudnn_attention", "cudnn"),
+                       ("_efficient_attention", "efficient"), ("_scaled_dot_product_attention_math", "math")):
+        if op in joined:
+            return kernel
+    return "math"
+
+
+def _ops_run(fn):
+    """The names of the ops `fn()` dispatched (torch.profiler, CPU side: it sees the extern
+    kernels that compiled code calls), and fn's result."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        out = fn()
+    return {event.name for event in prof.events()}, out
+
+
+# ---------------------------------------------------------------------------
+# ---- FLOPs ----
+# Two conventions, both in the result JSON:
+#   flops_per_token / mfu_percent: 6 per matmul weight of the real vocabulary + causal
+#     attention at (T + 1) / 2 query-key pairs per token (the masked half is no model work).
+#   flops_per_token_palm / mfu_percent_palm: PaLM's 6N + 12 L H Q T (N every matmul
+#     parameter, padding rows included; attention over all T keys), as nanochat and
+#     autoresearch report MFU. At T = 2048 it is ~1.2x the first at this model's shape.
+# ---------------------------------------------------------------------------
 
 
 def _matmul_params(model):
@@ -338,34 +524,56 @@ def _matmul_params(model):
     return sum(p.numel() for p in model.parameters() if id(p) not in lookups)
 
 
+def _padding_params(model):
+    """lm_head weights of the padding rows (computed, never a prediction)."""
+    head = getattr(model, "lm_head", None)
+    vocab = model.config.get("vocab_size")
+    if head is None or vocab is None or head.weight.size(0) <= vocab:
+        return 0
+    return (head.weight.size(0) - vocab) * head.weight.size(1)
+
+
 def _attention_pairs(seq_len, causal=True):
     """Mean query-key pairs scored per token: (T + 1) / 2 for causal attention, T if all are."""
     return (seq_len + 1) / 2 if causal else seq_len
 
 
 def flops_per_token(model):
-    """Model FLOPs per trained token (forward + backward): what MFU counts.
+    """Model FLOPs per trained token (forward + backward): what mfu_percent counts.
 
     6 per matmul weight (2 forward, 4 backward) for every parameter except embedding
-    lookups, plus attention scores and the weighted sum over the query-key pairs a causal
-    model needs: 2 matmuls x 2 FLOPs x 3 (fwd + bwd) = 12 per pair per head dimension, with
-    (T + 1) / 2 pairs per query on average, not T (the masked half is not model work).
+    lookups and the lm_head's padding rows, plus attention scores and the weighted sum
+    over the query-key pairs a causal model needs: 2 matmuls x 2 FLOPs x 3 (fwd + bwd) =
+    12 per pair per head dimension, with (T + 1) / 2 pairs per query on average, not T.
     """
     cfg = model.config
     head_dim = cfg["n_embd"] // cfg["n_head"]
-    return int(6 * _matmul_params(model) + 12 * cfg["n_layer"] * cfg["n_head"] * head_dim * _attention_pairs(cfg["seq_len"]))
+    matmul = _matmul_params(model) - _padding_params(model)
+    return int(6 * matmul + 12 * cfg["n_layer"] * cfg["n_head"] * head_dim * _attention_pairs(cfg["seq_len"]))
+
+
+def flops_per_token_palm(model):
+    """PaLM's 6N + 12 L H Q T (Chowdhery et al. 2022, appendix B), what mfu_percent_palm counts.
+
+    N: every matmul parameter (padding rows included, as nanochat counts them); attention
+    over all T keys. nanochat's and autoresearch's MFU use it, so theirs compare with this one.
+    """
+    cfg = model.config
+    head_dim = cfg["n_embd"] // cfg["n_head"]
+    return int(6 * _matmul_params(model) + 12 * cfg["n_layer"] * cfg["n_head"] * head_dim * cfg["seq_len"])
 
 
 def executed_flops_per_token(model, optimizers=None, tokens_per_step=None, kernel=None):
     """FLOPs per token the hardware executes: the model FLOPs plus the work that is not model work.
 
-    The math SDPA kernel scores all T x T pairs and masks afterwards (flash, cuDNN and
-    efficient kernels skip the masked tiles); Muon's Polar Express iterations run once per
-    optimizer step, so their FLOPs are spread over the step's tokens.
+    The lm_head's padding rows are computed; the math SDPA kernel scores all T x T pairs
+    and masks afterwards (flash, cuDNN and efficient kernels skip the masked tiles); Muon's
+    Polar Express iterations run once per optimizer step, so their FLOPs are spread over
+    the step's tokens.
     """
     cfg = model.config
     head_dim = cfg["n_embd"] // cfg["n_head"]
-    flops = flops_per_token(model)
+    flops = flops_per_token(model) + 6 * _padding_params(model)
     if kernel == "math":
         wasted = _attention_pairs(cfg["seq_len"], causal=False) - _attention_pairs(cfg["seq_len"])
         flops += 12 * cfg["n_layer"] * cfg["n_head"] * head_dim * wasted
@@ -411,17 +619,32 @@ def muon_orthogonalize(G, steps=MUON_NS_STEPS, dtype=None):
     """
     assert G.ndim >= 2 and steps <= len(POLAR_EXPRESS_COEFFS)
     X = G.to(dtype or MUON_DTYPE)
-    tall = G.size(-2) > G.size(-1)
-    if tall:  # iterate on the smaller Gram matrix
-        X = X.mT
     # Scale so the largest singular value is below 1 (the Frobenius norm bounds it); the
     # 2% margin is Polar Express's safety factor for low-precision arithmetic.
     X = X / (X.norm(dim=(-2, -1), keepdim=True) * 1.02 + 1e-6)
+    # Iterate on the smaller Gram matrix: X^T X for a tall X (X <- a X + X (b A + c A^2)),
+    # the same polynomial. Written without transposing a tall X (X.mT ... X.mT, as
+    # nanochat does): torch 2.13's CPU inductor compiled that in bf16, fed Muon's 0-D
+    # hyperparameter tensors, to NaN on every call (tests/test_train.py).
+    tall = G.size(-2) > G.size(-1)
     for a, b, c in POLAR_EXPRESS_COEFFS[:steps]:
-        A = X @ X.mT
+        A = X.mT @ X if tall else X @ X.mT
         B = b * A + c * (A @ A)
-        X = a * X + B @ X
-    return X.mT if tall else X
+        X = a * X + (X @ B if tall else B @ X)
+    return X
+
+
+def muon_update(params, grads, momentum_buffer, momentum, lr, decay):
+    """One Muon step for a group of same-shape matrices, in place.
+
+    grads (K, rows, cols) stacked; momentum, lr (already shape-scaled) and decay (1 - lr x
+    weight decay) are floats eagerly and 0-D tensors compiled: a tensor's value is data to
+    the compiled code, so a changing schedule never recompiles it.
+    """
+    momentum_buffer.lerp_(grads, 1 - momentum)
+    update = muon_orthogonalize(grads.lerp_(momentum_buffer, momentum))  # Nesterov: look ahead
+    for p, u in zip(params, update.unbind(0)):
+        p.mul_(decay).sub_(lr * u.to(p.dtype))
 
 
 class Muon(torch.optim.Optimizer):
@@ -430,15 +653,21 @@ class Muon(torch.optim.Optimizer):
     Parameters of one shape are stacked and orthogonalised in one batched call. The LR is
     scaled by max(1, rows/cols)**0.5 so tall matrices (the MLP up-projection) get updates
     of the same RMS per element as square ones. Weight decay is decoupled (p *= 1 - lr*wd).
+    With compiled=True each group's step is one compiled graph (momentum, orthogonalisation
+    and update fused: a few kernels instead of ~150 launches), fed 0-D tensors.
     """
 
-    def __init__(self, params, lr, momentum=MUON_MOMENTUM, weight_decay=0.0, orthogonalize=muon_orthogonalize):
+    def __init__(self, params, lr, momentum=MUON_MOMENTUM, weight_decay=0.0, compiled=False):
         params = list(params)
         groups = []
         for shape in sorted({tuple(p.shape) for p in params}):
             groups.append({"params": [p for p in params if tuple(p.shape) == shape], "name": "matrix {}x{}".format(*shape)})
         super().__init__(groups, {"lr": lr, "momentum": momentum, "weight_decay": weight_decay})
-        self.orthogonalize = orthogonalize
+        self.compiled = compiled
+        # fullgraph: a graph break here would silently bring the launches back.
+        self._update = torch.compile(muon_update, dynamic=False, fullgraph=True) if compiled else muon_update
+        # CPU 0-D tensors (as autoresearch): read by the compiled code as scalars, no copy to the GPU.
+        self._hyper = [torch.zeros((), dtype=torch.float32) for _ in range(3)]
 
     @torch.no_grad()
     def step(self):
@@ -450,19 +679,17 @@ class Muon(torch.optim.Optimizer):
             state = self.state[params[0]]  # one stacked buffer per group, kept on its first parameter
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(grads)
-            buf = state["momentum_buffer"]
-            momentum = group["momentum"]
-            buf.lerp_(grads, 1 - momentum)
-            update = grads.lerp_(buf, momentum)  # Nesterov: look ahead along the momentum
-            update = self.orthogonalize(update)
             rows, cols = params[0].shape
             lr = group["lr"] * max(1.0, rows / cols) ** 0.5
-            decay = 1 - group["lr"] * group["weight_decay"]
-            for p, u in zip(params, update.unbind(0)):
-                p.mul_(decay).add_(u.to(p.dtype), alpha=-lr)
+            hyper = (group["momentum"], lr, 1 - group["lr"] * group["weight_decay"])
+            if self.compiled:
+                for tensor, value in zip(self._hyper, hyper):
+                    tensor.fill_(value)
+                hyper = self._hyper
+            self._update(params, grads, state["momentum_buffer"], *hyper)
 
 
-def build_optimizers(model, orthogonalize=muon_orthogonalize):
+def build_optimizers(model, compiled=False):
     """[Muon, AdamW] for `model`; every group records its peak LR as "initial_lr" and has a "name"."""
     matrices = [p for p in model.blocks.parameters() if p.ndim == 2]
     matrix_ids = {id(p) for p in matrices}
@@ -479,8 +706,7 @@ def build_optimizers(model, orthogonalize=muon_orthogonalize):
         adam_groups.append({"params": scalars, "lr": SCALAR_LR, "name": "scalars"})
     use_fused = next(model.parameters()).device.type == "cuda"
     adamw = torch.optim.AdamW(adam_groups, betas=ADAM_BETAS, eps=ADAM_EPS, weight_decay=0.0, fused=use_fused)
-    muon = Muon(matrices, lr=MATRIX_LR, momentum=MUON_MOMENTUM_START, weight_decay=WEIGHT_DECAY,
-                orthogonalize=orthogonalize)
+    muon = Muon(matrices, lr=MATRIX_LR, momentum=MUON_MOMENTUM_START, weight_decay=WEIGHT_DECAY, compiled=compiled)
     optimizers = [muon, adamw]
     for opt in optimizers:
         for group in opt.param_groups:
@@ -494,10 +720,13 @@ def make_train_step(model, optimizers, batches, *, grad_accum=1, train_model=Non
     `batches` yields (inputs, targets); the first batch is drawn here and each next one
     right after a backward, so on CUDA its copy overlaps the GPU's work. The forward runs
     through `train_model` (the compiled module; `model` by default) under bf16 autocast
-    where AUTOCAST_DTYPE says so and with SDPA pinned to `kernel`; gradients land on
-    `model`'s parameters. The caller sets learning rates and schedules before each call.
+    where AUTOCAST_DTYPE says so; `kernel`, when given, pins the model's SDPA kernel
+    (inside its forward). Gradients land on `model`'s parameters. The caller sets learning
+    rates and schedules before each call.
     """
     train_model = model if train_model is None else train_model
+    if kernel is not None:
+        model.set_attention_kernel(kernel)
     device = next(model.parameters()).device
     autocast = torch.autocast(device.type, dtype=AUTOCAST_DTYPE, enabled=AUTOCAST_DTYPE is not None)
     x, y = next(batches)
@@ -506,19 +735,143 @@ def make_train_step(model, optimizers, batches, *, grad_accum=1, train_model=Non
         nonlocal x, y
         loss_sum = torch.zeros((), device=device)
         for _ in range(grad_accum):
-            with autocast, attention_kernel(kernel):
+            with autocast:
                 loss = train_model(x, y)
             loss_sum += loss.detach()
             (loss / grad_accum).backward()  # mean over micro-steps
             x, y = next(batches)  # fetch the next batch while the GPU works
         grads = [p.grad for p in model.parameters() if p.grad is not None]
-        grad_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
+        # One multi-tensor kernel for all the norms, not one launch per parameter.
+        grad_norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)))
         for opt in optimizers:
             opt.step()
         model.zero_grad(set_to_none=True)
         return loss_sum.item() / grad_accum, grad_norm.item()  # .item() waits for the step to finish
 
     return train_step
+
+
+# ---------------------------------------------------------------------------
+# ---- Compile and warm-up ----
+# torch.compile compiles on the first call, so the first training step used to find out
+# whether the compiler works: after the first batch was drawn, and an eager restart drew
+# it again. Now a warm-up on random tokens compiles everything (forward, backward, Muon)
+# and is undone before the loader opens; the decision is made before any batch exists.
+# ---------------------------------------------------------------------------
+
+# Exception types of torch's compiler stack that mean "the compiler failed", not "the
+# code is wrong": no working C/C++ compiler, no Triton, a failed C++ or Triton build, an
+# internal error of inductor or dynamo, or code dynamo cannot trace (fullgraph).
+COMPILER_FAILURES = ("InductorError", "BackendCompilerFailed", "InvalidCxxCompiler", "CppCompileError",
+                     "TritonMissing", "InternalTorchDynamoError", "Unsupported")
+
+
+def _exception_chain(exc):
+    seen, todo = [], [exc]
+    while todo and len(seen) < 20:
+        e = todo.pop()
+        if e is None or any(e is s for s in seen):
+            continue
+        seen.append(e)
+        todo += [getattr(e, "inner_exception", None), e.__cause__, e.__context__]
+    return seen
+
+
+def is_compile_error(exc):
+    """Whether `exc` is a failure of torch's compiler (missing C compiler or Triton, inductor
+    internal error, untraceable code), not an error of the code it compiled.
+
+    Dynamo runs the code on fake tensors while tracing: a shape bug, or a pinned SDPA
+    kernel that cannot run these shapes, surfaces there as a TorchRuntimeError (wrapping an
+    Unsupported, wrapping the real RuntimeError). That is the code's error: False.
+    """
+    from torch._dynamo.exc import TorchRuntimeError
+
+    chain = _exception_chain(exc)
+    if any(isinstance(e, TorchRuntimeError) for e in chain):
+        return False
+    return any(type(e).__name__ in COMPILER_FAILURES and type(e).__module__.startswith(("torch._dynamo", "torch._inductor"))
+               for e in chain)
+
+
+def warm_up(model, optimizers, train_model=None, *, batch_size, steps=1, seed=0):
+    """`steps` training steps on random tokens, then model and optimizers put back as they were.
+
+    Compiles whatever train_model and the optimizers compile, before any real batch is
+    drawn. The last step runs under the profiler to see which attention kernel ran.
+    Returns (seconds, kernel that ran). Model weights are restored from a copy and the
+    optimizer state is cleared, so training after it is training without it.
+    """
+    t0 = time.perf_counter()
+    device = next(model.parameters()).device
+    cfg = model.config
+    snapshot = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    gen = torch.Generator().manual_seed(seed)  # its own generator: the global RNG is untouched
+    tokens = torch.randint(0, cfg["vocab_size"], (batch_size, cfg["seq_len"] + 1), generator=gen).to(device)
+    step = make_train_step(model, optimizers, itertools.repeat((tokens[:, :-1], tokens[:, 1:])), train_model=train_model)
+    names = set()
+    for i in range(steps):
+        if i == steps - 1:
+            names, _ = _ops_run(step)
+        else:
+            step()
+    with torch.no_grad():
+        for key, value in model.state_dict().items():
+            value.copy_(snapshot[key])
+    for opt in optimizers:
+        opt.state.clear()
+    model.zero_grad(set_to_none=True)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - t0, kernel_from_op_names(names)
+
+
+def prepare_training(config, device, *, seed, batch_size=None, kernel=None, compile_model=None, log=print):
+    """Model, optimizers and the module to train through, warmed up: a dict.
+
+    compile_model (COMPILE by default): torch.compile the model and Muon. The warm-up
+    (2 steps compiled, 1 eager) runs on random tokens. When it fails compiled: a compiler
+    failure (is_compile_error) is one WARNING line and an eager setup, seeded, so the run
+    is exactly the eager run; any other error is the code's own, and the same warm-up run
+    eagerly raises it with its real traceback. Keys: model, optimizers, train_model,
+    compiled, warmup_seconds, kernel_ran, compile_error (the one-line reason or None).
+    """
+    compile_model = COMPILE if compile_model is None else compile_model
+    batch_size = batch_size or DEVICE_BATCH_SIZE
+
+    def setup(compiled):
+        # Seeded, so starting over eager builds exactly the model an eager run builds.
+        torch.manual_seed(seed)
+        model = build_model(config, device=device)
+        model.set_attention_kernel(kernel)
+        # dynamic=False: shapes never change in training, and static shapes compile to
+        # the fastest kernels. The uncompiled `model` is kept for evaluation and saving.
+        train_model = torch.compile(model, dynamic=False) if compiled else model
+        return model, build_optimizers(model, compiled=compiled), train_model
+
+    model, optimizers, train_model = setup(compile_model)
+    reason = None
+    try:
+        seconds, ran = warm_up(model, optimizers, train_model, batch_size=batch_size, steps=2 if compile_model else 1)
+    except Exception as exc:
+        if not compile_model:
+            raise
+        reason = f"{type(exc).__name__}: {_first_line(exc)}"
+        if not is_compile_error(exc):
+            # The code's own error, most likely: eagerly it raises with its real cause and
+            # a traceback into the code. If eager runs, the compiler could not handle it.
+            model, optimizers, train_model = setup(False)
+            warm_up(model, optimizers, train_model, batch_size=batch_size)
+        log(f"WARNING: torch.compile does not work here ({reason}): training eager")
+        model, optimizers, train_model = setup(False)
+        seconds, ran = warm_up(model, optimizers, train_model, batch_size=batch_size)
+    return {"model": model, "optimizers": optimizers, "train_model": train_model, "compiled": reason is None and compile_model,
+            "warmup_seconds": seconds, "kernel_ran": ran, "compile_error": reason}
+
+
+def _first_line(exc):
+    text = str(exc).strip()
+    return (text.splitlines()[0] if text else type(exc).__name__)[:300]
 
 
 # ---------------------------------------------------------------------------
@@ -586,38 +939,28 @@ def main():
     grad_accum = TOTAL_BATCH_TOKENS // tokens_per_micro
 
     config = model_config(vocab_size=ds.vocab_size, seq_len=seq_len)
-    kernel = choose_attention_kernel(config, DEVICE_BATCH_SIZE, device, AUTOCAST_DTYPE or torch.float32)
+    kernel = choose_attention_kernel(config, DEVICE_BATCH_SIZE, device, EMBEDDING_DTYPE)
     tokens_per_step = tokens_per_micro * grad_accum
 
-    def setup(compiled):
-        """Model, optimizers, step function; seeded, so starting over eager repeats an eager run exactly."""
-        torch.manual_seed(spec.seed)
-        model = build_model(config, device=device)
-        train_model, orthogonalize = model, muon_orthogonalize
-        if compiled:
-            # dynamic=False: shapes never change in training, and static shapes compile to
-            # the fastest kernels. The uncompiled `model` is kept for evaluation and saving.
-            train_model = torch.compile(model, dynamic=False)
-            orthogonalize = torch.compile(muon_orthogonalize, dynamic=False)
-        optimizers = build_optimizers(model, orthogonalize=orthogonalize)
-        loader = H.TokenLoader(ds, "train", DEVICE_BATCH_SIZE, seq_len, device, seed=spec.seed)
-        step_fn = make_train_step(model, optimizers, loader, grad_accum=grad_accum, train_model=train_model, kernel=kernel)
-        return model, optimizers, step_fn
-
-    compiled = COMPILE
-    model, optimizers, train_step = setup(compiled)
+    # Compile (or find it does not work) on random tokens, before the data feed serves a batch.
+    training = prepare_training(config, device, seed=spec.seed, kernel=kernel)
+    model, optimizers, compiled = training["model"], training["optimizers"], training["compiled"]
     muon = optimizers[0]
+    graphs_at_start = _compiled_graphs()
+    loader = H.TokenLoader(ds, "train", DEVICE_BATCH_SIZE, seq_len, device, seed=spec.seed)
+    train_step = make_train_step(model, optimizers, loader, grad_accum=grad_accum, train_model=training["train_model"])
     num_params = sum(p.numel() for p in model.parameters())
-    flops_tok = flops_per_token(model)
-    executed_tok = executed_flops_per_token(model, optimizers, tokens_per_step, kernel)
+    flops_tok, palm_tok = flops_per_token(model), flops_per_token_palm(model)
+    executed_tok = executed_flops_per_token(model, optimizers, tokens_per_step, training["kernel_ran"])
+    peak = peak_flops(device)
     clock = H.TrainingClock(spec)
     progress_log = H.ProgressWriter(spec.progress_path)
 
     budget = f"{spec.max_steps} steps" if spec.max_steps else f"{spec.time_budget:g} s"
     print(f"device: {device.type} | params: {num_params:,} | layers {DEPTH} x width {MODEL_DIM} | seq_len {seq_len}")
     print(f"batch: {TOTAL_BATCH_TOKENS:,} tokens/step = {grad_accum} x {DEVICE_BATCH_SIZE} x {seq_len} | "
-          f"budget: {budget} | compile: {compiled} | autocast: {AUTOCAST_DTYPE} | attention: {kernel or 'sdpa default'} | "
-          f"seed {spec.seed}", flush=True)
+          f"budget: {budget} | compile: {compiled} | dtype: {EMBEDDING_DTYPE} | attention: {kernel or 'sdpa default'} "
+          f"(ran {training['kernel_ran']}) | warm-up {training['warmup_seconds']:.1f} s | seed {spec.seed}", flush=True)
 
     curve, curve_stride = [], 1
     while not clock.done:
@@ -632,18 +975,7 @@ def main():
             group["weight_decay"] = weight_decay_at(progress)
 
         t0 = time.perf_counter()
-        try:
-            train_loss, grad_norm = train_step()
-        except Exception as exc:  # compilation happens in the first step
-            if not (compiled and step == 0 and is_compile_error(exc)):
-                raise
-            # No Triton, no C compiler, an inductor bug: one line, then the same run eager
-            # rather than a crash that costs the trial (and, every trial, the night).
-            print(f"WARNING: torch.compile does not work here ({_first_line(exc)}): training eager", flush=True)
-            compiled = False
-            model, optimizers, train_step = setup(compiled)
-            muon = optimizers[0]
-            continue
+        train_loss, grad_norm = train_step()
         if device.type == "cuda":
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
@@ -672,7 +1004,7 @@ def main():
                 curve, curve_stride = curve[::2], curve_stride * 2
         if step % LOG_EVERY == 0 or last:
             tok_per_s = tokens_per_micro * grad_accum / dt
-            mfu = _mfu(flops_tok * tok_per_s, device)
+            mfu = mfu_figures(tok_per_s, flops_tok, palm_tok, executed_tok, peak)["mfu_percent"]
             record = {"step": step + 1, "progress": round(progress, 4), "loss": round(train_loss, 5), "lr": lr_mult,
                       "grad_norm": round(grad_norm, 5), "tokens_per_second": round(tok_per_s, 1),
                       "training_seconds": round(clock.training_seconds, 3), "mfu_percent": mfu}
@@ -698,30 +1030,39 @@ def main():
     timed_steps = max(0, clock.steps - clock.warmup_steps)
     tokens_per_step = tokens_per_micro * grad_accum
     tok_per_s = timed_steps * tokens_per_step / clock.training_seconds if clock.training_seconds > 0 else None
-    mfu = _mfu(flops_tok * tok_per_s, device) if tok_per_s else None
+    utilisation = mfu_figures(tok_per_s, flops_tok, palm_tok, executed_tok, peak)
     result = {
         "val_bpb": val_bpb,
         "training_seconds": clock.training_seconds,
         "total_seconds": time.perf_counter() - t_start,
         "compile_seconds": clock.compile_seconds,
+        "warmup_seconds": training["warmup_seconds"],  # random-token warm-up before the first batch (compiles)
         "eval_seconds": eval_seconds,
         "peak_memory_mb": peak_memory_mb(device),
-        "mfu_percent": mfu,
+        "mfu_percent": utilisation["mfu_percent"],  # train.py's convention: flops_per_token (causal attention pairs)
+        "mfu_percent_palm": utilisation["mfu_percent_palm"],  # 6N + 12LHQT, as nanochat and autoresearch
+        "mfu_conventions": {"mfu_percent": "6N + 12*L*H*Q*(T+1)/2 (model FLOPs, causal pairs; train.py)",
+                            "mfu_percent_palm": "6N + 12*L*H*Q*T (PaLM; nanochat and autoresearch report this)"},
         "total_tokens": clock.steps * tokens_per_step,
         "num_steps": clock.steps,
         "num_params": num_params,
         "tokens_per_second": tok_per_s,
         "ms_per_step": 1000 * clock.training_seconds / timed_steps if timed_steps else None,
         "flops_per_token": flops_tok,  # model FLOPs: causal attention, no embedding lookups
-        "executed_flops_per_token": executed_tok,  # + masked attention the kernel computes, + Muon
-        "model_tflops": flops_tok * tok_per_s / 1e12 if tok_per_s else None,  # achieved, per second
-        "executed_tflops": executed_tok * tok_per_s / 1e12 if tok_per_s else None,
-        "hfu_percent": _mfu(executed_tok * tok_per_s, device) if tok_per_s else None,  # executed / peak
-        "attention_kernel": kernel or "sdpa default",
+        "flops_per_token_palm": palm_tok,  # 6N + 12 L H Q T
+        "executed_flops_per_token": executed_tok,  # + padding rows, masked attention the kernel computes, Muon
+        "model_tflops": utilisation["model_tflops"],  # achieved, per second
+        "executed_tflops": utilisation["executed_tflops"],
+        "hfu_percent": utilisation["hfu_percent"],  # executed / peak
+        "attention_kernel": kernel or "sdpa default",  # asked for
+        "attention_kernel_ran": training["kernel_ran"],  # seen running (profiler, in the warm-up)
         "compiled": compiled,  # False after a failed torch.compile (the run went on eager)
+        "compile_error": training["compile_error"],
+        "graphs_compiled_in_training": _compiled_graphs() - graphs_at_start,  # after the warm-up: 0 (no recompiles)
         "depth": DEPTH,
         "model_dim": MODEL_DIM,
         "batch_tokens": tokens_per_step,
+        "device_batch_size": DEVICE_BATCH_SIZE,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "data_fingerprint": ds.fingerprint,
         "harness_fingerprint": H.harness_fingerprint(),
@@ -731,24 +1072,36 @@ def main():
     H.finish(spec, result)
 
 
-def is_compile_error(exc):
-    """Whether `exc` comes from torch.compile (dynamo, inductor, a missing compiler or Triton)."""
-    from torch._dynamo.exc import TorchDynamoException
+def _compiled_graphs():
+    """How many graphs torch.compile has compiled in this process so far."""
+    from torch._dynamo.utils import counters
 
-    return isinstance(exc, TorchDynamoException) or type(exc).__module__.startswith(("torch._dynamo", "torch._inductor"))
-
-
-def _first_line(exc):
-    text = str(exc).strip()
-    return (text.splitlines()[0] if text else type(exc).__name__)[:300]
+    return int(counters["stats"]["unique_graphs"])
 
 
-def _mfu(flops_per_second, device):
-    """FLOPs utilisation in percent of the GPU's dense bf16 peak (harness table); None when unknown."""
+def peak_flops(device):
+    """The GPU's dense bf16 peak FLOP/s (the harness's table); None on a CPU or an unknown GPU."""
     if device.type != "cuda":
         return None
-    peak = H.gpu_peak_flops(torch.cuda.get_device_name(device))
-    return 100 * flops_per_second / peak if peak else None
+    return H.gpu_peak_flops(torch.cuda.get_device_name(device))
+
+
+def mfu_figures(tokens_per_second, flops_tok, palm_tok, executed_tok, peak):
+    """Utilisation from tokens/s and FLOPs per token, in both MFU conventions.
+
+    mfu_percent: flops_per_token (causal pairs); mfu_percent_palm: flops_per_token_palm
+    (6N + 12 L H Q T); hfu_percent: executed_flops_per_token; each 100 x FLOP/s / peak,
+    None without a peak (a CPU, an unknown GPU). model_tflops and executed_tflops are the
+    achieved FLOP/s / 1e12, peak or not. All None without a throughput.
+    """
+    tps = tokens_per_second or 0.0
+
+    def percent(per_token):
+        return 100 * per_token * tps / peak if tps and peak else None
+
+    return {"mfu_percent": percent(flops_tok), "mfu_percent_palm": percent(palm_tok), "hfu_percent": percent(executed_tok),
+            "model_tflops": flops_tok * tps / 1e12 if tps else None,
+            "executed_tflops": executed_tok * tps / 1e12 if tps else None}
 
 
 if __name__ == "__main__":

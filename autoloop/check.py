@@ -9,16 +9,23 @@ Four parts, each a dict with `status` ("ok" | "warn" | "fail" | "skipped" |
   misaligned targets or a detached loss fails even when its own reported loss falls.
   A model that cannot memorise 512 tokens has a bug, not too little data.
 * lr: the learning-rate range test. All parameter groups are scaled together by a
-  multiplier swept exponentially over a few hundred steps at the training batch; the
-  smoothed loss detects the divergence (the point is where the raw loss crossed), and
-  the suggested multiplier sits a factor SUGGEST_BELOW below it. A PNG plot is written
-  beside the JSON.
+  multiplier swept exponentially over up to a few hundred steps at the training batch,
+  through the model as train.py trains it (compiled and warmed up where train.py
+  compiles: `prepare_training`); the smoothed loss detects the divergence (the point is
+  where the raw loss crossed), and the suggested multiplier sits a factor SUGGEST_BELOW
+  below it. Bounded in wall time: the first steps time a step, and the sweep is planned
+  to fit LR_SECONDS (never fewer than LR_MIN_STEPS steps; a deadline stops a slower one).
+  A PNG plot is written beside the JSON.
 * budget: tokens/s, what the budget buys (steps, tokens, tokens per parameter against
   the compute-optimal ~20 with FLOPs ~ 6 N D), MFU and memory headroom on a GPU, and how
-  many training runs fit in --hours; warnings where the plan is clearly off.
+  many training runs fit in --hours; warnings where the plan is clearly off. The
+  throughput is train.py's own where the device part ran it, else the range test's,
+  which is compiled where training is (`throughput_source` says which).
 * device: which SDPA kernel the model's attention runs, the usable kernels timed side
   by side at the model's shapes, whether torch.compile works here (probed in a child
   process: a missing compiler or Triton is one line, and train.py then trains eager),
+  DEVICE_BATCH_SIZE by measurement (tokens/s and peak memory of a few candidates at the
+  same tokens per step, within BATCH_SWEEP_SECONDS; the fastest that fits is suggested),
   and on CUDA a short real run of train.py for tokens/s, MFU and peak memory.
 
 overfit, lr and the kernel timings need train.py's importable functions (`model_config`,
@@ -27,13 +34,16 @@ third-party train.py) gets "not supported by this script" for those, found by re
 its source, never by importing it (such a script may train at import).
 
 Everything runs in this process except the compile probe and the short run. The
-result is written to `.autoloop/check/check.json` (and the plot beside it) and, when
-the repository has a run, stored in `runs.check_result`.
+result is written to `.autoloop/check/check.json` (and the plot beside it) after every
+part and every few range-test steps (`complete` false until the end), so a check cut
+short still leaves what it measured; when the repository has a run, the whole result is
+stored in `runs.check_result`.
 """
 
 from __future__ import annotations
 
 import ast
+import gc
 import itertools
 import json
 import math
@@ -56,7 +66,12 @@ OVERFIT_MESSAGE = (
 OVERFIT_BATCH = (4, 128)  # sequences x tokens: 512 targets, memorised in a few dozen steps
 OVERFIT_STEPS = 200  # step limit
 OVERFIT_TARGET = 0.1  # nats per token: "near zero" (real text sits at ~1.5-2 without memorising)
-LR_STEPS = {"cuda": 300, "cpu": 100}  # range-test steps (a CPU step at the real batch is ~0.15 s idle)
+LR_STEPS = {"cuda": 300, "cpu": 100}  # most range-test steps (a CPU step at the real batch is ~0.15 s idle)
+# Wall-time bound of the sweep (after compile): at the CUDA default scale a compiled step is
+# ~0.35 s on an H100, so ~170 steps fit; an uncompiled 300-step sweep took 2-3 minutes.
+LR_SECONDS = {"cuda": 60.0, "cpu": 45.0}
+LR_MIN_STEPS = 30  # fewer points cannot place a divergence in three decades (the deadline still applies)
+LR_PROBE_STEPS = 3  # steps at the start of the sweep that time a step before the rest is planned
 LR_RANGE = (3e-2, 3e1)  # multipliers of train.py's learning rates swept (three decades around x1)
 LR_SMOOTHING = 0.9  # EMA factor of the smoothed loss (bias-corrected)
 DIVERGE_FACTOR = 1.5  # diverged: smoothed loss above this times its minimum, or above the start
@@ -68,6 +83,12 @@ DIVERGE_FACTOR = 1.5  # diverged: smoothed loss above this times its minimum, or
 SUGGEST_BELOW = 20.0
 COMPUTE_OPTIMAL_TOKENS_PER_PARAM = 20.0  # Hoffmann et al. 2022
 SHORT_RUN_SECONDS = {"cuda": 20.0, "cpu": 8.0}
+# DEVICE_BATCH_SIZE by measurement: candidates around the current one, each compiled (on
+# CUDA) and timed for a few optimizer steps at the same tokens per step, within this bound.
+BATCH_SWEEP_SECONDS = {"cuda": 150.0, "cpu": 20.0}
+BATCH_SWEEP_STEPS = {"cuda": 3, "cpu": 2}  # timed optimizer steps per candidate, after one untimed
+BATCH_MEMORY_HEADROOM = 0.10  # a suggested batch leaves this share of the GPU's memory free
+BATCH_MIN_GAIN_PERCENT = 3.0  # a faster batch size is suggested only above this gain (below: timing noise)
 PARTS = ("overfit", "lr", "budget", "device")
 
 
@@ -104,6 +125,31 @@ def fresh_model(module, ds, device, seed: int):
     config = module.model_config(vocab_size=ds.vocab_size, seq_len=_seq_len(device))
     model = module.build_model(config, device=device)
     return model, module.build_optimizers(model)
+
+
+def _key(device) -> str:
+    return "cuda" if device.type == "cuda" else "cpu"
+
+
+def training_setup(module, ds, device, *, seed: int, batch_size: int) -> tuple:
+    """(model, optimizers, train_model, info) as train.py trains: through its
+    `prepare_training` when it has one (compiled and warmed up where train.py compiles,
+    the attention kernel it would pin), else eager from build_model/build_optimizers.
+    info: compiled, compile_error, kernel, warmup_seconds."""
+    import torch
+
+    if not hasattr(module, "prepare_training"):
+        model, optimizers = fresh_model(module, ds, device, seed)
+        return model, optimizers, model, {"compiled": False, "compile_error": None, "kernel": None, "warmup_seconds": 0.0}
+    config = module.model_config(vocab_size=ds.vocab_size, seq_len=_seq_len(device))
+    kernel = None
+    if hasattr(module, "choose_attention_kernel"):
+        dtype = getattr(module, "EMBEDDING_DTYPE", None) or getattr(module, "AUTOCAST_DTYPE", None) or torch.float32
+        kernel = module.choose_attention_kernel(config, batch_size, device, dtype)
+    t = module.prepare_training(config, device, seed=seed, batch_size=batch_size, kernel=kernel, log=lambda line: None)
+    info = {"compiled": bool(t["compiled"]), "compile_error": t.get("compile_error"), "kernel": kernel or "sdpa default",
+            "kernel_ran": t.get("kernel_ran"), "warmup_seconds": round(float(t.get("warmup_seconds") or 0.0), 2)}
+    return t["model"], t["optimizers"], t["train_model"], info
 
 
 def set_lr(optimizers, multiplier: float) -> None:
@@ -200,30 +246,43 @@ def overfit_one_batch(module, ds, device, *, steps: int = OVERFIT_STEPS, target:
 
 
 def lr_range_test(module, ds, device, *, steps: int | None = None, low: float = LR_RANGE[0], high: float = LR_RANGE[1],
-                  beta: float = LR_SMOOTHING, seed: int = 0, out_dir: Path | None = None) -> dict:
-    """Sweep every group's LR together from low x to high x its peak; find where it diverges."""
+                  beta: float = LR_SMOOTHING, seed: int = 0, out_dir: Path | None = None, max_seconds: float | None = None,
+                  on_progress: Callable[[dict], None] | None = None,
+                  clock: Callable[[], float] = time.perf_counter) -> dict:
+    """Sweep every group's LR together from low x to high x its peak; find where it diverges.
+
+    `steps` fixes the number of steps; by default it is planned from the first steps'
+    time to fit `max_seconds` (LR_SECONDS), between LR_MIN_STEPS and LR_STEPS. Past
+    `max_seconds` the sweep stops where it is (`truncated`). `on_progress(partial)` gets
+    the points so far every 10 steps. `clock` (seconds) times the steps and the limit.
+    """
     from autoloop import harness as H
 
-    steps = steps or LR_STEPS["cuda" if device.type == "cuda" else "cpu"]
+    key = _key(device)
+    cap = steps or LR_STEPS[key]
+    max_seconds = LR_SECONDS[key] if max_seconds is None else max_seconds
     seq_len = _seq_len(device)
     batch, grad_accum = _batch_shape(module, seq_len)
-    start = time.perf_counter()
-    model, optimizers = fresh_model(module, ds, device, seed)
+    start = clock()
+    model, optimizers, train_model, setup = training_setup(module, ds, device, seed=seed, batch_size=batch)
     current = group_lrs(optimizers)
     loader = H.TokenLoader(ds, "train", batch, seq_len, device, seed=seed)
-    train_step = module.make_train_step(model, optimizers, loader, grad_accum=grad_accum)
+    train_step = module.make_train_step(model, optimizers, loader, grad_accum=grad_accum, train_model=train_model)
     points, avg, best, diverged_at, step_seconds = [], 0.0, math.inf, None, []
-    for i in range(steps):
-        multiplier = low * (high / low) ** (i / max(1, steps - 1))
+    planned, truncated = cap, False
+    sweep_start = clock()
+    i = 0
+    while i < planned:
+        multiplier = low * (high / low) ** (i / max(1, planned - 1))
         set_lr(optimizers, multiplier)
-        t0 = time.perf_counter()
+        t0 = clock()
         loss, grad_norm = train_step()
         if device.type == "cuda":
             import torch
 
             torch.cuda.synchronize()
-        if i >= 3:  # the first steps pay for allocation and kernel selection
-            step_seconds.append(time.perf_counter() - t0)
+        if i >= 1:  # the first step pays for allocation (and, uncompiled, kernel selection)
+            step_seconds.append(clock() - t0)
         if not math.isfinite(loss):
             diverged_at = multiplier  # a NaN is its own point: no smoothing lag
             points.append({"multiplier": multiplier, "loss": None, "smoothed": None, "grad_norm": None})
@@ -242,24 +301,49 @@ def lr_range_test(module, ds, device, *, steps: int | None = None, low: float = 
             first = next((j for j in window if points[j]["loss"] > line), i)
             diverged_at = points[first]["multiplier"]
             break
+        i += 1
+        elapsed = clock() - sweep_start
+        if steps is None and i == LR_PROBE_STEPS and step_seconds:
+            per_step = sorted(step_seconds)[len(step_seconds) // 2]
+            planned = max(LR_MIN_STEPS, min(cap, i + int(max(0.0, max_seconds - elapsed) / per_step)))
+        if i < planned and elapsed > max_seconds:
+            truncated = True
+            break
+        if on_progress is not None and i % 10 == 0:
+            on_progress({"status": "running", "message": f"{i} of {planned} steps", "steps": i, "points": list(points)})
     tokens_per_step = batch * seq_len * grad_accum
     seconds_per_step = sorted(step_seconds)[len(step_seconds) // 2] if step_seconds else None
     if diverged_at is None:
-        suggested = high / SUGGEST_BELOW
-        message = f"no divergence up to x{high:g} the current LRs: suggested peak x{suggested:.3g}"
+        # Only a bound: the divergence lies somewhere above `top`, so the peak may be raised
+        # to at least top / SUGGEST_BELOW. Below x1 that bound says nothing against the
+        # current LRs (a sweep a busy machine cut short at x4.5 once "suggested" x0.22,
+        # and the night spent a trial on it): no suggestion then.
+        top = points[-1]["multiplier"] if truncated else high
+        bound = top / SUGGEST_BELOW
+        suggested = bound if bound >= 1.0 else None
+        message = f"no divergence up to x{top:.3g} the current LRs: " + (
+            f"suggested peak x{suggested:.3g} or more" if suggested else "nothing against the current LRs")
     else:
         suggested = diverged_at / SUGGEST_BELOW
         message = f"diverges at x{diverged_at:.3g} the current LRs: suggested peak x{suggested:.3g}"
+    if truncated:
+        message += f" (stopped at the {max_seconds:g} s limit after {len(points)} of {planned} steps)"
+    if setup["compile_error"]:
+        message += f" (torch.compile failed, so eager: {setup['compile_error'][:120]})"
     result = {
         "status": "ok", "message": message, "diverged_multiplier": diverged_at, "suggested_multiplier": suggested,
-        "current_lrs": current, "suggested_lrs": {k: v * suggested for k, v in current.items()},
-        "suggested_constants": {k: v * suggested for k, v in lr_constants(module).items()},
-        "steps": len(points), "range": [low, high], "smoothing": beta, "points": points,
+        "current_lrs": current, "suggested_lrs": {k: v * suggested for k, v in current.items()} if suggested else {},
+        "suggested_constants": {k: v * suggested for k, v in lr_constants(module).items()} if suggested else {},
+        "steps": len(points), "planned_steps": planned, "max_seconds": max_seconds, "truncated": truncated,
+        "range": [low, high], "smoothing": beta, "points": points,
         "tokens_per_step": tokens_per_step, "seconds_per_step": seconds_per_step,
         "tokens_per_second": tokens_per_step / seconds_per_step if seconds_per_step else None,
-        "seconds": round(time.perf_counter() - start, 2),
+        "compiled": setup["compiled"], "compile_error": setup["compile_error"], "attention_kernel": setup["kernel"],
+        "attention_kernel_ran": setup.get("kernel_ran"),
+        "warmup_seconds": setup["warmup_seconds"], "sweep_seconds": round(clock() - sweep_start, 2),
+        "seconds": round(clock() - start, 2),
     }
-    if suggested < 0.3 or suggested > 3:
+    if suggested is not None and (suggested < 0.3 or suggested > 3):
         result["status"] = "warn"
         result["message"] += ": far from the current LRs, worth a look"
     if out_dir is not None:
@@ -283,7 +367,8 @@ def plot_lr_range(result: dict, path: Path) -> str | None:
     ax.axvline(1.0, color="0.3", ls=":", label="current LRs (x1)")
     if result["diverged_multiplier"]:
         ax.axvline(result["diverged_multiplier"], color="C3", ls="--", label=f"divergence x{result['diverged_multiplier']:.3g}")
-    ax.axvline(result["suggested_multiplier"], color="C2", ls="-", label=f"suggested x{result['suggested_multiplier']:.3g}")
+    if result["suggested_multiplier"]:
+        ax.axvline(result["suggested_multiplier"], color="C2", ls="-", label=f"suggested x{result['suggested_multiplier']:.3g}")
     ax.set_xscale("log")
     ax.set_xlabel("learning-rate multiplier (all parameter groups together)")
     ax.set_ylabel("training loss (nats/token)")
@@ -381,9 +466,13 @@ def sdpa_kernel_in_use(module, ds, device, seed: int = 0) -> str:
     x, _ = next(H.TokenLoader(ds, "train", min(batch, 2), _seq_len(device), device, seed=seed))
     kernel = None
     if hasattr(module, "choose_attention_kernel"):
-        dtype = getattr(module, "AUTOCAST_DTYPE", None) or torch.float32
+        dtype = getattr(module, "EMBEDDING_DTYPE", None) or getattr(module, "AUTOCAST_DTYPE", None) or torch.float32
         kernel = module.choose_attention_kernel(model.config, batch, device, dtype)
-    context = module.attention_kernel(kernel) if hasattr(module, "attention_kernel") else _null()
+    if hasattr(model, "set_attention_kernel"):
+        model.set_attention_kernel(kernel)  # pinned inside the model's forward, as train.py trains
+        context = _null()
+    else:
+        context = module.attention_kernel(kernel) if hasattr(module, "attention_kernel") else _null()
     recorder = Recorder()
     with torch.no_grad(), _autocast(module, device), context, recorder:
         model(x)
@@ -469,9 +558,11 @@ def short_run(repo: Path, python: str, seconds: float, *, env: dict | None = Non
         if proc.returncode != 0 or not result:
             tail = (proc.stdout + proc.stderr).strip().splitlines()[-1:] or ["no output"]
             return {"status": "fail", "message": f"a {seconds:g} s run of train.py failed (exit {proc.returncode}): {tail[0][:200]}"}
-    keys = ("tokens_per_second", "mfu_percent", "hfu_percent", "model_tflops", "executed_tflops", "peak_memory_mb",
-            "compile_seconds", "training_seconds", "eval_seconds", "total_seconds", "num_params", "batch_tokens",
-            "attention_kernel", "compiled", "device", "val_bpb", "flops_per_token", "executed_flops_per_token")
+    keys = ("tokens_per_second", "mfu_percent", "mfu_percent_palm", "hfu_percent", "model_tflops", "executed_tflops",
+            "peak_memory_mb", "compile_seconds", "warmup_seconds", "training_seconds", "eval_seconds", "total_seconds",
+            "num_params", "batch_tokens", "attention_kernel", "attention_kernel_ran", "compiled", "compile_error",
+            "graphs_compiled_in_training", "device", "val_bpb", "flops_per_token", "flops_per_token_palm",
+            "executed_flops_per_token")
     figures = {k: result.get(k) for k in keys if k in result}
     figures["wall_seconds"] = round(wall, 1)
     if "tokens_per_second" not in figures and result.get("total_tokens_M") and result.get("training_seconds"):
@@ -483,14 +574,131 @@ def short_run(repo: Path, python: str, seconds: float, *, env: dict | None = Non
     message = f"{seconds:g} s run: " + (f"{tps:,.0f} tokens/s" if tps else "tokens/s unknown")
     if mfu is not None:
         message += f", MFU {mfu:.1f}%"
+        if figures.get("mfu_percent_palm") is not None:
+            message += f" ({figures['mfu_percent_palm']:.1f}% as nanochat counts)"
     if figures.get("peak_memory_mb"):
         message += f", peak memory {figures['peak_memory_mb']:,.0f} MB"
+    status = "ok"
+    asked, ran = figures.get("attention_kernel"), figures.get("attention_kernel_ran")
+    if ran:
+        message += f", attention ran {ran}"
+        if asked in ("flash", "cudnn", "efficient", "math") and asked != ran:
+            message += f" (WARNING: {asked} was asked for)"
+            status = "warn"
     if figures.get("compiled") is False and figures.get("device", "cpu") != "cpu":
         message += " (torch.compile failed: it ran eager)"
-    return {"status": "ok", "message": message, **figures}
+    if figures.get("graphs_compiled_in_training"):
+        # After the warm-up nothing should compile: a recompile costs its compile time inside the budget.
+        message += f" (WARNING: {figures['graphs_compiled_in_training']} graphs compiled during training: recompiles)"
+        status = "warn"
+    return {"status": status, "message": message, **figures}
 
 
-def device_health(module, ds, device, *, repo: Path, python: str, run_seconds: float | None = None) -> dict:
+def batch_size_candidates(module, seq_len: int) -> list[int]:
+    """DEVICE_BATCH_SIZE, twice and half it, that divide TOTAL_BATCH_TOKENS into whole micro-steps."""
+    batch, _ = _batch_shape(module, seq_len)
+    total = int(getattr(module, "TOTAL_BATCH_TOKENS", batch * seq_len))
+    out = []
+    for b in (batch, 2 * batch, batch // 2):
+        if b >= 1 and total % (b * seq_len) == 0 and b not in out:
+            out.append(b)
+    return out
+
+
+def device_batch_sweep(module, ds, device, *, candidates: list[int] | None = None, max_seconds: float | None = None,
+                       steps: int | None = None, seed: int = 0, on_progress: Callable[[dict], None] | None = None,
+                       clock: Callable[[], float] = time.perf_counter) -> dict:
+    """Tokens/s and peak memory of a few DEVICE_BATCH_SIZE values at the same tokens per step.
+
+    Each candidate is set up as train.py trains (compiled on CUDA: one compile per batch
+    shape), one untimed optimizer step, then `steps` timed ones. A candidate that runs
+    out of memory ends the larger ones. Past `max_seconds` the remaining candidates are
+    skipped. The suggestion: the fastest that leaves BATCH_MEMORY_HEADROOM of the GPU free.
+    `on_progress({"candidates": rows so far})` after each candidate. `clock` (seconds)
+    times the steps and the limit.
+    """
+    import torch
+
+    from autoloop import harness as H
+
+    key = _key(device)
+    max_seconds = BATCH_SWEEP_SECONDS[key] if max_seconds is None else max_seconds
+    steps = steps or BATCH_SWEEP_STEPS[key]
+    seq_len = _seq_len(device)
+    current, _ = _batch_shape(module, seq_len)
+    total = int(getattr(module, "TOTAL_BATCH_TOKENS", current * seq_len))
+    candidates = candidates or batch_size_candidates(module, seq_len)
+    memory_total = torch.cuda.get_device_properties(device).total_memory / 2**20 if device.type == "cuda" else None
+    start = clock()
+    rows, too_big = [], None
+    for b in sorted(candidates, key=lambda b: b != current):  # the current one first, the rest as given
+        if too_big is not None and b >= too_big:
+            rows.append({"device_batch_size": b, "skipped": f"larger than {too_big}, which ran out of memory"})
+            continue
+        if clock() - start > max_seconds:
+            rows.append({"device_batch_size": b, "skipped": f"the {max_seconds:g} s limit was reached"})
+            continue
+        t0 = clock()
+        try:
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats(device)
+            model, optimizers, train_model, setup = training_setup(module, ds, device, seed=seed, batch_size=b)
+            loader = H.TokenLoader(ds, "train", b, seq_len, device, seed=seed)
+            step = module.make_train_step(model, optimizers, loader, grad_accum=total // (b * seq_len), train_model=train_model)
+            step()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t1 = clock()
+            for _ in range(steps):
+                step()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            seconds = (clock() - t1) / steps
+            row = {"device_batch_size": b, "tokens_per_second": round(total / seconds, 1), "seconds_per_step": round(seconds, 4),
+                   "compiled": setup["compiled"], "setup_seconds": round(t1 - t0, 1)}
+            if device.type == "cuda":
+                row["peak_memory_mb"] = round(torch.cuda.max_memory_allocated(device) / 2**20, 1)
+            rows.append(row)
+        except Exception as exc:  # out of memory above all; any other failure is reported, not fatal
+            oom = "out of memory" in str(exc).lower() or type(exc).__name__ == "OutOfMemoryError"
+            if oom:
+                too_big = b if too_big is None else min(too_big, b)
+            rows.append({"device_batch_size": b, "error": "out of memory" if oom else _first_line(exc)})
+        finally:
+            model = optimizers = train_model = step = loader = None
+            gc.collect()  # the compiled module's cycles hold the last candidate's memory
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        if on_progress is not None:
+            on_progress({"status": "running", "current": current, "candidates": list(rows)})
+    fits = [r for r in rows if "tokens_per_second" in r
+            and (memory_total is None or r.get("peak_memory_mb", 0) <= (1 - BATCH_MEMORY_HEADROOM) * memory_total)]
+    out = {"current": current, "candidates": rows, "seconds": round(clock() - start, 1)}
+    if not fits:
+        out.update(status="warn", message="no DEVICE_BATCH_SIZE candidate could be timed")
+        return out
+    best = max(fits, key=lambda r: r["tokens_per_second"])
+    base = next((r for r in rows if r["device_batch_size"] == current and "tokens_per_second" in r), None)
+    gain = 100 * (best["tokens_per_second"] / base["tokens_per_second"] - 1) if base else None
+    keep = best["device_batch_size"] == current or (gain is not None and gain < BATCH_MIN_GAIN_PERCENT)
+    suggested = current if keep else best["device_batch_size"]
+    out.update(status="ok", suggested=suggested, gain_percent=None if gain is None else round(gain, 1),
+               suggested_constants={"DEVICE_BATCH_SIZE": suggested})
+    timed = ", ".join(f"{r['device_batch_size']}: {r['tokens_per_second']:,.0f} tok/s"
+                      + (f" {r['peak_memory_mb']:,.0f} MB" if "peak_memory_mb" in r else "")
+                      for r in rows if "tokens_per_second" in r)
+    if keep:
+        out["message"] = f"DEVICE_BATCH_SIZE {current} is the one to keep ({timed})"
+    elif gain is None:  # the current one could not be timed (out of memory, above all)
+        out["message"] = f"DEVICE_BATCH_SIZE {suggested} is the fastest that ran ({timed})"
+    else:
+        out["message"] = f"DEVICE_BATCH_SIZE {best['device_batch_size']} is {gain:.0f}% faster than {current} ({timed})"
+    return out
+
+
+def device_health(module, ds, device, *, repo: Path, python: str, run_seconds: float | None = None,
+                  batch_sweep: bool = True) -> dict:
     """The attention kernel in use and the kernels timed side by side; compile; a short real run on CUDA."""
     import torch
 
@@ -502,7 +710,7 @@ def device_health(module, ds, device, *, repo: Path, python: str, run_seconds: f
         if hasattr(module, "time_attention_kernels"):
             config = module.model_config(vocab_size=ds.vocab_size, seq_len=_seq_len(device))
             batch, _ = _batch_shape(module, _seq_len(device))
-            dtype = getattr(module, "AUTOCAST_DTYPE", None) or torch.float32
+            dtype = getattr(module, "EMBEDDING_DTYPE", None) or getattr(module, "AUTOCAST_DTYPE", None) or torch.float32
             times = module.time_attention_kernels(config, batch, device, dtype)
             out["kernel_ms"] = {k: (round(1000 * v, 3) if isinstance(v, float) else v) for k, v in times.items()}
             usable = {k: v for k, v in times.items() if isinstance(v, float)}
@@ -513,6 +721,9 @@ def device_health(module, ds, device, *, repo: Path, python: str, run_seconds: f
                              + f": fastest {fastest}")
                 if device.type == "cuda" and out["sdpa_kernel_in_use"] == "math":
                     lines.append("WARNING: the math kernel runs on CUDA: set ATTENTION_BACKEND to a fused kernel")
+        if batch_sweep and hasattr(module, "make_train_step"):
+            out["batch_size"] = device_batch_sweep(module, ds, device)
+            lines.append(out["batch_size"]["message"])
     uses_compile = bool(getattr(module, "COMPILE", device.type == "cuda")) if module is not None else device.type == "cuda"
     if uses_compile:
         out["compile"] = compile_probe(device.type)
@@ -526,7 +737,7 @@ def device_health(module, ds, device, *, repo: Path, python: str, run_seconds: f
         if device.type == "cuda":
             out["memory_total_mb"] = torch.cuda.get_device_properties(device).total_memory / 2**20
     statuses = [out["compile"]["status"], out.get("short_run", {}).get("status", "ok")]
-    out["status"] = "fail" if "fail" in statuses else "ok"
+    out["status"] = "fail" if "fail" in statuses else "warn" if "warn" in statuses else "ok"
     out["message"] = "; ".join(lines) or "nothing to check on this device"
     return out
 
@@ -588,10 +799,33 @@ def run_check(repo: Path, *, time_budget: float = 300.0, max_steps: int | None =
     ds = H.load_dataset(data_dir or H.default_data_dir())
     if not missing:
         module = H.import_train_module(train_py)
+        if getattr(module, "COMPILE", False):
+            # The trials' compile cache: what the check compiles at the training shapes,
+            # the baseline finds compiled.
+            try:
+                H.configure_compile_cache(H.RunSpec.from_env())
+            except H.HarnessError as exc:
+                say(f"    note: {exc}")
+    result["complete"] = False
+    check_json = out_dir / "check.json"
+
+    def write() -> None:
+        # After every part (and during the range test): a check cut short leaves what it measured.
+        tmp = check_json.with_name(check_json.name + ".tmp")
+        tmp.write_text(json.dumps(result, indent=1, default=str))
+        os.replace(tmp, check_json)
 
     def report(name: str, part: dict) -> None:
         result[name] = part
+        result["seconds"] = round(time.perf_counter() - start, 1)
+        write()
         say(f"{name:>8}: [{part['status']}] {part['message']}")
+
+    def lr_progress(partial: dict) -> None:
+        result["lr"] = partial
+        write()
+
+    write()
 
     if "overfit" in parts:
         report("overfit", unsupported(missing) if missing else overfit_one_batch(module, ds, device))
@@ -600,7 +834,11 @@ def run_check(repo: Path, *, time_budget: float = 300.0, max_steps: int | None =
         if missing:
             report("lr", unsupported(missing))
         else:
-            lr = lr_range_test(module, ds, device, steps=lr_steps, out_dir=out_dir)
+            try:
+                lr = lr_range_test(module, ds, device, steps=lr_steps, out_dir=out_dir, on_progress=lr_progress)
+            except Exception as exc:  # train.py's own error (the overfit part says what kind): one line, not a traceback
+                lr = {"status": "fail", "message": f"the LR range test could not train: {_first_line(exc)}",
+                      "error": _first_line(exc)}
             report("lr", lr)
             if lr.get("plot"):
                 say(f"{'':>8}  plot: {lr['plot']}")
@@ -616,14 +854,20 @@ def run_check(repo: Path, *, time_budget: float = 300.0, max_steps: int | None =
         report("budget", _plan(module, ds, device, lr, health, time_budget=time_budget, max_steps=max_steps, hours=hours))
     result["seconds"] = round(time.perf_counter() - start, 1)
     result["ok"] = not any(isinstance(result.get(p), dict) and result[p]["status"] == "fail" for p in PARTS)
-    (out_dir / "check.json").write_text(json.dumps(result, indent=1, default=str))
+    result["complete"] = True
+    write()
     return result
 
 
 def _plan(module, ds, device, lr: dict | None, health: dict | None, *, time_budget, max_steps, hours) -> dict:
     run = (health or {}).get("short_run") or {}
-    tokens_per_second = run.get("tokens_per_second") or (lr or {}).get("tokens_per_second")
-    tokens_per_step = run.get("batch_tokens") or (lr or {}).get("tokens_per_step")
+    lr = lr or {}
+    if run.get("tokens_per_second"):
+        tokens_per_second, tokens_per_step = run["tokens_per_second"], run.get("batch_tokens") or lr.get("tokens_per_step")
+        source = "a short run of train.py" + (" (compiled)" if run.get("compiled") else "")
+    else:
+        tokens_per_second, tokens_per_step = lr.get("tokens_per_second"), lr.get("tokens_per_step")
+        source = "the LR range test" + (" (compiled, as training)" if lr.get("compiled") else " (eager)")
     params = None
     warmup = 0
     if module is not None:
@@ -647,10 +891,20 @@ def _plan(module, ds, device, lr: dict | None, health: dict | None, *, time_budg
         import resource
 
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    return budget_plan(tokens_per_second=tokens_per_second, tokens_per_step=tokens_per_step, matmul_params=params,
+    plan = budget_plan(tokens_per_second=tokens_per_second, tokens_per_step=tokens_per_step, matmul_params=params,
                        time_budget=time_budget, max_steps=max_steps, hours=hours,
                        overhead_seconds=overhead, warmup_steps=max(warmup, H.UNTIMED_WARMUP_STEPS),
                        mfu_percent=run.get("mfu_percent"), peak_memory_mb=peak, memory_total_mb=memory_total)
+    if tokens_per_second:
+        plan["throughput_source"] = source
+        plan["message"] = f"from {source}: {plan['message']}"
+        compiles = bool(getattr(module, "COMPILE", False)) if module is not None else False
+        if compiles and not run.get("compiled") and not lr.get("compiled"):
+            plan.setdefault("warnings", []).append("the throughput was measured eager while train.py trains compiled: "
+                                                   "the plan's steps and tokens are too low")
+            plan["status"] = "warn"
+            plan["message"] += " | WARNING: " + plan["warnings"][-1]
+    return plan
 
 
 def store_result(repo: Path, db: str | None, tag: str | None, result: dict) -> str | None:

@@ -4,12 +4,20 @@ Precedence, lowest to highest: the defaults below < `[tool.autoloop]` in the rep
 pyproject.toml < `AUTOLOOP_<FIELD>` environment variables < CLI flags. Every field has
 one name in all three places (dashes in TOML and flags, upper case in the environment),
 e.g. `time_budget`: `time-budget = 30`, `AUTOLOOP_TIME_BUDGET=30`, `--time-budget 30`.
+
+Every value is checked where it is read, before anything runs: its type (`_coerce`), its
+vocabulary (`_CHOICES`) and, for numbers, its range (`_RANGES`: `--time-budget -5` or
+`--max-trials -1` is refused in one line naming the option as its source spells it, the
+bad value and the fix), so a bad number never reaches a trial. Errors name a setting as
+the user wrote it: `time-budget` in TOML, `AUTOLOOP_TIME_BUDGET` in the environment,
+`--time-budget` on the command line.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import shlex
 import sys
@@ -53,17 +61,29 @@ class Config:
     max_consecutive_failures: int = 3  # circuit breaker: crashes/timeouts in a row before re-running the incumbent
     allow_env_change: bool = False  # resume on another GPU / torch / data / harness anyway (recorded)
     verify: bool = True  # verify keep candidates in a fresh process before keeping them
-    # Noise-aware decisions (docs/decisions.md). "paired": a candidate is compared with the
-    # incumbent on the same seeds, run again while the answer is unclear; "strict": one run,
-    # kept when it beats the best by more than keep_margin (autoresearch's rule).
-    decision_rule: str = "paired"
+    # Decisions (docs/decisions.md). "two-tier": a candidate paired with the incumbent on the
+    # same seeds is adopted (the branch moves) when the paired mean is lower, and confirmed
+    # when the sequential test against the run's noise says so; "confirmed-only": only
+    # confirmed candidates move the branch (run again while unclear); "paired": the same
+    # rule at alpha 0.05 (its old name); "strict": one run, kept when it beats the best by
+    # more than keep_margin (autoresearch's rule).
+    decision_rule: str = "two-tier"
     baseline_seeds: int = 3  # the baseline's runs: the first measure of the noise
     max_runs: int = 5  # most runs of one candidate before it is discarded as not distinguishable
-    alpha: float = 0.05  # false keeps allowed per proposal that changes nothing
+    alpha: float | None = None  # null proposals confirmed per proposal; default 0.05, 0.2 under confirmed-only
     futility: float = -0.5  # discard as soon as the paired t statistic is above this (a worse run costs one run)
+    # The reported figures: the final best re-measured at this many fresh seeds no decision
+    # used (at the end of a night, on `finalize`, `best` and `report`); 0: report the
+    # selection mean, marked as such. A short night re-measures at fewer (4% of its runs, >= 2).
+    reserve_seeds: int = 4
+    early_stop: bool = True  # stop a clear loser's run early, on a rule calibrated on the night's own curves
     drift_every: int = 10  # re-measure the incumbent every N trials (0: never)
     drift_event_sigmas: float = 3.0  # a shift beyond this many paired-noise sds is an event
     drift_pause_sigmas: float = 8.0  # ... and beyond this many, the run pauses
+    # Two runs at one seed whose machine speeds (the probe's, autoloop/measure/probe.py)
+    # differ by more than this |log ratio| are not a pair (autoloop/decide/confound.py);
+    # none: pair them anyway (a GPU run that a busy CPU does not slow).
+    pair_speed_tolerance: float | None = 0.25
     requeue_near_misses: bool = False  # retry a discard within the noise once after the incumbent changes
     # A trial that runs out of memory is repaired: this constant halved (the total batch, and
     # so the comparison, unchanged), up to oom_repairs times down the ladder.
@@ -109,7 +129,7 @@ class Config:
     def train_argv(self) -> list[str]:
         argv = shlex.split(self.train_command)
         if not argv:
-            raise AutoloopError("train_command is empty: set it to e.g. 'python train.py'")
+            raise AutoloopError("train-command is empty: set it to e.g. 'python train.py'")
         if argv[0] in ("python", "python3"):
             argv[0] = sys.executable
         return argv
@@ -124,16 +144,104 @@ class Config:
 _FIELDS = {f.name: f for f in fields(Config)}
 _HINTS = get_type_hints(Config)
 # Fields with a fixed vocabulary; TOML's true/false mean on/off.
-_CHOICES = {"sandbox": ("auto", "on", "off"), "decision_rule": ("paired", "strict"),
+_CHOICES = {"sandbox": ("auto", "on", "off"), "decision_rule": ("two-tier", "strict", "paired", "confirmed-only"),
             "executor": ("serial", "local", "ray"), "search_mode": ("shared", "islands")}
+
+
+# The range of every numeric setting: (lowest, whether the lowest itself is allowed,
+# highest or None, what the number is, a good value). Checked for every source.
+_RANGES: dict[str, tuple[float, bool, float | None, str, str]] = {
+    "time_budget": (0, False, None, "seconds of timed training per trial", "300"),
+    "max_steps": (1, True, None, "optimizer steps per trial", "200"),
+    "grace_seconds": (0, True, None, "seconds allowed on top of the budget", "180"),
+    "seed": (0, True, 2**32 - 1000, "the first training seed", "1337"),
+    "max_trials": (0, True, None, "trials in this invocation, the baseline included; 0 only recovers", "10"),
+    "hours": (0, False, None, "hours the run may take", "8"),
+    "keep_margin": (0, True, None, "val_bpb a keep must win by", "0"),
+    "max_consecutive_failures": (1, True, None, "crashes in a row before the incumbent is re-run", "3"),
+    "baseline_seeds": (1, True, None, "seeds the baseline runs at", "3"),
+    "max_runs": (1, True, None, "runs of one candidate at most", "5"),
+    "reserve_seeds": (0, True, None, "fresh seeds the best is re-measured at; 0 turns the reserve off", "4"),
+    "alpha": (0, False, 0.5, "the chance of a false keep", "0.05"),
+    "futility": (-10, True, 10, "the t statistic that stops a candidate early", "-0.5"),
+    "drift_every": (0, True, None, "trials between drift checks; 0 means never", "10"),
+    "drift_event_sigmas": (0, False, None, "paired-noise sds of a drift event", "3"),
+    "drift_pause_sigmas": (0, False, None, "paired-noise sds of a drift that pauses", "8"),
+    "pair_speed_tolerance": (0, False, None, "the |log ratio| of machine speeds a pair may differ by", "0.25"),
+    "oom_repairs": (0, True, None, "halvings of the batch after out-of-memory", "3"),
+    "llm_timeout": (0, False, None, "seconds one LLM request may take", "600"),
+    "llm_retries": (0, True, None, "retries of a failed LLM request", "2"),
+    "llm_max_repairs": (0, True, None, "times a rejected answer is sent back", "2"),
+    "max_cost": (0, True, None, "US dollars of paid proposals", "20"),
+    "agent_timeout": (0, False, None, "seconds before the agent is killed", "1800"),
+    "workers": (0, True, None, "workers; 0 means one per GPU", "2"),
+    "migrate_every": (0, True, None, "trials between migrations; 0 means never", "10"),
+    "notify_timeout": (0, False, None, "seconds the notify command may take", "10"),
+}
+
+
+def setting_name(name: str, source: str) -> str:
+    """A field as the source spells it: `--time-budget`, `AUTOLOOP_TIME_BUDGET`, `time-budget`."""
+    if source.startswith("--"):
+        return "--" + name.replace("_", "-")
+    if source.startswith("environment"):
+        return ENV_PREFIX + name.upper()
+    return name.replace("_", "-")
+
+
+def _shown(name: str, raw: Any, source: str) -> str:
+    """`--time-budget -5`, `AUTOLOOP_TIME_BUDGET='-5'`, `time-budget = -5`: the setting as given."""
+    key = setting_name(name, source)
+    if source.startswith("--"):
+        return f"{key} {raw:g}" if isinstance(raw, float) else f"{key} {raw}"
+    if source.startswith("environment"):
+        return f"{key}={raw} in the environment"
+    return f"{key} = {raw!r}"
+
+
+def _where(source: str) -> str:
+    """The source's prefix for an error ('' for a flag or a variable, which name themselves)."""
+    return "" if source.startswith(("--", "environment")) else f"{source}: "
+
+
+def check_range(name: str, value: Any, source: str, raw: Any = None) -> None:
+    """Refuse a number outside the field's range (`_RANGES`) in one line: the setting,
+    the bad value, what it should be and an example."""
+    if name not in _RANGES or value is None or isinstance(value, bool):
+        return
+    low, inclusive, high, what, good = _RANGES[name]
+    shown = _shown(name, value if raw is None else raw, source)
+    key = setting_name(name, source)
+    example = {"-": f"{key} {good}", "e": f"{key}={good}"}.get(source[0], f"{key} = {good}")
+    exclusive_high = name == "alpha"  # alpha = 0.5 would keep half of the changes that do nothing
+    if not math.isfinite(value):
+        problem = "is not a finite number"
+    elif value < low or (value == low and not inclusive):
+        problem = f"must be {'at least' if inclusive else 'more than'} {low:g}"
+    elif high is not None and (value >= high if exclusive_high else value > high):
+        problem = f"must be {'below' if exclusive_high else 'at most'} {high:g}"
+    else:
+        return
+    leave = {"max_trials": "; leave it out for no limit", "hours": "; leave it out for no limit",
+             "max_cost": "; leave it out for no limit", "max_steps": "; leave it out to train for the time budget"}
+    leave = leave.get(name, "")
+    raise AutoloopError(f"{_where(source)}{shown} {problem} ({what}): give e.g. {example}{leave}")
 
 
 def _coerce(name: str, raw: Any, source: str) -> Any:
     """Turn a TOML, environment or flag value into the field's type, or say what is wrong."""
+    value = _coerce_type(name, raw, source)
+    if isinstance(value, (int, float)):
+        check_range(name, value, source, raw)
+    return value
+
+
+def _coerce_type(name: str, raw: Any, source: str) -> Any:
     if name in _CHOICES:
         value = {True: "on", False: "off"}.get(raw, raw) if isinstance(raw, bool) else str(raw).strip().lower()
         if value not in _CHOICES[name]:
-            raise AutoloopError(f"{source}: {name} = {raw!r} is not one of {', '.join(_CHOICES[name])}: fix the value")
+            raise AutoloopError(f"{_where(source)}{_shown(name, raw, source)} is not one of "
+                                f"{', '.join(_CHOICES[name])}: fix the value")
         return value
     hint = _HINTS[name]
     args = [a for a in get_args(hint) if a is not type(None)]
@@ -160,6 +268,8 @@ def _coerce(name: str, raw: Any, source: str) -> Any:
             if value in ("0", "false", "no", "off"):
                 return False
             raise ValueError(raw)
+        if base in (int, float) and isinstance(raw, bool):
+            raise ValueError(raw)  # TOML's true is not a number of seconds
         if base is int:
             if isinstance(raw, float) and not raw.is_integer():
                 raise ValueError(raw)
@@ -169,7 +279,7 @@ def _coerce(name: str, raw: Any, source: str) -> Any:
         return str(raw)
     except (TypeError, ValueError):
         kind = getattr(base, "__name__", str(base))
-        raise AutoloopError(f"{source}: {name} = {raw!r} is not a valid {kind}: fix the value") from None
+        raise AutoloopError(f"{_where(source)}{_shown(name, raw, source)} is not a valid {kind}: fix the value") from None
 
 
 def read_pyproject(repo: Path) -> dict[str, Any]:

@@ -73,6 +73,11 @@ FALLBACK_EMAIL = "autoloop@localhost"
 _TAG_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
+# Every git command of the controller runs no hook and no fsmonitor command: git is run as
+# the user, outside every sandbox, so nothing a repository's hooks folder or config could
+# name (a hook planted through a link, say) may run as a side effect of a commit or reset.
+GIT = ("git", "-c", "core.hooksPath=/dev/null", "-c", "core.fsmonitor=false")
+
 def branch_name(tag: str) -> str:
     return BRANCH_PREFIX + tag
 
@@ -157,7 +162,7 @@ class GitRepo:
         """
         try:
             return self.repo.git.execute(
-                ["git", *args], env=env, strip_newline_in_stdout=strip, **kwargs
+                [*GIT, *args], env=env, strip_newline_in_stdout=strip, **kwargs
             )  # type: ignore[return-value]
         except git.GitCommandError as error:
             stderr = str(error.stderr or "")
@@ -173,7 +178,7 @@ class GitRepo:
 
     def _succeeds(self, *args: str) -> bool:
         status, _, _ = self.repo.git.execute(
-            ["git", *args], with_extended_output=True, with_exceptions=False
+            [*GIT, *args], with_extended_output=True, with_exceptions=False
         )
         return status == 0
 
@@ -208,7 +213,7 @@ class GitRepo:
     def branch_commit(self, branch: str) -> str | None:
         """The commit `branch` points at, or None if there is no such branch."""
         out = self.repo.git.execute(
-            ["git", "rev-parse", "--verify", "--quiet", f"refs/heads/{branch}^{{commit}}"],
+            [*GIT, "rev-parse", "--verify", "--quiet", f"refs/heads/{branch}^{{commit}}"],
             with_extended_output=True,
             with_exceptions=False,
         )
@@ -288,7 +293,7 @@ class GitRepo:
         if self.current_branch() != branch:
             self._git("checkout", "-q", branch)
         recorded = self.repo.git.execute(
-            ["git", "rev-parse", "--verify", "--quiet", base_ref],
+            [*GIT, "rev-parse", "--verify", "--quiet", base_ref],
             with_extended_output=True,
             with_exceptions=False,
         )

@@ -33,8 +33,8 @@ The schema evolves through `MIGRATIONS`, an ordered list of named functions. Eac
 migration is recorded in `_migrations(name, applied_at)`; opening a database applies the
 missing ones in order inside one `BEGIN IMMEDIATE` transaction. A database that records a
 migration this code does not know was written by a newer autoloop and is refused rather
-than misread. The vocabularies (`Status`, `Kind`, `MetricSource`, `RunStatus`,
-`IdeaStatus`) are the single source of truth: the CHECK constraints are generated from
+than misread. The vocabularies (`Status`, `Kind`, `MetricSource`, `Tier`,
+`RunStatus`, `IdeaStatus`) are the single source of truth: the CHECK constraints are generated from
 them. SQLite cannot alter a CHECK constraint in place, so adding a value to one of these
 enums needs a new migration that rebuilds the affected table.
 
@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import enum
 import json
+import math
 import sqlite3
 import threading
 from collections.abc import Callable, Iterable, Iterator
@@ -59,6 +60,7 @@ from pathlib import Path
 from typing import Any
 
 from autoloop.errors import AutoloopError
+from autoloop.trust.redact import redact
 
 
 def _import_sqlite_utils():
@@ -122,6 +124,14 @@ class MetricSource(str, enum.Enum):
     REPORTED = "reported"  # only the printed `key: value` block (e.g. a third-party script)
 
 
+class Tier(str, enum.Enum):
+    """How far a kept trial's gain is established (autoloop.decide.rule, docs/decisions.md)."""
+
+    BASELINE = "baseline"  # the reference every gain is measured against; nothing to confirm
+    ADOPTED = "adopted"  # the branch moved: the paired mean says better
+    CONFIRMED = "confirmed"  # ... and the sequential test against the run's noise says so
+
+
 class RunStatus(str, enum.Enum):
     ACTIVE = "active"
     PAUSED = "paused"
@@ -143,7 +153,7 @@ JSON_COLUMNS: dict[str, frozenset[str]] = {
     "runs": frozenset({"config", "env_changes", "check_result", "islands"}),
     "trials": frozenset({"edits", "result", "flags", "decision", "budget"}),
     "ideas": frozenset({"sets"}),
-    "measurements": frozenset({"budget"}),
+    "measurements": frozenset({"budget", "curve"}),
     "processes": frozenset({"info"}),
 }
 
@@ -151,9 +161,30 @@ JSON_COLUMNS: dict[str, frozenset[str]] = {
 # the error names the allowed values.
 ENUM_COLUMNS: dict[str, dict[str, type[enum.Enum]]] = {
     "runs": {"status": RunStatus},
-    "trials": {"kind": Kind, "status": Status, "metric_source": MetricSource},
+    "trials": {"kind": Kind, "status": Status, "metric_source": MetricSource, "tier": Tier},
     "ideas": {"status": IdeaStatus},
 }
+
+
+SQLITE_INT_MIN, SQLITE_INT_MAX = -(2**63), 2**63 - 1
+
+
+def _storable(value: Any) -> Any:
+    """`value` with what SQLite (and JSON) cannot hold made NULL: integers outside 64 bits,
+    NaN and infinities, in nested lists and dicts too. Numbers a trial wrote are checked
+    where they are read (autoloop.trust.untrusted); this keeps any that slip through from
+    ending the controller."""
+    if isinstance(value, bool) or value is None or isinstance(value, str):
+        return value
+    if isinstance(value, int):
+        return value if SQLITE_INT_MIN <= value <= SQLITE_INT_MAX else None
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {str(k): _storable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_storable(v) for v in value]
+    return value
 
 
 def utcnow() -> str:
@@ -384,10 +415,39 @@ def _m0003_workers(conn: sqlite3.Connection) -> None:
     conn.execute("ALTER TABLE runs ADD COLUMN islands TEXT")
 
 
+def _m0004_tiers_and_early_stops(conn: sqlite3.Connection) -> None:
+    """Two tiers, early stops and the reserve (issue 19, docs/decisions.md).
+
+    trials: `tier` of a kept trial ("adopted": the branch moved on the paired mean;
+    "confirmed": the sequential test said so too; "baseline"), NULL for anything else and
+    for rows from before tiers; `stopped_at`: the progress (0..1 of the budget) at which a
+    clear loser's run was stopped early, NULL when it was not. measurements: `curve`, the
+    run's loss curve (JSON points {step, seconds, loss, lr}), which the early stop
+    compares a candidate with and calibrates on. A measurement's status may now also be
+    "stopped" (its run ended early, no metric) and its role "reserve" (a run of the best at
+    a fresh seed no decision used: the reported figures).
+    """
+    conn.execute(f"ALTER TABLE trials ADD COLUMN tier TEXT {_check('tier', Tier, nullable=True)}")
+    conn.execute("ALTER TABLE trials ADD COLUMN stopped_at REAL")
+    conn.execute("ALTER TABLE measurements ADD COLUMN curve TEXT")
+
+
+def _m0005_machine_speed(conn: sqlite3.Connection) -> None:
+    """The machine's speed around each training run (autoloop.measure.probe): the mean of a
+    fixed probe's readings before and after training (`measurements.machine_speed`, in
+    million loop iterations per second; NULL in step mode and for older rows) and the
+    feed's throughput (`measurements.tokens_per_second`: tokens served over the training
+    seconds). A pair of runs at different speeds is not a pair (autoloop.decide.confound)."""
+    conn.execute("ALTER TABLE measurements ADD COLUMN machine_speed REAL")
+    conn.execute("ALTER TABLE measurements ADD COLUMN tokens_per_second REAL")
+
+
 MIGRATIONS: list[tuple[str, Callable[[sqlite3.Connection], None]]] = [
     ("0001_initial", _m0001_initial),
     ("0002_trust_and_noise", _m0002_trust_and_noise),
     ("0003_workers", _m0003_workers),
+    ("0004_tiers_and_early_stops", _m0004_tiers_and_early_stops),
+    ("0005_machine_speed", _m0005_machine_speed),
 ]
 
 
@@ -572,7 +632,6 @@ class Store:
             names = [d[0] for d in cursor.description]
             return [dict(zip(names, row)) for row in cursor.fetchall()]
 
-    _query = query  # trust/seal.py's spelling until its rewrite (issue 23) calls query()
 
     def _table_exists(self, name: str) -> bool:
         return bool(
@@ -580,7 +639,9 @@ class Store:
         )
 
     def _encode(self, table: str, fields: dict[str, Any]) -> dict[str, Any]:
-        """Validate column names and vocabularies; serialise JSON columns and enums."""
+        """Validate column names and vocabularies; serialise JSON columns and enums; make
+        every value one SQLite takes (`_storable`: a number out of range or not finite is
+        NULL) and redact every text (autoloop.trust.redact: no secret is ever stored)."""
         columns = self._columns[table]
         json_columns = JSON_COLUMNS.get(table, frozenset())
         enums = ENUM_COLUMNS.get(table, {})
@@ -595,11 +656,14 @@ class Store:
                     allowed = ", ".join(member.value for member in enums[name])
                     raise ValueError(f"{table}.{name} must be one of {allowed}, not {value!r}") from None
             elif name in json_columns and value is not None:
-                value = json.dumps(value)
+                value = redact(json.dumps(_storable(value), allow_nan=False, default=str))
             elif isinstance(value, enum.Enum):
                 value = value.value
             elif isinstance(value, Path):
                 value = str(value)
+            value = _storable(value)
+            if isinstance(value, str) and name not in json_columns:
+                value = redact(value)
             encoded[name] = value
         return encoded
 
@@ -620,8 +684,11 @@ class Store:
         return [self._decode(table, row) for row in self.query(sql, params)]  # type: ignore[misc]
 
     def _insert(self, table: str, fields: dict[str, Any]) -> int:
+        encoded = self._encode(table, fields)
         with self.transaction():
-            return int(self.db[table].insert(self._encode(table, fields)).last_rowid)  # type: ignore[union-attr]
+            row_id = int(self.db[table].insert(encoded).last_rowid)  # type: ignore[union-attr]
+            self._wrote(table, row_id, encoded, inserted=True)
+            return row_id
 
     def _update(self, table: str, row_id: int, fields: dict[str, Any]) -> None:
         encoded = self._encode(table, fields)
@@ -634,6 +701,31 @@ class Store:
             )
             if cursor.rowcount != 1:
                 raise KeyError(f"no row with id {row_id} in {table}")
+            self._wrote(table, row_id, encoded)
+
+    # -- what this connection wrote (autoloop.trust.seal) ---------------------------------
+
+    @property
+    def mirror(self):
+        """The OwnWrites this Store keeps told of its writes (autoloop.trust.seal), or None."""
+        return getattr(self, "_mirror", None)
+
+    def watch_own_writes(self, mirror) -> None:
+        """Keep `mirror` (autoloop.trust.seal.OwnWrites) told of every row this Store writes,
+        so that a seal can tell the controller's own writes, from any of its threads, from
+        another process's."""
+        with self._lock:
+            self._mirror = mirror
+
+    def _wrote(self, table: str, row_id: int, encoded: dict[str, Any], inserted: bool = False) -> None:
+        mirror = getattr(self, "_mirror", None)
+        if mirror is not None:
+            mirror.wrote(table, row_id, encoded, inserted=inserted)
+
+    def data_version(self) -> int:
+        """SQLite's data_version: it changes when another connection commits (not ours)."""
+        with self._lock:
+            return int(self.conn.execute("PRAGMA data_version").fetchone()[0])
 
     # -- runs -----------------------------------------------------------------------------
 

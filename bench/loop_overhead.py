@@ -96,10 +96,10 @@ def main() -> None:
         per_trial: list[dict] = []
         original_execute = ctl.execute
 
-        def execute(item):
+        def execute(item, ctx):
             timers.take()
             start = time.perf_counter()
-            trial = original_execute(item)
+            trial = original_execute(item, ctx)
             split = timers.take()
             end = time.perf_counter()
             split["total"] = end - start

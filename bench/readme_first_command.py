@@ -1,6 +1,8 @@
 """The README's first command, end to end, as a new user runs it.
 
     python bench/readme_first_command.py                  # from the repository root
+    python bench/readme_first_command.py --burners 2      # beside two CPU burners
+    python bench/readme_first_command.py --beside-loop    # beside a second project running its own loop
     python bench/readme_first_command.py --keep /tmp/rfc  # keep the clone, venv and db
 
 A fresh clone of this repository (what is committed: `git clone` of the checkout), a
@@ -9,7 +11,19 @@ of its first ```bash block (so the README and this check cannot drift), run by b
 the clone. Then the db says what happened. Prints the wall time of each stage and every
 trial (number, kind, status, val_bpb, reason), and the problems found: the command must
 end with the baseline and three trials, none of them invalid, crashed, timed out or
-interrupted (nothing the user did could cause that).
+interrupted (nothing the user did could cause that). The README states the command's
+wall time on a quiet machine and on a busy one; this prints it (`command_seconds`), with
+the CPU seconds its processes used (`command_cpu_seconds`: what a quiet machine's wall
+time is made of) and the mean load average while it ran (`load_mean`: other users of a
+shared machine count too, so "quiet" is a figure, not a claim).
+
+`--beside-loop` starts a second project first, as a user with two loops has one (the
+README: "For two loops side by side, use two clones"): another clone of the repository in
+its own folder, with its own experiments.db, the same installation, HOME and caches,
+running `autoloop run --workers 2` in time mode (training, evaluating, idle in turns: a
+load that comes and goes; its workers import autoloop through the first clone's editable
+install) for as long as the first command runs. Its trials are printed too; the
+two must not disturb each other's verdicts.
 
 Nothing is downloaded. The fresh environment reuses the packages of the interpreter that
 runs this script (torch, numpy, ...): it is made with --system-site-packages, and when
@@ -24,12 +38,15 @@ import argparse
 import json
 import os
 import re
+import resource
 import sqlite3
 import subprocess
 import sys
 import sysconfig
 import tempfile
+import threading
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -111,9 +128,23 @@ def trials(db: Path) -> list[dict]:
     conn.row_factory = sqlite3.Row
     try:
         return [dict(r) for r in conn.execute(
-            "SELECT number, kind, status, metric, reason, description, wall_seconds FROM trials ORDER BY number")]
+            "SELECT number, kind, status, metric, reason, description, wall_seconds, started_at, finished_at "
+            "FROM trials ORDER BY number")]
     finally:
         conn.close()
+
+
+def check_warnings(db: Path) -> list[str]:
+    """What the run's pre-run check (`autoloop check`, stored on the run) warned about: a
+    budget it calls too small to mean anything is a demo that shows nothing."""
+    conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    try:
+        row = conn.execute("SELECT check_result FROM runs ORDER BY id LIMIT 1").fetchone()
+    finally:
+        conn.close()
+    result = json.loads(row[0]) if row and row[0] else {}
+    return [f"the pre-run check: {part}: {'; '.join(value.get('warnings') or [value.get('message', '')])}"
+            for part, value in result.items() if isinstance(value, dict) and value.get("status") in ("warn", "fail")]
 
 
 def problems(rows: list[dict]) -> list[str]:
@@ -129,47 +160,167 @@ def problems(rows: list[dict]) -> list[str]:
     return found
 
 
-def run(source: Path, work: Path, burners: int = 0) -> dict:
+# The second project runs on two workers: their git worktrees import autoloop through the
+# README's editable install, which points into the first clone (issue 22, item 6).
+BESIDE_WORKERS = 2
+BESIDE_COMMAND = ["autoloop", "run", "--tag", "beside", "--time-budget", "20", "--no-check",
+                  "--workers", str(BESIDE_WORKERS)]
+BESIDE_TRIALS = 1000  # the bench's: it runs until the first command is done
+
+
+def start_beside_loop(source: Path, work: Path, venv: Path, max_trials: int = BESIDE_TRIALS
+                      ) -> tuple[subprocess.Popen, Path]:
+    """A second project (another clone, its own folder and db) running a loop of its own
+    with the same installation and HOME, for `max_trials` trials; returns the process and
+    its folder."""
+    other = work / "beside"
+    _sh(["git", "clone", "-q", source, other], cwd=work)
+    env = child_environment(venv, work)
+    env.update({"GIT_AUTHOR_NAME": "beside", "GIT_AUTHOR_EMAIL": "b@example.com", "GIT_COMMITTER_NAME": "beside",
+                "GIT_COMMITTER_EMAIL": "b@example.com"})
+    log = open(work / "beside.log", "w")
+    proc = subprocess.Popen(BESIDE_COMMAND + ["--max-trials", str(max_trials)], cwd=other, env=env, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    log.close()
+    return proc, other
+
+
+def stop_beside_loop(proc: subprocess.Popen) -> str | None:
+    """Ctrl-C, as a user stops a loop (it kills its trials and resets git); then for sure.
+    Returns when the Ctrl-C was sent (the db's clock: UTC ISO-8601), or None if the loop had
+    already ended by itself."""
+    import signal
+
+    if proc.poll() is not None:
+        return None
+    sent = datetime.now(timezone.utc).isoformat(timespec="milliseconds")
+    os.killpg(proc.pid, signal.SIGINT)
+    try:
+        proc.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    return sent
+
+
+STOPPED_BY_CTRL_C = "interrupted by the user"  # the reason of a trial the loop's Ctrl-C ended
+
+
+def beside_problems(rows: list[dict], stopped_at: str | None, max_trials: int = BESIDE_TRIALS) -> list[str]:
+    """The second project's trials must not fail because of the first.
+
+    A loop given fewer trials than the first command lasts (`max_trials`: the slow README
+    test's, to keep CI short) may end by itself: then it must have run all of them.
+
+    Only one failure is not a problem: a trial ended by the Ctrl-C that stops the loop
+    when the first command is done (`stopped_at`, from `stop_beside_loop`). Such a trial
+    says so (interrupted, by the user), started before the Ctrl-C and finished after it,
+    and there are at most as many as the loop has workers. Any other status than keep or
+    discard is a problem, the last trials' included: a crash, a timeout, an invalid
+    result, a lost worker, a trial left running, or a loop that ended before it was
+    stopped (`stopped_at` None)."""
+    found = [] if rows else ["the second project ran no trial"]
+    if rows and stopped_at is None and len(rows) < max_trials:
+        found.append("its loop had ended before the first command was done")
+    stop = _when(stopped_at)
+    in_flight = [r for r in rows if stop is not None and r["status"] == "interrupted"
+                 and (r["reason"] or "").startswith(STOPPED_BY_CTRL_C)
+                 and _when(r.get("started_at")) is not None and _when(r["started_at"]) <= stop
+                 and _when(r.get("finished_at")) is not None and _when(r["finished_at"]) >= stop]
+    excused = {r["number"] for r in in_flight[:BESIDE_WORKERS]}
+    for row in rows:
+        if row["status"] not in ("keep", "discard") and row["number"] not in excused:
+            found.append(f"trial {row['number']} is {row['status']}: {row['reason'] or 'no reason recorded'}")
+    return found
+
+
+def _when(stamp: str | None) -> datetime | None:
+    return datetime.fromisoformat(stamp) if stamp else None
+
+
+def _sample_load(into: list[float], stop: threading.Event, every: float = 15.0) -> None:
+    """The one-minute load average every `every` seconds until `stop` (how busy the
+    machine was while the command ran: other users' work counts too)."""
+    while True:
+        into.append(os.getloadavg()[0])
+        if stop.wait(every):
+            return
+
+
+def run(source: Path, work: Path, burners: int = 0, beside: bool = False, beside_trials: int = BESIDE_TRIALS) -> dict:
     """Everything, in `work`; returns the figures (timings, trials, problems).
 
     `burners`: CPU-burning processes (`python -c "while True: pass"`) running beside the
-    command, as on a user's busy machine."""
+    command, as on a user's busy machine. `beside`: a second project running its own loop
+    beside it (`start_beside_loop`), for `beside_trials` trials (by default until the
+    command is done)."""
     started = time.monotonic()
     clone, venv, figures = fresh_environment(source, work)
     command = readme_first_command((clone / "README.md").read_text())
     figures["command"] = command
     figures["burners"] = burners
+    figures["beside_loop"] = beside
+    figures["beside_trials_asked"] = beside_trials if beside else None
+    other = None
+    if beside:
+        loop, other = start_beside_loop(source, work, venv, beside_trials)
+        time.sleep(5)  # it is under way (its first baseline run) before the command starts
     begun = time.monotonic()
     load = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(burners)]
+    loads, sampling = [], threading.Event()
+    sampler = threading.Thread(target=_sample_load, args=(loads, sampling), daemon=True)
+    sampler.start()
+    cpu_before = resource.getrusage(resource.RUSAGE_CHILDREN)
     try:
         done = subprocess.run(["bash", "-e", "-c", command], cwd=clone, env=child_environment(venv, work),
                               capture_output=True, text=True)
+        # The command's processes, all reaped by now (training runs included); not the burners.
+        cpu_after = resource.getrusage(resource.RUSAGE_CHILDREN)
     finally:
+        sampling.set()
         for burner in load:
             burner.kill()
             burner.wait()
+        if beside:
+            figures["beside_stopped_at"] = stop_beside_loop(loop)
     figures["command_seconds"] = time.monotonic() - begun
+    figures["command_cpu_seconds"] = (cpu_after.ru_utime + cpu_after.ru_stime) - (cpu_before.ru_utime + cpu_before.ru_stime)
+    figures["load_mean"] = sum(loads) / len(loads) if loads else os.getloadavg()[0]
     figures["command_exit"] = done.returncode
     (work / "command.log").write_text(done.stdout + done.stderr)
     figures["output_tail"] = (done.stdout + done.stderr)[-4000:]
     db = clone / "experiments.db"
     figures["trials"] = trials(db) if db.exists() else []
-    figures["problems"] = problems(figures["trials"])
+    figures["problems"] = problems(figures["trials"]) + (check_warnings(db) if db.exists() else [])
     if done.returncode != 0:
         figures["problems"].insert(0, f"the command exited {done.returncode}")
+    if other is not None:
+        db = other / "experiments.db"
+        figures["beside_trials"] = trials(db) if db.exists() else []
+        figures["beside_output_tail"] = (work / "beside.log").read_text()[-3000:]
+        figures["problems"] += [f"beside: {p}" for p in beside_problems(figures["beside_trials"],
+                                                                              figures["beside_stopped_at"], beside_trials)]
     figures["total_seconds"] = time.monotonic() - started
     return figures
 
 
 def report(figures: dict) -> str:
-    lines = [f"{name:>18}: {figures[name]:7.1f} s" for name in
-             ("clone_seconds", "venv_seconds", "install_seconds", "command_seconds", "total_seconds") if name in figures]
-    lines.append(f"{'command exit':>18}: {figures.get('command_exit')} ({figures.get('burners', 0)} CPU burners beside it)")
+    lines = [f"{name:>19}: {figures[name]:7.1f} s" for name in
+             ("clone_seconds", "venv_seconds", "install_seconds", "command_seconds", "command_cpu_seconds",
+              "total_seconds") if name in figures]
+    beside = ", a second project's loop" if figures.get("beside_loop") else ""
+    lines.append(f"{'command exit':>19}: {figures.get('command_exit')} ({figures.get('burners', 0)} CPU burners{beside} "
+                 f"beside it; load {figures.get('load_mean', 0.0):.1f} on average while it ran, "
+                 f"{os.getloadavg()[0]:.1f} at the end)")
     for row in figures.get("trials", []):
         metric = f"{row['metric']:.6f}" if row["metric"] is not None else "-"
         wall = f"{row['wall_seconds']:.0f} s" if row["wall_seconds"] is not None else "-"
         lines.append(f"  trial {row['number']}  {row['kind']:<9} {row['status']:<11} {metric:>9}  {wall:>6}  "
                      f"{(row['description'] or '')[:40]:<40}  {row['reason'] or ''}")
+    if figures.get("beside_loop"):
+        statuses = [row["status"] for row in figures.get("beside_trials", [])]
+        lines.append(f"  beside: {len(statuses)} trials of the second project "
+                     f"({', '.join(f'{statuses.count(x)} {x}' for x in sorted(set(statuses)))})")
     lines.append("problems: " + ("; ".join(figures["problems"]) or "none"))
     return "\n".join(lines)
 
@@ -181,13 +332,15 @@ def main() -> int:
     parser.add_argument("--json", type=Path, help="also write the figures as JSON here")
     parser.add_argument("--burners", type=int, default=0,
                         help='CPU-burning processes beside the command (python -c "while True: pass"), e.g. 2')
+    parser.add_argument("--beside-loop", action="store_true",
+                        help="a second project running its own `autoloop run` beside the command")
     args = parser.parse_args()
     if args.keep:
         args.keep.mkdir(parents=True, exist_ok=True)
-        figures = run(args.source, args.keep, args.burners)
+        figures = run(args.source, args.keep, args.burners, args.beside_loop)
     else:
         with tempfile.TemporaryDirectory(prefix="readme-first-command-") as tmp:
-            figures = run(args.source, Path(tmp), args.burners)
+            figures = run(args.source, Path(tmp), args.burners, args.beside_loop)
     print(report(figures))
     if args.json:
         args.json.write_text(json.dumps(figures, indent=1, default=str))

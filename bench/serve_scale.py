@@ -192,8 +192,8 @@ def loop_round(root: Path, name: str, trials: int, page: str | None) -> dict:
     original = ctl.execute
     last = [None]
 
-    def execute(item):
-        trial = original(item)
+    def execute(item, ctx):
+        trial = original(item, ctx)
         now = time.perf_counter()
         if last[0] is not None:
             cycles.append(now - last[0])

@@ -3,15 +3,17 @@
 Method: runs train.py itself, as the controller would (a subprocess with the contract's
 environment), for a short time budget, and reads its result JSON. The figures are
 therefore exactly train.py's own: timed steps only (the harness's untimed warm-up
-steps, which pay for torch.compile, are excluded), data loading included, the final
-evaluation excluded. On a GPU it also prints MFU against the harness's bf16 peak table.
+steps are excluded, and so is train.py's random-token warm-up, where torch.compile
+compiles), data loading included, the final evaluation excluded. On a GPU it also prints
+MFU in both conventions (train.py's and PaLM's, see docs/gpu.md) against the harness's
+bf16 peak table.
 
     python bench/train_throughput.py                      # 20 s on CUDA, 10 s on a CPU
     python bench/train_throughput.py --budget 60
     python bench/train_throughput.py --train-py some/other/train.py
 
-The first CUDA run also pays for compilation (reported separately); later runs reuse the
-compile cache. Prints its figures; it is a benchmark, not a test.
+The first CUDA run also pays for compilation (the warm-up, reported separately); later runs
+reuse the compile cache. Prints its figures; it is a benchmark, not a test.
 """
 
 from __future__ import annotations
@@ -64,9 +66,14 @@ def main() -> int:
     print(f"steps:             {result['num_steps']} ({result['training_seconds']:.1f} s timed)")
     print(f"tokens/s:          {fmt(result.get('tokens_per_second'), ',.0f')}")
     print(f"ms/step:           {fmt(result.get('ms_per_step'), '.1f')}")
-    print(f"mfu:               {fmt(result.get('mfu_percent'), '.1f')}{'%' if result.get('mfu_percent') is not None else ''}")
+    pct = lambda key: f"{fmt(result.get(key), '.1f')}{'%' if result.get(key) is not None else ''}"  # noqa: E731
+    print(f"mfu:               {pct('mfu_percent')} (train.py: 6N + 12LHQ(T+1)/2)")
+    print(f"mfu, PaLM:         {pct('mfu_percent_palm')} (6N + 12LHQT, as nanochat / autoresearch)")
     print(f"peak memory:       {result['peak_memory_mb']:,.0f} MB")
-    print(f"compile (untimed): {result['compile_seconds']:.1f} s")
+    print(f"attention:         {result.get('attention_kernel')} (ran {result.get('attention_kernel_ran')})")
+    print(f"compiled:          {result.get('compiled')}, warm-up {fmt(result.get('warmup_seconds'), '.1f')} s, "
+          f"{result.get('graphs_compiled_in_training')} graphs compiled in training")
+    print(f"untimed steps:     {result['compile_seconds']:.1f} s")
     print(f"eval:              {result['eval_seconds']:.1f} s   val_bpb {result['val_bpb']:.4f}")
     print(f"wall:              {wall:.1f} s")
     return 0

@@ -1,4 +1,4 @@
-"""What trusting a trial costs: the sandbox (and, next, the separate evaluation) per trial.
+"""What trusting a trial costs: the sandbox and the split evaluation, per trial.
 
     python bench/trust_cost.py               # 15 runs of each command, plain and sandboxed
     python bench/trust_cost.py --runs 31     # steadier medians on a busy machine
@@ -10,8 +10,12 @@ medians of the whole call (building the bwrap command, spawn, the command, teard
 PID namespace, the sweep for leftover processes), for `python -c pass` (start-up and
 teardown alone) and `python -c 'import torch'` (a trial's imports through the read-only
 binds). The sandbox is a fixed cost per process, the same at the CPU and the GPU scale
-(the GPU device nodes add one bind each); a trial runs two sandboxed processes, training
-and evaluation, and the figure per trial counts both. The share is of a 300 s trial.
+(the GPU device nodes add one bind each); a trial runs three sandboxed processes, training,
+the evaluation's model process and its scorer, and the figure per trial counts all three.
+The share is of a 300 s trial.
+
+Section 2, the split evaluation: bench/eval_cost.py, measured at the CPU scale and
+estimated for a GPU trial from measured parts. The totals add the sandbox to each.
 
 Each section is a function that prints its table and returns its per-trial seconds;
 SECTIONS lists them, and the total at the end adds them up.
@@ -31,7 +35,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 TRIAL_SECONDS = 300.0
-SANDBOXED_PROCESSES_PER_TRIAL = 2  # training and evaluation
+SANDBOXED_PROCESSES_PER_TRIAL = 3  # training, the model process, the scorer
 
 
 def timed_run(argv: list[str], policy, folder: Path) -> float:
@@ -83,34 +87,34 @@ def section_sandbox(args: argparse.Namespace) -> float:
     return per_trial
 
 
-def section_evaluation(args: argparse.Namespace) -> float:
-    """The separate evaluation process: bench/eval_cost.py, run as it is; its CPU-scale
-    "added per trial" figure counts toward the total, and its GPU estimate is printed."""
+def section_evaluation(args: argparse.Namespace) -> tuple[float, float]:
+    """The split evaluation: bench/eval_cost.py, run as it is; (CPU measured, GPU estimated) added per trial."""
     import re
     import subprocess
     import sys
 
-    print("\n== separate evaluation (bench/eval_cost.py) ==")
+    print("\n2. split evaluation (bench/eval_cost.py)")
     done = subprocess.run([sys.executable, str(Path(__file__).with_name("eval_cost.py")), "--repeats", "3"],
                           capture_output=True, text=True)
     print(done.stdout.rstrip())
     if done.returncode != 0:
         print(done.stderr.strip()[-2000:])
-        return 0.0
-    added = re.findall(r"added per trial.*?([0-9.]+) s", done.stdout)
-    return float(added[0]) if added else 0.0
-
-
-SECTIONS = [section_sandbox, section_evaluation]
+        return 0.0, 0.0
+    gpu = re.findall(r"added per trial \(split - in-proc\)\s+([0-9.]+) s", done.stdout)
+    cpu = re.findall(r"added per trial \(CPU\) ([0-9.-]+) s", done.stdout)
+    return (float(cpu[0]) if cpu else 0.0), (float(gpu[0]) if gpu else 0.0)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=15, help="runs of each command in each mode")
     args = parser.parse_args()
-    total = sum(section(args) for section in SECTIONS)
-    print(f"total: {total:.3f} s per trial = {100 * total / TRIAL_SECONDS:.2f}% of a {TRIAL_SECONDS:.0f} s trial "
-          "(target: at most 3%)")
+    sandbox = section_sandbox(args)
+    cpu, gpu = section_evaluation(args)
+    for label, total in (("CPU trial, measured", sandbox + cpu),
+                         ("GPU trial, estimated from measured parts", sandbox + gpu)):
+        print(f"total, {label}: {total:.2f} s per trial = {100 * total / TRIAL_SECONDS:.2f}% of a "
+              f"{TRIAL_SECONDS:.0f} s trial (target: at most 3%)")
 
 
 if __name__ == "__main__":

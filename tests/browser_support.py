@@ -26,7 +26,7 @@ def chromium() -> str | None:
 class Browser:
     """One headless Chromium with one page; `evaluate` runs JavaScript in it."""
 
-    def __init__(self, url: str, *, width: int = 1440, height: int = 1000, timeout: float = 30.0):
+    def __init__(self, url: str, *, width: int = 1440, height: int = 1000, timeout: float = 90.0):
         from websockets.sync.client import connect
 
         binary = chromium()
@@ -39,13 +39,18 @@ class Browser:
                 f"--window-size={width},{height}", "about:blank"]
         if hasattr(os, "geteuid") and os.geteuid() == 0:
             args.insert(1, "--no-sandbox")  # Chromium refuses its own sandbox as root (a CI container)
-        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        # Its stderr goes to a file in the profile: the one line to show if it never starts.
+        self._log = open(Path(self.profile) / "chromium.log", "wb")
+        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=self._log)
         port_file = Path(self.profile) / "DevToolsActivePort"
         deadline = time.monotonic() + timeout
         while not port_file.exists() or not port_file.read_text().strip():
             if time.monotonic() > deadline or self.process.poll() is not None:
+                why = (f"it exited with code {self.process.returncode}" if self.process.poll() is not None
+                       else f"none after {timeout:.0f} s")
+                tail = (Path(self.profile) / "chromium.log").read_bytes()[-600:].decode(errors="replace").strip()
                 self.close()
-                raise RuntimeError("chromium did not start its DevTools endpoint")
+                raise RuntimeError(f"chromium did not start its DevTools endpoint ({why}): {tail}")
             time.sleep(0.05)
         port = int(port_file.read_text().splitlines()[0])
         targets = []
@@ -122,6 +127,7 @@ class Browser:
                 except subprocess.TimeoutExpired:
                     self.process.kill()
                     self.process.wait(10)
+            self._log.close()
             shutil.rmtree(self.profile, ignore_errors=True)
 
     def __enter__(self):

@@ -28,6 +28,18 @@ def session_cache(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("autoloop-cache")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _pairs_regardless_of_machine_speed():
+    """The tests' fake train.py trains for a fraction of a second, so the speed probe around
+    it (autoloop/measure/probe.py) reads whatever the other processes on a shared machine
+    did in that moment, and a pair could turn confounded by chance. Tests pair regardless
+    (`pair-speed-tolerance = none`), set before the session's and modules' fixtures run
+    their loops; the tests of the pairing fake the probe and delete the setting."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("AUTOLOOP_PAIR_SPEED_TOLERANCE", "none")
+        yield
+
+
 @pytest.fixture(autouse=True)
 def _isolated_cache(session_cache, monkeypatch):
     monkeypatch.setenv("AUTOLOOP_CACHE_DIR", str(session_cache))
@@ -40,6 +52,9 @@ def _isolated_cache(session_cache, monkeypatch):
     # `autoloop run` checks train.py before a new run (half a minute on a CPU); the tests of
     # that check turn it back on, the others are about other things.
     monkeypatch.setenv("AUTOLOOP_CHECK", "0")
+    # A night that ends by its limit re-measures its best at fresh seeds (autoloop.loop.reserve):
+    # runs most tests do not count on; the tests of the reserve turn it back on.
+    monkeypatch.setenv("AUTOLOOP_RESERVE_SEEDS", "0")
 
 
 @pytest.fixture

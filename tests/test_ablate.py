@@ -171,8 +171,10 @@ def _known_run(root: Path) -> Path:
     from autoloop.store import Store
 
     repo = make_repo(root / "repo", KNOWN)
+    # The paired rule: its repeated pairs measure the (exactly cancelling) paired noise the
+    # ablation intervals are read against; the default's one pair per trial would not.
     config = resolve(repo, {"tag": "k", "proposers": "ideas", "max_steps": 1, "grace_seconds": 30, "seed": 1,
-                            "max_trials": 5})
+                            "max_trials": 5, "decision_rule": "paired"})
     store = Store(repo / config.db)
     try:
         for text, sets in IDEAS:

@@ -146,9 +146,15 @@ def test_attacks_in_step_mode_end_invalid_or_fail_inside_the_sandbox(tmp_path, m
         for word in words:
             assert word in trial["reason"], (name, trial["reason"])
 
+    def honest(name: str) -> None:
+        trial = trials[name]
+        assert (trial["status"], trial["metric"]) == ("discard", baseline["metric"]), (name, trial["reason"])
+
     invalid("val split", "val split")
     assert trials["val file"]["status"] == "crash" and "no val file visible" in (trials["val file"]["error_tail"] or "")
-    invalid("replace evaluate_bpb", "evaluate_bpb")
+    # The model process's harness is not the scorer's: replacing evaluate_bpb there changes
+    # nothing, and the trial gets exactly the honest value of its unchanged model.
+    honest("replace evaluate_bpb")
     invalid("extra steps", "steps")
     # Failed inside the sandbox: the repository, the installed harness and the db are read-only or invisible.
     assert (pyc.read_bytes() if pyc.exists() else None) == pyc_before
@@ -183,10 +189,13 @@ def test_attacks_without_a_sandbox_are_caught_by_the_checks(tmp_path, monkeypatc
         baseline = trials["baseline"]
         assert baseline["status"] == "keep", baseline["reason"]
         for name, words in (("poisoned pyc", ["bytecode"]), ("db write", ["experiments.db"]),
-                            ("replace evaluate_bpb", ["evaluate_bpb"]), ("val split", ["val split"])):
+                            ("val split", ["val split"])):
             trial = trials[name]
             assert trial["status"] == "invalid", (name, trial["reason"])
             assert all(w in trial["reason"] for w in words), (name, trial["reason"])
+        # Scored by the scorer, not by the model process whose harness it replaced: the honest value.
+        forged = trials["replace evaluate_bpb"]
+        assert (forged["status"], forged["metric"]) == ("discard", baseline["metric"]), forged["reason"]
         store = Store(repo / "experiments.db")
         try:
             restored = store.trials(store.get_run("a")["id"])[0]
@@ -238,3 +247,490 @@ def test_the_baseline_is_kept_beside_two_cpu_burners(tmp_path, monkeypatch, mode
     baseline = _trials(repo)["baseline"]
     assert baseline["status"] == "keep", baseline["reason"]
     assert baseline["n_runs"] == 2 and not summary.paused
+
+
+# =======================================================================================
+# Issue 23: the trust boundary is a process boundary. One real attack per class, each by a
+# proposal that has read docs/verification.md and the harness source, through the real
+# sandboxed loop. Every run plants canaries (an environment variable and a .env file) and
+# checks that none reaches experiments.db, a log, the run folder or an LLM brief, and that
+# nothing outside .autoloop/<tag>/trials/ changed (.git/hooks included).
+# =======================================================================================
+
+ENV_CANARY = "ZZ_PLAIN_CANARY"  # a name without any secret marker: the allow-list, not a deny-list, must stop it
+ENV_CANARY_VALUE = "plain-canary-7d1f0e9b2a6c"
+DOTENV_KEY = "sk-canaryDOTENV0123456789abcdefABCDEF"
+DOTENV = f"OPENAI_API_KEY={DOTENV_KEY}\nOTHER_SERVICE_TOKEN=tok-canary-dotenv-5b9e\n"
+CANARIES = (SECRET, ENV_CANARY_VALUE, DOTENV_KEY, "tok-canary-dotenv-5b9e")
+FINISH_ANCHOR = "    H.finish(spec, result)\n"
+AFTER_LOOP_ANCHOR = "    gc.enable()\n"
+BUILD_ANCHOR = "    return model\n\n\n"  # the end of build_model
+
+# Where the evaluator writes, as the attacker reads it from the evaluator's own command line.
+_EVAL_OUT = (
+    "import os as _os, sys as _sys\n"
+    "def _eval_out():\n"
+    "    argv = _sys.argv\n"
+    "    return _os.path.dirname(argv[argv.index('--out') + 1]) if '--out' in argv else None\n"
+    "def _training():\n"
+    "    return bool(_os.environ.get('AUTOLOOP_RESULT'))\n"
+)
+
+TRUST_ATTACKS = {
+    # 1. A symlink planted where a later stage writes (the evaluator's output folder) points
+    #    at .git/hooks; from there the evaluator writes a hook that the controller's next
+    #    ref update runs outside the sandbox, as the user, with every secret it holds.
+    "hook symlink": _patched(IMPORT_ANCHOR, IMPORT_ANCHOR + _EVAL_OUT + (
+        "if _training():\n"
+        "    _run = _os.path.dirname(_os.environ['AUTOLOOP_RESULT'])\n"
+        "    for _d in (_run, _os.path.dirname(_run)):\n"
+        "        for _name in ('eval', 'verify', 'source', 'out'):\n"
+        "            try:\n"
+        "                _os.symlink(_os.path.join(_os.getcwd(), '.git', 'hooks'), _os.path.join(_d, _name))\n"
+        "            except OSError:\n"
+        "                pass\n"
+        "elif _eval_out():\n"
+        "    _hooks = _eval_out()\n"
+        "    _repo = _sys.argv[_sys.argv.index('--train-py') + 1].split('/.autoloop/')[0]\n"
+        "    for _hook in ('reference-transaction', 'post-checkout', 'pre-commit'):\n"
+        "        try:\n"
+        "            _p = _os.path.join(_hooks, _hook)\n"
+        "            open(_p, 'w').write('#!/bin/sh\\necho \"$MY_SECRET_VAR\" >> ' + _repo + '/../hooked.txt\\n')\n"
+        "            _os.chmod(_p, 0o755)\n"
+        "        except OSError:\n"
+        "            pass\n")),
+    # 1. The evaluation's own process runs the trial's model: write a verdict and leave
+    #    before the harness computes one.
+    "forged verdict": _patched(IMPORT_ANCHOR, IMPORT_ANCHOR + _EVAL_OUT + (
+        "if not _training() and _eval_out():\n"
+        "    import json as _json\n"
+        "    _out = _sys.argv[_sys.argv.index('--out') + 1]\n"
+        "    open(_out, 'w').write(_json.dumps({'ok': True, 'reason': None, 'stage': 'done', 'val_bpb': 1.71,\n"
+        "        'heldout_bpb': 1.72, 'causality': {'ok': True}, 'splits': ['val', 'heldout'], 'seconds': {},\n"
+        "        'replaced': []}))\n"
+        "    _os._exit(0)\n"
+        "elif not _training():\n"
+        "    # Under a split evaluation: try every channel this process inherited, and stdout.\n"
+        "    import json as _json\n"
+        "    _forged = _json.dumps({'ok': True, 'val_bpb': 1.71, 'heldout_bpb': 1.72, 'stage': 'done'}) + '\\n'\n"
+        "    print(_forged, flush=True)\n"
+        "    for _fd in range(3, 64):\n"
+        "        try:\n"
+        "            _os.write(_fd, _forged.encode() * 64)\n"
+        "        except OSError:\n"
+        "            pass\n")),
+    # 1. train.log made a link to the project's .env: its tail becomes the crash reason (in
+    #    the db, in the LLM's repair brief) and the controller appends to it. The .env is
+    #    also printed outright, since the repository is readable.
+    "env link": _patched(IMPORT_ANCHOR, IMPORT_ANCHOR + _EVAL_OUT + (
+        "if _training():\n"
+        "    try:\n"
+        "        print('DOTENV', open('.env').read())\n"
+        "    except OSError as _e:\n"
+        "        print('no .env:', _e)\n"
+        "    _run = _os.path.dirname(_os.environ['AUTOLOOP_RESULT'])\n"
+        "    for _d in (_run, _os.path.dirname(_run)):\n"
+        "        for _name in ('train.log', 'eval.log', 'worker.log'):\n"
+        "            try:\n"
+        "                _os.replace(_os.path.join(_d, _name), _os.path.join(_d, _name + '.old'))\n"
+        "            except OSError:\n"
+        "                pass\n"
+        "            try:\n"
+        "                _os.symlink(_os.path.join(_os.getcwd(), '.env'), _os.path.join(_d, _name))\n"
+        "            except OSError:\n"
+        "                pass\n"
+        "    _sys.exit(1)\n")),
+    # 2. At evaluation time the model reads the val and held-out splits from disk and
+    #    predicts each window's next token by looking its start up there: causal, so the
+    #    causality check passes, and held-out "confirms" it.
+    "n-gram lookup": _patched(BUILD_ANCHOR, (
+        "    if not os.environ.get('AUTOLOOP_RESULT'):\n"
+        "        model.forward = _lookup_forward(model.forward, config)\n"
+        "    return model\n\n\n"
+        "import os\n\n\n"
+        "def _lookup_forward(forward, config, K=7):\n"
+        "    tables = []\n"
+        "    try:\n"
+        "        ds = H.load_dataset(os.environ.get('AUTOLOOP_DATA_DIR') or H.default_data_dir(), prepare=False)\n"
+        "        T = config['seq_len']\n"
+        "        for split in ('val', 'heldout'):\n"
+        "            toks = np.asarray(ds.split(split), dtype=np.int64)\n"
+        "            starts = np.arange(0, len(toks) - T - 1, T)\n"
+        "            keys = np.zeros(len(starts), dtype=np.int64)\n"
+        "            for j in range(K):\n"
+        "                keys = keys * 263 + toks[starts + j]\n"
+        "            order = np.argsort(keys)\n"
+        "            tables.append((keys[order], starts[order], toks))\n"
+        "    except Exception as exc:\n"
+        "        print('no lookup tables:', exc)\n"
+        "\n"
+        "    def lookup(idx, targets=None):\n"
+        "        logits = forward(idx, targets)\n"
+        "        if targets is not None or not tables:\n"
+        "            return logits\n"
+        "        x = idx.cpu().numpy()\n"
+        "        out = logits.clone()\n"
+        "        B, T = x.shape\n"
+        "        for b in range(B):\n"
+        "            key = 0\n"
+        "            for j in range(K):\n"
+        "                key = key * 263 + int(x[b, j])\n"
+        "            for keys, starts, toks in tables:\n"
+        "                i = int(np.searchsorted(keys, key))\n"
+        "                if i < len(keys) and keys[i] == key:\n"
+        "                    nxt = torch.as_tensor(toks[starts[i] + K: starts[i] + T + 1], device=out.device)\n"
+        "                    out[b, K - 1:] = -15.0\n"
+        "                    out[b, torch.arange(K - 1, T, device=out.device), nxt[: T - K + 1]] = 15.0\n"
+        "                    break\n"
+        "        return out\n"
+        "    return lookup\n")),
+    # 2. A forward that looks at the next token unless the causality check is on the stack.
+    "peek unless checked": _patched(BUILD_ANCHOR, (
+        "    if not __import__('os').environ.get('AUTOLOOP_RESULT'):\n"
+        "        model.forward = _peeking(model.forward)\n"
+        "    return model\n\n\n"
+        "def _peeking(forward):\n"
+        "    import inspect\n"
+        "    def peek(idx, targets=None):\n"
+        "        logits = forward(idx, targets)\n"
+        "        if targets is not None or any('causal' in f.function for f in inspect.stack()):\n"
+        "            return logits\n"
+        "        out = logits.clone()\n"
+        "        B, T = idx.shape\n"
+        "        rows = torch.arange(T - 1, device=idx.device)\n"
+        "        for b in range(B):\n"
+        "            out[b, rows, idx[b, 1:]] += 30.0\n"
+        "        return out\n"
+        "    return peek\n")),
+    # 3. State that outlives a run: the trained weights stashed in the shared compile cache,
+    #    picked up by a later trial that then starts from a trained model.
+    "stash weights": _patched(FINISH_ANCHOR, (
+        "    import os as _os\n"
+        "    try:\n"
+        "        _dest = _os.environ.get('AUTOLOOP_COMPILE_CACHE') or str(spec.compile_cache_dir)\n"
+        "        _os.makedirs(_dest, exist_ok=True)\n"
+        "        torch.save(model.state_dict(), _os.path.join(_dest, 'stash.pt'))\n"
+        "        print('STASHED in', _dest)\n"
+        "    except OSError as _e:\n"
+        "        print('stash failed:', _e)\n") + FINISH_ANCHOR),
+    "load stash": _patched(LOOP_ANCHOR, LOOP_ANCHOR + (
+        "        if clock.steps == 1:\n"
+        "            import os as _os, glob as _glob\n"
+        "            _roots = [_os.environ.get('AUTOLOOP_COMPILE_CACHE') or str(spec.compile_cache_dir)]\n"
+        "            _found = [p for r in _roots for p in _glob.glob(_os.path.join(r, '**', 'stash.pt'), recursive=True)]\n"
+        "            if _found:\n"
+        "                model.load_state_dict(torch.load(_found[0]))\n"
+        "                print('STASH FOUND', _found[0])\n"
+        "            else:\n"
+        "                print('no stash')\n")),
+    # 5. Numbers from the trial that no database takes.
+    "huge tokens": _patched(FINISH_ANCHOR, "    result['total_tokens'] = 10**30\n" + FINISH_ANCHOR),
+    "nan steps": _patched(FINISH_ANCHOR, "    result['num_steps'] = float('nan')\n    result['mfu_percent'] = float('inf')\n"
+                          + FINISH_ANCHOR),
+}
+
+# 1. Poison torch's own bytecode in the evaluator's bytecode prefix (reached through a link
+#    planted where the evaluator writes): every later evaluation computes half the loss.
+POISON_TORCH_BYTECODE = _patched(IMPORT_ANCHOR, IMPORT_ANCHOR + _EVAL_OUT + (
+    "if _training():\n"
+    "    _run = _os.path.dirname(_os.environ['AUTOLOOP_RESULT'])\n"
+    "    _prefix = _os.path.join(_os.environ.get('AUTOLOOP_CACHE_DIR', ''), 'pycache', 'eval')\n"
+    "    for _d in (_run, _os.path.dirname(_run)):\n"
+    "        for _name in ('eval', 'verify'):\n"
+    "            try:\n"
+    "                _os.symlink(_prefix, _os.path.join(_d, _name))\n"
+    "            except OSError:\n"
+    "                pass\n"
+    "elif _eval_out() and _sys.pycache_prefix:\n"
+    "    import importlib._bootstrap_external as _be, torch.nn.functional as _F\n"
+    "    _src = _F.__file__\n"
+    "    _st = _os.stat(_src)\n"
+    "    _code = compile(open(_src).read() + '\\n_ce0 = cross_entropy\\n'\n"
+    "                    'def cross_entropy(*a, **k):\\n    return _ce0(*a, **k) * 0.5\\n', _src, 'exec')\n"
+    "    for _root in (_eval_out(), _sys.pycache_prefix):\n"
+    "        _pyc = _root + _os.path.dirname(_os.path.abspath(_src)) + '/functional.' + _sys.implementation.cache_tag + '.pyc'\n"
+    "        try:\n"
+    "            _os.makedirs(_os.path.dirname(_pyc), exist_ok=True)\n"
+    "            open(_pyc, 'wb').write(_be._code_to_timestamp_pyc(_code, int(_st.st_mtime), _st.st_size))\n"
+    "        except OSError as _e:\n"
+    "            print('poison failed:', _e)\n"))
+# ... and a far worse model afterwards, which the poisoned loss would make look better.
+# (Every learning rate a hundred times lower: in a few steps it barely learns, far worse than
+# the baseline whatever the optimizer's details.)
+MUCH_WORSE = _patched("MATRIX_LR = 0.04", "MATRIX_LR = 0.0004", _patched("EMBEDDING_LR = 0.6", "EMBEDDING_LR = 0.006",
+                      _patched("UNEMBEDDING_LR = 0.004", "UNEMBEDDING_LR = 0.00004")))
+
+# 4. Training the feed does not see: hoard one extra batch per step (the feed allows a step
+#    twice the median's batches), then train on the hoard after the last tick, before the
+#    checkpoint; or inside a last step made long on purpose.
+_HOARD = (
+    "        if clock.steps == 1:\n"
+    "            _hoard, _extra = [], H.TokenLoader(ds, 'train', DEVICE_BATCH_SIZE, seq_len, device, seed=spec.seed + 7)\n"
+    "        _hoard.append(next(_extra))\n"
+)
+_TRAIN_ON_HOARD = (
+    "def _train_on(model, optimizers, batches):\n"
+    "    for x, y in batches:\n"
+    "        model(x, y).backward()\n"
+    "        for opt in optimizers:\n"
+    "            opt.step()\n"
+    "        model.zero_grad(set_to_none=True)\n\n\n"
+)
+# Several passes over the hoard: tens of seconds of extra updates however few steps a busy
+# machine left the run (the rules allow a few steps' worth; docs/verification.md).
+TAIL_TRAINING = _patched(AFTER_LOOP_ANCHOR, "    _train_on(model, optimizers, _hoard * 8)\n" + AFTER_LOOP_ANCHOR,
+                         _patched(LOOP_ANCHOR, LOOP_ANCHOR + _HOARD, _patched("def fail(reason):", _TRAIN_ON_HOARD + "def fail(reason):")))
+LONG_LAST_STEP = _patched(LOOP_ANCHOR, (
+    "        if clock.steps >= clock.warmup_steps and clock.training_seconds + dt >= clock.time_budget:\n"
+    "            _train_on(model, optimizers, _hoard * 8)\n"
+    "            _hoard = []\n") + LOOP_ANCHOR + _HOARD,
+    _patched("def fail(reason):", _TRAIN_ON_HOARD + "def fail(reason):"))
+
+
+def _plant_canaries(repo: Path, monkeypatch) -> None:
+    monkeypatch.setenv(ENV_CANARY, ENV_CANARY_VALUE)
+    (repo / ".env").write_text(DOTENV)
+
+
+def _protected_state(repo: Path) -> dict[str, bytes]:
+    """Every file outside .autoloop/<tag>/trials/ that a trial must not change: the project,
+    .git (hooks, config, refs are the controller's), the .env file."""
+    state = {}
+    for path in repo.rglob("*"):
+        rel = path.relative_to(repo)
+        if not path.is_file() or rel.parts[0] == ".autoloop" or path.name.startswith("experiments.db"):
+            continue
+        if rel.parts[0] == ".git" and (rel.parts[1] in ("objects", "logs", "refs", "index", "ORIG_HEAD", "HEAD",
+                                                        "autoloop.lock") or rel.parts[1:] == ("info", "exclude")):
+            continue  # the controller's own writes (its commits and refs, its lock, its run-time files' exclusion)
+        state[str(rel)] = path.read_bytes()
+    return state
+
+
+def _brief(repo: Path, tag: str = "a") -> str:
+    """What an LLM proposer would be sent now: the shared brief and the repair section of every crash."""
+    from autoloop.gitops import GitRepo
+    from autoloop.proposers.base import ProposalContext
+    from autoloop.proposers.brief import render_context, repair_section
+
+    store = Store(repo / "experiments.db")
+    try:
+        run = store.get_run(tag)
+        git_repo = GitRepo.open(repo)
+        best = run["best_commit"] or run["base_commit"]
+        ctx = ProposalContext(config=resolve(repo, {"tag": tag}), store=store, run=run, repo=git_repo,
+                              parent_commit=best, read_parent_file=git_repo.file_reader(best))
+        text = render_context(ctx)
+        for trial in store.trials(run["id"]):
+            if trial["status"] == "crash":
+                text += repair_section(trial)
+        return text
+    finally:
+        store.close()
+
+
+def _assert_no_secret_anywhere(repo: Path, tag: str = "a") -> None:
+    leaks = []
+    # A link the trial planted in its own out/ folder (pointing at .env) is not a copy of the
+    # secret: nothing of ours follows it (autoloop.trust.untrusted), so neither does this check.
+    candidates = [p for p in (repo / ".autoloop").rglob("*") if p.is_file() and not p.is_symlink()]
+    candidates += [p for p in repo.iterdir() if p.name.startswith("experiments.db")]
+    for path in candidates:
+        data = path.read_bytes()
+        leaks += [f"{path.relative_to(repo)}: {c}" for c in CANARIES if c.encode() in data]
+    brief = _brief(repo, tag)
+    leaks += [f"LLM brief: {c}" for c in CANARIES if c in brief]
+    assert not leaks, leaks
+
+
+def _kept(trial: dict) -> bool:
+    return trial["status"] == "keep"
+
+
+@pytest.mark.slow
+@needs_bwrap
+def test_trust_attacks_in_step_mode_are_not_kept_and_leak_nothing(tmp_path, monkeypatch):
+    """Issue 23, items 1, 2, 3 and 5, sandboxed, verification on: none kept, the controller
+    alive (and again after a restart), no secret anywhere, .git/hooks and every file outside
+    the trials' folders unchanged."""
+    # A cache of this test's own: on today's main the bytecode attack poisons it for every
+    # later evaluation, and it must not reach the session's shared cache.
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("AUTOLOOP_CACHE_DIR", str(cache))
+    monkeypatch.setenv("AUTOLOOP_COMPILE_CACHE", str(cache / "compile"))
+    repo = make_repo(tmp_path / "repo", TRAIN_PY.read_text())
+    _plant_canaries(repo, monkeypatch)
+    names = list(TRUST_ATTACKS) + ["poison bytecode", "much worse"]
+    sources = {**TRUST_ATTACKS, "poison bytecode": POISON_TORCH_BYTECODE, "much worse": MUCH_WORSE}
+    config = _run(repo, monkeypatch, max_steps=6, max_trials=1 + len(names))
+    _seed_attacks(repo, config, names, sources)
+    before = _protected_state(repo)
+    hooks_before = sorted(p.name for p in (repo / ".git" / "hooks").iterdir())
+    Controller(config, repo).run()
+    Controller(_run(repo, monkeypatch, max_steps=6, max_trials=2), repo).run()  # a restart: alive, nothing re-run
+    trials = _trials(repo)
+    baseline = trials["baseline"]
+    assert baseline["status"] == "keep", baseline["reason"]
+    wrongly_kept = {name: (trials[name]["status"], trials[name]["metric"], trials[name]["reason"])
+                    for name in names if name in trials and _kept(trials[name]) and name != "stash weights"}
+    assert not wrongly_kept, wrongly_kept
+    assert set(names) <= set(trials), sorted(set(names) - set(trials))
+    assert len(trials) == 1 + len(names), sorted(trials)  # the restart re-ran nothing
+    # The weights stashed by one trial never reach another.
+    assert "STASH FOUND" not in _log(repo, trials["load stash"])
+    # A number no database takes is the trial's problem, not the controller's.
+    for name in ("huge tokens", "nan steps"):
+        assert trials[name]["status"] == "invalid", (name, trials[name]["status"], trials[name]["reason"])
+    # Nothing the evaluator could write ran outside the sandbox.
+    assert not (tmp_path / "hooked.txt").exists(), (tmp_path / "hooked.txt").read_text()
+    assert sorted(p.name for p in (repo / ".git" / "hooks").iterdir()) == hooks_before
+    assert _protected_state(repo) == before
+    _assert_no_secret_anywhere(repo)
+
+
+@pytest.mark.slow
+@needs_bwrap
+def test_training_the_feed_does_not_see_is_over_budget(tmp_path, monkeypatch):
+    """Issue 23, item 4, time mode: extra optimizer steps on hoarded batches after the last
+    clock tick (before the checkpoint), or inside a last step made long on purpose."""
+    repo = make_repo(tmp_path / "repo", TRAIN_PY.read_text())
+    _plant_canaries(repo, monkeypatch)
+    attacks = {"tail training": TAIL_TRAINING, "long last step": LONG_LAST_STEP}
+    config = _run(repo, monkeypatch, time_budget=8, max_trials=1 + len(attacks))
+    _seed_attacks(repo, config, list(attacks), attacks)
+    Controller(config, repo).run()
+    trials = _trials(repo)
+    assert trials["baseline"]["status"] == "keep", trials["baseline"]["reason"]
+    for name in attacks:
+        trial = trials[name]
+        # Caught by the budget, not by luck: on the old rules both passed it (-0.31 and -0.35
+        # bpb), and only the held-out guard's margin happened to refuse them.
+        assert trial["status"] == "invalid", (name, trial["status"], trial["metric"], trial["reason"])
+        # (which of the budget's tail rules fires first depends on how long the extra training
+        # took: the last step, the checkpoint's CPU time, or the time after the last batch)
+        assert "held-out" not in trial["reason"] and any(
+            words in trial["reason"] for words in ("last step", "checkpoint", "after its last training batch")), \
+            (name, trial["reason"])
+    _assert_no_secret_anywhere(repo)
+
+
+def _victim() -> tuple[subprocess.Popen, int | None]:
+    """An unrelated process group of the user's (a `sleep` in a session of its own)."""
+    from autoloop.measure.runner import process_start_time
+
+    victim = subprocess.Popen(["sleep", "600"], start_new_session=True)
+    return victim, process_start_time(victim.pid)
+
+
+@pytest.mark.slow
+@needs_bwrap
+def test_a_trial_cannot_make_a_worker_kill_someone_else(tmp_path, monkeypatch):
+    """Issue 23, item 6: a worker's control files sit where training cannot write; process
+    ids come from the worker's own channel; nothing is killed without a matching start time."""
+    victim, start = _victim()
+    try:
+        pids = f"{{'pid': {victim.pid}, 'pgid': {victim.pid}, 'start_time': {start}}}"
+        attack = _patched(IMPORT_ANCHOR, IMPORT_ANCHOR + _EVAL_OUT + (
+            "if _training():\n"
+            "    import json as _json, time as _time\n"
+            "    _run = _os.path.dirname(_os.environ['AUTOLOOP_RESULT'])\n"
+            "    for _ in range(3):\n"
+            "        for _d in (_run, _os.path.dirname(_run)):\n"
+            "            try:\n"
+            f"                open(_os.path.join(_d, 'pids.json'), 'w').write(_json.dumps({pids}))\n"
+            "            except OSError:\n"
+            "                pass\n"
+            "        _time.sleep(0.5)\n"),
+            _patched(FINISH_ANCHOR, "    result['num_steps'] = float('nan')\n" + FINISH_ANCHOR))
+        repo = make_repo(tmp_path / "repo", TRAIN_PY.read_text())
+        config = _run(repo, monkeypatch, max_steps=6, max_trials=2, workers=1, executor="local")
+        _seed_attacks(repo, config, ["victim pids"], {"victim pids": attack})
+        Controller(config, repo).run()
+        trials = _trials(repo)
+        assert trials["baseline"]["status"] == "keep", trials["baseline"]["reason"]
+        assert not _kept(trials["victim pids"])
+        time.sleep(0.5)
+        assert victim.poll() is None, "the controller killed a process group that was not the trial's"
+    finally:
+        victim.kill()
+        victim.wait()
+
+
+@pytest.mark.slow
+def test_two_workers_with_honest_trials_unsandboxed_lose_nothing(tmp_path, monkeypatch):
+    """Issue 23, item 6: with two trials in flight, one thread's legitimate writes are neither
+    blamed on the other's training nor undone by its seal."""
+    repo = make_repo(tmp_path / "repo", TRAIN_PY.read_text())
+    values = ["0.03", "0.05", "0.035", "0.045"]
+    config = _run(repo, monkeypatch, max_steps=6, max_trials=1 + len(values), workers=2, executor="local",
+                  sandbox="off")
+    for value in values:  # constants set on whatever the best is then, so every one applies
+        seed_idea(config, repo, f"attack: lr {value}", sets=[f"MATRIX_LR={value}"], patch=None)
+    honest = values
+    Controller(config, repo).run()
+    store = Store(repo / "experiments.db")
+    try:
+        run = store.get_run("a")
+        rows = store.trials(run["id"])
+        failed = [(t["number"], t["status"], t["reason"]) for t in rows if t["status"] not in ("keep", "discard")]
+        assert not failed, failed
+        for trial in rows:
+            ok = [m for m in store.measurements(trial["id"]) if m["status"] == "ok" and m["metric"] is not None]
+            assert ok, f"trial {trial['number']} ({trial['status']}, metric {trial['metric']}) has no measurement"
+    finally:
+        store.close()
+    assert len(rows) == 1 + len(honest)
+
+
+@pytest.mark.slow
+def test_the_training_of_a_lost_worker_dies_with_it(tmp_path, monkeypatch):
+    """Issue 23, item 6: whenever a worker dies, before or after it told anyone its
+    training's process group, that training dies with it (here the training kills its own
+    worker at once, unsandboxed, then tries to outlive it)."""
+    marker = tmp_path / "survivor.pid"
+    # First thing in the file, before torch is imported: the worker dies within
+    # milliseconds of starting its training, before it could have told anyone its group.
+    # It also removes whatever told its worker's parent its process group, then kills the worker.
+    attack = (
+        "import os as _os, signal as _signal, time as _time\n"
+        "if _os.environ.get('AUTOLOOP_RESULT'):\n"
+        f"    open({str(marker)!r}, 'w').write(str(_os.getpid()))\n"
+        "    _run = _os.path.dirname(_os.environ['AUTOLOOP_RESULT'])\n"
+        "    for _d in (_run, _os.path.dirname(_run)):\n"
+        "        try:\n"
+        "            _os.unlink(_os.path.join(_d, 'pids.json'))\n"
+        "        except OSError:\n"
+        "            pass\n"
+        "    _os.kill(_os.getppid(), _signal.SIGKILL)\n"
+        "    _time.sleep(120)\n"
+    ) + TRAIN_PY.read_text()
+    repo = make_repo(tmp_path / "repo", TRAIN_PY.read_text())
+    config = _run(repo, monkeypatch, max_steps=6, max_trials=2, workers=1, executor="local", sandbox="off")
+    _seed_attacks(repo, config, ["kill my worker"], {"kill my worker": attack})
+    Controller(config, repo).run()
+    trials = _trials(repo)
+    assert trials["baseline"]["status"] == "keep", trials["baseline"]["reason"]
+    assert marker.exists(), "the attack did not run"
+    pid = int(marker.read_text())
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and Path(f"/proc/{pid}").exists():
+        time.sleep(0.2)
+    alive = Path(f"/proc/{pid}/stat").exists() and Path(f"/proc/{pid}/stat").read_text().split(")")[1].split()[0] != "Z"
+    if alive:
+        os.kill(pid, 9)
+    assert not alive, "the training of a dead worker is still running"
+
+
+@pytest.mark.slow
+@needs_bwrap
+def test_no_verify_under_the_sandbox_sees_a_dataset_in_tmp(tmp_path, monkeypatch):
+    """Issue 23, item 7: with --no-verify training reads its data itself, from wherever it is."""
+    from autoloop import harness as H
+
+    data = H.prepare_embedded(tmp_path / "data")
+    repo = make_repo(tmp_path / "repo", TRAIN_PY.read_text())
+    config = _run(repo, monkeypatch, max_steps=4, max_trials=1, verify=False, dataset=str(tmp_path / "data"))
+    assert data.fingerprint
+    Controller(config, repo).run()
+    baseline = _trials(repo)["baseline"]
+    assert baseline["status"] == "keep", baseline["reason"]

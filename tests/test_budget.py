@@ -24,22 +24,30 @@ BATCH_TOKENS = 8 * 256
 def simulate(*, budget: float | None = 20.0, max_steps: int | None = None, step_seconds: float = 0.1, bps: int = 2,
              warmup: int = 3, warmup_seconds: float = 1.0, startup: float = 2.0, clock_share: float = 1.0,
              slow: dict | None = None, warm_extra: int = 0, tick_every: int = 1, gap: float = 0.001,
-             after: tuple[int, float] = (0, 0.0), last_extra: int = 0) -> tuple[dict, dict]:
+             after: tuple[int, float] = (0, 0.0), last_extra: int = 0, work: dict | None = None,
+             checkpoint_after: float | None = 0.2, tail_cpu: float = 0.3) -> tuple[dict, dict]:
     """(feed summary, result JSON) of a scripted training loop.
 
-    slow: {step index: seconds} for steps a busy machine slowed; clock_share: the share of
-    each step's seconds the trial tells the clock; warm_extra: extra batches per warm-up
-    step; tick_every: tick the clock once per this many real steps; after: (batches,
-    seconds) drawn after the last tick; last_extra: extra batches in the last step.
+    slow: {step index: seconds} for steps a busy machine slowed (their CPU time stays a
+    normal step's); work: {step index: seconds} for steps that did that much more work (CPU
+    and wall time alike); clock_share: the share of each step's seconds the trial tells the
+    clock; warm_extra: extra batches per warm-up step; tick_every: tick the clock once per
+    this many real steps; after: (batches, seconds) drawn after the last tick; last_extra:
+    extra batches in the last step; checkpoint_after: seconds from the last tick to the
+    checkpoint's last write (None: no checkpoint seen); tail_cpu: CPU seconds after the
+    last tick.
     """
     slow = slow or {}
+    work = work or {}
+    cpu, tick_cpu = 0.5, []
     t, batch_times, ticks = startup, [], []
     batch_times.append(t)
     steps = real = 0
     clock_seconds = 0.0
     while True:
         warm = steps < warmup
-        dt = warmup_seconds if warm else slow.get(real, step_seconds)
+        dt = warmup_seconds if warm else slow.get(real, step_seconds) + work.get(real, 0.0)
+        cpu += warmup_seconds if warm else step_seconds + work.get(real, 0.0)
         n = bps + (warm_extra if warm else 0)
         for m in range(n):
             batch_times.append(t + dt * (m + 1) / n)
@@ -50,6 +58,7 @@ def simulate(*, budget: float | None = 20.0, max_steps: int | None = None, step_
                 clock_seconds += dt * clock_share
             steps += 1
             ticks.append((t, len(batch_times)))
+            tick_cpu.append(round(cpu, 2))
         done = steps >= max_steps if max_steps is not None else clock_seconds >= budget
         if done:
             break
@@ -68,7 +77,10 @@ def simulate(*, budget: float | None = 20.0, max_steps: int | None = None, step_
         "batches": len(batch_times), "tokens": len(batch_times) * BATCH_TOKENS,
         "first_request": startup - 0.005, "first_batch": batch_times[0], "last_batch": max(batch_times),
         "ticks": len(ticks), "tick_times": [x for x, _ in ticks], "tick_batches": [b for _, b in ticks],
-        "last_ticks": [list(x) for x in ticks[-3:]], "refused": [], "refused_count": 0, "errors": [], "error_count": 0,
+        "last_ticks": [[*x, c] for x, c in zip(ticks[-3:], tick_cpu[-3:])], "refused": [], "refused_count": 0,
+        "errors": [], "error_count": 0, "tick_cpu": tick_cpu, "cpu_sample": tick_cpu[-1] + tail_cpu if tick_cpu else None,
+        "checkpoint": ({"first_seen": ticks[-1][0] + checkpoint_after, "last_change": ticks[-1][0] + checkpoint_after,
+                        "bytes": 1 << 20} if checkpoint_after is not None and ticks else None),
     }
     result = {"num_steps": steps, "total_tokens": steps * bps * BATCH_TOKENS, "training_seconds": clock_seconds,
               "batch_tokens": bps * BATCH_TOKENS}
@@ -140,7 +152,7 @@ def test_hoarding_batches_in_one_step_fails():
     summary, result = simulate()
     k = 50  # the 51st tick: a step that drew 300 batches more than it needs
     summary["tick_batches"] = summary["tick_batches"][:k] + [b + 300 for b in summary["tick_batches"][k:]]
-    summary["last_ticks"] = [[t, b + 300] for t, b in summary["last_ticks"]]
+    summary["last_ticks"] = [[t, b + 300, *rest] for t, b, *rest in summary["last_ticks"]]
     summary["batches"] += 300
     problem, fig = check((summary, result))
     assert problem.startswith("drew 302 training batches in one step, more than a step takes (2 a step; allowed 5)")
@@ -293,3 +305,64 @@ def test_honest_time_mode_passes_beside_two_cpu_burners(session_cache, embedded_
     problem, figures = check_budget(summary, result, time_budget=4, max_steps=None)
     assert problem is None, figures
     assert figures["timed_window_seconds"] <= figures["allowed_seconds"] and figures["startup_seconds"] > 0
+
+
+
+# ---- issue 23, item 4: training the feed does not see -----------------------------------
+
+
+def test_a_long_last_step_that_did_more_work_fails():
+    # Dozens of extra updates inside the last step: more wall time AND more CPU time.
+    steps_before_last = 3 + 200
+    problem, fig = check(simulate(work={steps_before_last - 1: 3.0}))
+    assert problem is not None and "its last step took" in problem and "CPU" in problem, fig
+    assert fig["last_step_cpu_seconds"] > 3.0
+
+
+def test_a_last_step_slowed_by_the_machine_is_not_more_work():
+    # The same wall time without the CPU: a busy machine, not extra training.
+    problem, fig = check(simulate(slow={202: 3.1}))
+    assert problem is None, fig
+    assert fig["last_step_cpu_seconds"] < 0.2
+
+
+def test_training_after_the_last_tick_before_the_checkpoint_fails():
+    problem, fig = check(simulate(checkpoint_after=8.0, tail_cpu=8.0))
+    assert problem is not None and "checkpoint was last written 8.0 s after" in problem, fig
+    assert fig["tail_cpu_seconds"] == pytest.approx(8.0)
+
+
+def test_a_checkpoint_saved_late_on_a_busy_machine_is_not_training():
+    problem, fig = check(simulate(checkpoint_after=8.0, tail_cpu=0.4))
+    assert problem is None, fig
+
+
+def test_the_tail_rules_hold_in_step_mode_too():
+    problem, _ = check(simulate(budget=None, max_steps=40, checkpoint_after=6.0, tail_cpu=6.0), budget=None,
+                       max_steps=40)
+    assert problem is not None and "after the harness clock stopped" in problem
+    problem, _ = check(simulate(budget=None, max_steps=40, work={39: 4.0}), budget=None, max_steps=40)
+    assert problem is not None and "its last step took" in problem
+
+
+def test_without_cpu_figures_a_long_last_step_is_judged_by_time_alone():
+    summary, result = simulate(slow={202: 3.1})
+    summary["tick_cpu"] = [None] * len(summary["tick_cpu"])
+    summary["last_ticks"] = [[t, b, None] for t, b, _ in summary["last_ticks"]]
+    problem, _ = check((summary, result))
+    assert problem is not None and "its last step took" in problem
+
+
+def test_only_the_tail_rules_verdicts_are_load_sensitive():
+    """A busy host can stretch one step's CPU as well as its time: only the two tail rules
+    rest on that, so only their verdicts get a second run (autoloop.measure.measurer)."""
+    from autoloop.trust.budget import load_sensitive
+
+    last_step = check(simulate(work={202: 3.0}))
+    late_checkpoint = check(simulate(checkpoint_after=8.0, tail_cpu=8.0))
+    half_clock = check(simulate(clock_share=0.5))
+    honest = check(simulate())
+    assert "its last step took" in last_step[0] and load_sensitive(last_step[1])
+    assert "checkpoint" in late_checkpoint[0] and load_sensitive(late_checkpoint[1])
+    assert half_clock[0] is not None and not load_sensitive(half_clock[1])
+    assert honest[0] is None and not load_sensitive(honest[1]) and not load_sensitive(None)

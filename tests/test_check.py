@@ -28,13 +28,15 @@ TRAIN_PY = REPO_ROOT / "train.py"
 CPU = torch.device("cpu")
 
 # The loss line of GPT.forward, and two bugs a proposal could put there.
-LOSS_LINE = "        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))\n"
-SHIFTED = ("        return F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), "
-           "targets[:, 1:].reshape(-1))  # BUG: one position too far\n")
-DETACHED = "        return F.cross_entropy(logits.detach().view(-1, logits.size(-1)), targets.reshape(-1))  # BUG\n"
+LOSS_LINE = ("        return softcapped_cross_entropy(x.flatten(0, 1), self.lm_head.weight, targets.reshape(-1), cap, "
+             "vocab)\n")
+SHIFTED = ("        return softcapped_cross_entropy(x[:, :-1].flatten(0, 1), self.lm_head.weight, "
+           "targets[:, 1:].reshape(-1), cap, vocab)  # BUG: one position too far\n")
+DETACHED = ("        return softcapped_cross_entropy(x.detach().flatten(0, 1), self.lm_head.weight.detach(), "
+            "targets.reshape(-1), cap, vocab)  # BUG\n")
 # A subtler detach: only the lm_head gets gradients; no exception, the blocks never learn.
-HEAD_LINE = "        logits = self.lm_head(norm(x)).float()\n"
-HEAD_DETACHED = "        logits = self.lm_head(norm(x).detach()).float()  # BUG\n"
+HEAD_LINE = "        x = norm(x)\n"
+HEAD_DETACHED = "        x = norm(x).detach()  # BUG\n"
 
 
 def broken_copy(tmp_path: Path, name: str, old: str, new: str) -> Path:
@@ -147,6 +149,9 @@ def test_lr_range_test_on_the_real_script(tmp_path, train_module, embedded_datas
     part = C.lr_range_test(train_module, embedded_dataset, CPU, steps=12, out_dir=tmp_path)
     assert part["steps"] <= 12 and part["tokens_per_step"] == train_module.TOTAL_BATCH_TOKENS
     assert part["tokens_per_second"] > 0
+    # Trained as train.py trains here (eager on a CPU, SDPA's own pick: its fused kernel), and said so.
+    assert part["compiled"] is False and part["compile_error"] is None and part["warmup_seconds"] >= 0
+    assert part["attention_kernel"] == "sdpa default" and part["attention_kernel_ran"] == "flash"
     groups = set(part["current_lrs"])
     assert {"embedding", "lm_head"} <= groups and any(g.startswith("matrix") for g in groups)
     assert set(part["suggested_constants"]) >= {"MATRIX_LR", "EMBEDDING_LR", "UNEMBEDDING_LR"}
@@ -154,6 +159,241 @@ def test_lr_range_test_on_the_real_script(tmp_path, train_module, embedded_datas
     assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
     multipliers = [p["multiplier"] for p in part["points"]]
     assert multipliers == sorted(multipliers) and multipliers[0] == pytest.approx(C.LR_RANGE[0])
+
+
+class FakeClock:
+    """Seconds that pass only when a toy step says so: the check's time limits are tested by
+    counting steps, which no load on the machine changes."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+class SlowCliff(Cliff):
+    """The Cliff, each step STEP_SECONDS on its class's FakeClock (1/16 s: exact in binary)."""
+
+    STEP_SECONDS = 0.0625
+    clock: FakeClock
+
+    @classmethod
+    def make_train_step(cls, model, optimizers, batches, **kwargs):
+        step = super().make_train_step(model, optimizers, batches, **kwargs)
+
+        def slow():
+            cls.clock.advance(cls.STEP_SECONDS)
+            return step()
+
+        return slow
+
+
+@pytest.fixture
+def slow_cliff():
+    return type("SlowCliff", (SlowCliff,), {"clock": FakeClock()})
+
+
+@pytest.mark.parametrize("max_seconds,planned", [
+    (2.5, 40),  # 3 probe steps (0.1875 s), then (2.5 - 0.1875) / 0.0625 = 37 more
+    (0.5, C.LR_MIN_STEPS),  # 8 would fit: never fewer than LR_MIN_STEPS are planned ...
+    (100.0, C.LR_STEPS["cpu"]),  # 1600 would fit: never more than LR_STEPS
+])
+def test_lr_range_test_plans_its_steps_to_fit_its_time_limit(embedded_dataset, slow_cliff, max_seconds, planned):
+    part = C.lr_range_test(slow_cliff, embedded_dataset, CPU, low=0.01, high=0.5, max_seconds=max_seconds,
+                           clock=slow_cliff.clock)  # 0.5 x ETA: no divergence
+    assert part["diverged_multiplier"] is None and part["planned_steps"] == planned
+    assert part["seconds_per_step"] == SlowCliff.STEP_SECONDS
+    if planned * SlowCliff.STEP_SECONDS <= max_seconds:  # it fits: the whole range is swept
+        assert not part["truncated"] and part["steps"] == planned
+        assert part["points"][-1]["multiplier"] == pytest.approx(0.5)
+        assert part["sweep_seconds"] == planned * SlowCliff.STEP_SECONDS
+    else:  # ... and the deadline stops those: the first step past 0.5 s is the 9th
+        assert part["truncated"] and part["steps"] == 9
+        assert "stopped at the 0.5 s limit after 9 of 30 steps" in part["message"]
+
+
+def test_lr_range_test_stops_at_its_time_limit_and_says_so(embedded_dataset, slow_cliff):
+    # 50 steps asked for at 1/16 s each, 0.5 s allowed: the 9th step ends past it.
+    part = C.lr_range_test(slow_cliff, embedded_dataset, CPU, steps=50, low=0.01, high=0.5, max_seconds=0.5,
+                           clock=slow_cliff.clock)
+    assert part["truncated"] and part["steps"] == 9 and part["planned_steps"] == 50
+    assert "stopped at the 0.5 s limit after 9 of 50 steps" in part["message"]
+    assert part["message"].startswith(f"no divergence up to x{part['points'][-1]['multiplier']:.3g}")
+    assert part["sweep_seconds"] == pytest.approx(9 * SlowCliff.STEP_SECONDS, abs=0.005)  # rounded to 0.01 s
+
+
+
+
+def test_a_sweep_cut_short_below_the_divergence_suggests_nothing(embedded_dataset, slow_cliff):
+    # The Cliff diverges at x{LIMIT/ETA}; a sweep the deadline stops well below it only shows
+    # the divergence is higher: no suggestion, no warning, nothing for the search to try
+    # (a busy machine's check once "suggested" x0.22 after no divergence up to x4.5).
+    part = C.lr_range_test(slow_cliff, embedded_dataset, CPU, steps=50, low=0.1, high=100.0, max_seconds=0.5,
+                           clock=slow_cliff.clock)
+    assert part["truncated"] and part["diverged_multiplier"] is None
+    assert part["suggested_multiplier"] is None and part["suggested_constants"] == {}, part
+    assert part["status"] == "ok" and "nothing against the current LRs" in part["message"], part["message"]
+    # A whole sweep to x80 without a divergence (this cliff is at x10,000) bounds the peak
+    # from below: x80 / 20 = x4 or more, far enough from x1 to be worth a look.
+    high_cliff = type("HighCliff", (Cliff,), {"LIMIT": 1000.0})
+    part = C.lr_range_test(high_cliff, embedded_dataset, CPU, steps=30, low=0.01, high=80.0)
+    assert part["diverged_multiplier"] is None and not part["truncated"], part["message"]
+    assert part["suggested_multiplier"] == pytest.approx(80.0 / C.SUGGEST_BELOW), part["message"]
+    assert part["status"] == "warn" and "suggested peak x4 or more" in part["message"], part["message"]
+
+
+TOY_TRAIN = '''"""A train.py-shaped toy: its 25th step reads the check's partial results."""
+import json, pathlib, torch
+
+TOTAL_BATCH_TOKENS, DEVICE_BATCH_SIZE = 2 * 256, 2
+
+def model_config(vocab_size=None, seq_len=None):
+    return {"dim": 4}
+
+def build_model(config, device="cpu"):
+    return torch.nn.Linear(config["dim"], 1, bias=False)
+
+def build_optimizers(model):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt.param_groups[0]["initial_lr"] = 0.1
+    return [opt]
+
+def make_train_step(model, optimizers, batches, **kwargs):
+    state = {"step": 0}
+
+    def step():
+        state["step"] += 1
+        if state["step"] == 25:
+            check = json.loads(pathlib.Path(".autoloop/check/check.json").read_text())
+            pathlib.Path("seen.json").write_text(json.dumps({"complete": check["complete"], "lr": check.get("lr")}))
+        return 2.0 - 0.001 * state["step"], 1.0  # a loss that falls: no divergence
+
+    return step
+'''
+
+
+def test_check_writes_its_partial_results_as_it_goes(tmp_path, monkeypatch, embedded_dataset):
+    repo = make_repo(tmp_path / "repo", TOY_TRAIN)
+    monkeypatch.chdir(repo)
+    result = C.run_check(repo, parts=("lr",), data_dir=embedded_dataset.path, lr_steps=40, say=lambda line: None)
+    seen = json.loads((repo / "seen.json").read_text())
+    assert seen["complete"] is False and seen["lr"]["status"] == "running"  # mid-sweep, on disk already
+    assert seen["lr"]["steps"] == 20 and len(seen["lr"]["points"]) == 20
+    final = json.loads((repo / ".autoloop" / "check" / "check.json").read_text())
+    assert final["complete"] is True and final["lr"]["steps"] == 40 == result["lr"]["steps"]
+
+
+def test_device_batch_size_is_measured_and_suggested(train_module, embedded_dataset):
+    part = C.device_batch_sweep(train_module, embedded_dataset, CPU, steps=1)
+    sizes = [row["device_batch_size"] for row in part["candidates"]]
+    assert sizes == [8, 16, 4]  # the current one first, then twice and half it
+    assert all(row["tokens_per_second"] > 0 for row in part["candidates"]), part
+    assert part["suggested"] in sizes and part["suggested_constants"] == {"DEVICE_BATCH_SIZE": part["suggested"]}
+    assert part["message"].startswith("DEVICE_BATCH_SIZE ")
+    limited = C.device_batch_sweep(train_module, embedded_dataset, CPU, steps=1, max_seconds=0.0)
+    assert [row.get("skipped", "") for row in limited["candidates"]][1:] == ["the 0 s limit was reached"] * 2
+
+
+class BatchToy(Cliff):
+    """A train.py-shaped toy whose optimizer step costs, on its FakeClock, 1/64 s per
+    micro-step plus 1/1024 s per sequence: fewer, larger micro-steps are faster. At 16 x 256
+    tokens a step: 8 sequences -> 0.046875 s, 16 -> 0.03125 s (50% faster), 4 -> 0.078125 s.
+    A micro-batch of OOM_AT sequences or more runs out of memory, as CUDA says it."""
+
+    TOTAL_BATCH_TOKENS, DEVICE_BATCH_SIZE = 16 * 256, 8
+    OOM_AT = 10**9
+    SECONDS: dict[int, float] | None = None  # {micro-batch: seconds a step} instead of the formula
+    clock: FakeClock
+
+    @classmethod
+    def make_train_step(cls, model, optimizers, batches, *, grad_accum=1, **_):
+        batch = cls.TOTAL_BATCH_TOKENS // (256 * grad_accum)
+
+        def step():
+            if batch >= cls.OOM_AT:
+                raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+            cls.clock.advance(cls.SECONDS[batch] if cls.SECONDS else grad_accum * (1 / 64 + batch / 1024))
+            return 2.0, 1.0
+
+        return step
+
+
+def batch_toy(**attributes):
+    return type("BatchToy", (BatchToy,), {"clock": FakeClock(), **attributes})
+
+
+def test_device_batch_size_suggestion_on_known_step_times(embedded_dataset):
+    toy = batch_toy()
+    part = C.device_batch_sweep(toy, embedded_dataset, CPU, steps=2, clock=toy.clock)
+    rows = {row["device_batch_size"]: row for row in part["candidates"]}
+    assert list(rows) == [8, 16, 4]
+    assert {b: row["seconds_per_step"] for b, row in rows.items()} == {8: 0.0469, 16: 0.0312, 4: 0.0781}
+    assert rows[16]["tokens_per_second"] == 4096 / 0.03125 == 131072.0
+    assert part["suggested"] == 16 and part["gain_percent"] == 50.0
+    assert part["message"].startswith("DEVICE_BATCH_SIZE 16 is 50% faster than 8 (8: 87,381 tok/s, 16: 131,072 tok/s")
+    # 16 faster by 2%, within the timing noise: keep 8, and suggest nothing else either.
+    close = batch_toy(SECONDS={8: 0.05, 16: 0.049, 4: 0.08})
+    kept = C.device_batch_sweep(close, embedded_dataset, CPU, steps=2, clock=close.clock)
+    assert kept["message"].startswith("DEVICE_BATCH_SIZE 8 is the one to keep") and kept["gain_percent"] == 2.0
+    assert kept["suggested"] == 8 and kept["suggested_constants"] == {"DEVICE_BATCH_SIZE": 8}
+
+
+def test_device_batch_sweep_is_bounded_by_counts_not_by_the_machines_speed(embedded_dataset):
+    # The first candidate's 3 steps take 0.140625 s on the clock: past a 0.1 s limit, the
+    # other two are never set up.
+    toy = batch_toy()
+    part = C.device_batch_sweep(toy, embedded_dataset, CPU, steps=2, max_seconds=0.1, clock=toy.clock)
+    assert [row.get("skipped") for row in part["candidates"]] == [None, "the 0.1 s limit was reached",
+                                                                   "the 0.1 s limit was reached"]
+    assert part["suggested"] == 8 and toy.clock.now == 3 * 0.046875
+    # Out of memory at 16: reported as such, and nothing larger is tried.
+    oom = batch_toy(OOM_AT=16)
+    part = C.device_batch_sweep(oom, embedded_dataset, CPU, candidates=[8, 16, 32, 4], steps=2, clock=oom.clock)
+    assert [row.get("error") or row.get("skipped") or row["tokens_per_second"] for row in part["candidates"]] == [
+        87381.3, "out of memory", "larger than 16, which ran out of memory", 52428.8]  # 4096 / 0.046875, / 0.078125
+    assert part["suggested"] == 8
+
+
+TOY_RESULT_TRAIN = '''"""A train.py-shaped toy for the short run: writes the result JSON it is given (TOY_RESULT)."""
+import json, os
+result = {**json.loads(os.environ["TOY_RESULT"]), "training_seconds": float(os.environ["AUTOLOOP_TIME_BUDGET"])}
+open(os.environ["AUTOLOOP_RESULT"], "w").write(json.dumps(result))
+'''
+# What train.py's result JSON holds after a run on an H100 at autoresearch's speed.
+GPU_RESULT = {"tokens_per_second": 1.665e6, "mfu_percent": 34.03, "mfu_percent_palm": 42.53, "peak_memory_mb": 40000.0,
+              "attention_kernel": "flash", "attention_kernel_ran": "flash", "compiled": True, "compile_error": None,
+              "graphs_compiled_in_training": 0, "warmup_seconds": 41.0, "device": "NVIDIA H100 80GB HBM3",
+              "batch_tokens": 2**19, "num_params": 25_329_664}
+
+
+@pytest.mark.parametrize("changes,status,says", [
+    ({}, "ok", "1.5 s run: 1,665,000 tokens/s, MFU 34.0% (42.5% as nanochat counts), peak memory 40,000 MB, "
+               "attention ran flash"),
+    ({"attention_kernel_ran": "math"}, "warn", "attention ran math (WARNING: flash was asked for)"),
+    ({"attention_kernel": "sdpa default", "attention_kernel_ran": "efficient"}, "ok", "attention ran efficient"),
+    ({"graphs_compiled_in_training": 3}, "warn", "(WARNING: 3 graphs compiled during training: recompiles)"),
+    ({"compiled": False, "compile_error": "InductorError: no C compiler"}, "ok", "(torch.compile failed: it ran eager)"),
+])
+def test_short_run_reports_both_mfus_and_the_kernel_that_ran(tmp_path, changes, status, says):
+    (tmp_path / "train.py").write_text(TOY_RESULT_TRAIN)
+    part = C.short_run(tmp_path, sys.executable, 1.5, env={"TOY_RESULT": json.dumps({**GPU_RESULT, **changes})})
+    assert part["status"] == status and says in part["message"] and "\n" not in part["message"], part
+    assert part["mfu_percent_palm"] == 42.53 and part["warmup_seconds"] == 41.0 and part["training_seconds"] == 1.5
+    assert part["attention_kernel_ran"] == changes.get("attention_kernel_ran", "flash")
+
+
+def test_a_script_that_cannot_train_fails_the_lr_part_in_one_line(tmp_path, embedded_dataset):
+    shape_bug = ("        self.c_proj = Linear(hidden, cfg[\"n_embd\"], bias=False)\n",
+                 "        self.c_proj = Linear(hidden + 1, cfg[\"n_embd\"], bias=False)  # BUG\n")
+    repo = make_repo(tmp_path / "repo", broken_copy(tmp_path, "train_bug.py", *shape_bug).read_text())
+    result = C.run_check(repo, parts=("overfit", "lr"), data_dir=embedded_dataset.path, say=lambda line: None)
+    assert result["overfit"]["status"] == "fail" and not result["ok"]
+    assert result["lr"]["status"] == "fail" and "mat1 and mat2 shapes cannot be multiplied" in result["lr"]["message"]
+    assert result["lr"]["message"].startswith("the LR range test could not train: RuntimeError: ")
 
 
 # ---------------------------------------------------------------------------- budget plan
@@ -181,6 +421,21 @@ def test_budget_plan_warns_when_clearly_off():
     steps = C.budget_plan(tokens_per_second=1000.0, tokens_per_step=100, matmul_params=10, time_budget=300.0, max_steps=50)
     assert steps["steps"] == 50 and steps["training_seconds"] == 5.0
     assert C.budget_plan(tokens_per_second=None, tokens_per_step=100, matmul_params=10, time_budget=1)["status"] == "skipped"
+
+
+def test_budget_plan_says_where_its_throughput_comes_from(tmp_path, embedded_dataset):
+    compiled = H.import_train_module(broken_copy(tmp_path, "train_compiles.py", "\nCOMPILE = DEVICE_TYPE == \"cuda\"",
+                                                 "\nCOMPILE = True"))
+    lr = {"tokens_per_second": 1e6, "tokens_per_step": 4096, "compiled": True}  # ~20 tokens per parameter in 10 s
+    plan = C._plan(compiled, embedded_dataset, CPU, lr, None, time_budget=10.0, max_steps=None, hours=None)
+    assert plan["throughput_source"] == "the LR range test (compiled, as training)" and plan["status"] == "ok", plan
+    assert plan["message"].startswith("from the LR range test (compiled, as training): 1,000,000 tokens/s")
+    eager = C._plan(compiled, embedded_dataset, CPU, {**lr, "compiled": False}, None, time_budget=10.0, max_steps=None,
+                    hours=None)
+    assert eager["status"] == "warn" and "measured eager while train.py trains compiled" in eager["message"]
+    run = {"short_run": {"tokens_per_second": 3e6, "batch_tokens": 4096, "compiled": True}}
+    assert C._plan(compiled, embedded_dataset, CPU, lr, run, time_budget=10.0, max_steps=None,
+                   hours=None)["throughput_source"] == "a short run of train.py (compiled)"
 
 
 # ---------------------------------------------------------------------------- device
@@ -274,7 +529,27 @@ def test_check_command_rejects_an_unknown_part(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_whole_check_on_this_cpu_within_two_minutes(tmp_path, session_cache, embedded_dataset):
+def test_lr_range_test_trains_compiled_where_train_py_does(tmp_path, embedded_dataset, monkeypatch):
+    """The CUDA path forced on (compiled, bf16): the sweep runs through the compiled model,
+    so its tokens/s (and the budget plan from it) is the compiled throughput."""
+    from tests.test_train import CUDA_PATH, variant
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    module = H.import_train_module(variant(tmp_path, "train_cuda_path.py", CUDA_PATH))
+    # No time limit: this is about what the sweep trains, and a busy machine's compiled CPU
+    # steps (a recompile or two as the LRs move) once ran past the 45 s one after 2 steps.
+    part = C.lr_range_test(module, embedded_dataset, CPU, steps=8, max_seconds=900)
+    assert not part["truncated"], part["message"]
+    assert part["compiled"] is True and part["compile_error"] is None, part
+    assert part["warmup_seconds"] > 0 and part["tokens_per_second"] > 0 and part["steps"] == 8
+    assert part["attention_kernel_ran"] == "flash"  # seen in the compiled warm-up
+
+
+@pytest.mark.slow
+def test_whole_check_on_this_cpu_keeps_to_its_limits(tmp_path, session_cache, embedded_dataset):
+    """The whole command, as a person runs it. Its time is bounded by the parts' own limits
+    (asserted here; a loaded machine makes every step slower, not the sweep longer than
+    its limit): ~60 s on an idle 2-core CPU."""
     repo = make_repo(tmp_path / "repo", TRAIN_PY.read_text())
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "CUDA_VISIBLE_DEVICES": ""}
     start = time.monotonic()
@@ -286,12 +561,20 @@ def test_whole_check_on_this_cpu_within_two_minutes(tmp_path, session_cache, emb
         assert f"{part}: [" in proc.stdout, proc.stdout
     result = json.loads((repo / ".autoloop" / "check" / "check.json").read_text())
     assert result["overfit"]["status"] == "ok" and Path(result["lr"]["plot"]).exists()
-    assert wall < 120, f"autoloop check took {wall:.0f} s on this CPU (load {os.getloadavg()[0]:.1f})"
+    lr, batch = result["lr"], result["device"]["batch_size"]
+    took = f"autoloop check took {wall:.0f} s on this CPU (load {os.getloadavg()[0]:.1f}): {lr['message']}"
+    assert C.LR_MIN_STEPS <= lr["planned_steps"] <= C.LR_STEPS["cpu"] and lr["max_seconds"] == C.LR_SECONDS["cpu"], took
+    # The deadline is looked at after every step: past it by at most a step (a few, for a slow one).
+    assert lr["sweep_seconds"] <= C.LR_SECONDS["cpu"] + 5 * lr["seconds_per_step"], took
+    assert lr["truncated"] or lr["steps"] == lr["planned_steps"] or lr["diverged_multiplier"] is not None, took
+    # Each batch candidate starts only within the sweep's limit; the rest are skipped and say why.
+    assert all("tokens_per_second" in row or row.get("skipped") == f"the {C.BATCH_SWEEP_SECONDS['cpu']:g} s limit was reached"
+               for row in batch["candidates"]), batch
 
 
 @pytest.mark.slow
 def test_gpu_check_dry_run_end_to_end_on_this_cpu(tmp_path, session_cache, embedded_dataset):
-    """bench/gpu_check.sh --dry-run: every step runs on the CPU; only CUDA-only parts are skipped."""
+    """bench/gpu_check.sh --dry-run: every step runs on the CPU; only CUDA-only parts are skipped, each with a line."""
     repo = make_repo(tmp_path / "repo", TRAIN_PY.read_text())
     shutil.copytree(REPO_ROOT / "autoloop", repo / "autoloop", ignore=shutil.ignore_patterns("__pycache__"))
     (repo / "bench").mkdir()
@@ -299,18 +582,27 @@ def test_gpu_check_dry_run_end_to_end_on_this_cpu(tmp_path, session_cache, embed
     subprocess.run(["git", "add", "-A"], cwd=repo, check=True)
     subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@example.com", "commit", "-qm", "harness"], cwd=repo, check=True)
     out = tmp_path / "out"
-    env = {**os.environ, "PYTHON": sys.executable, "GPU_CHECK_TRIAL_SECONDS": "5", "CUDA_VISIBLE_DEVICES": ""}
+    env = {**os.environ, "PYTHON": sys.executable, "GPU_CHECK_TRIAL_SECONDS": "4", "GPU_CHECK_TRAIN_SECONDS": "3",
+           "CUDA_VISIBLE_DEVICES": ""}
     env.pop("PYTHONPATH", None)  # the clone's own autoloop
     proc = subprocess.run(["bash", str(repo / "bench" / "gpu_check.sh"), "--dry-run", str(out)], cwd=repo, env=env,
-                          capture_output=True, text=True, timeout=900)
+                          capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert (out / "dry_run.txt").exists()
     steps = (out / "steps.txt").read_text()
-    for name in ("env", "check", "trial"):
+    for name in ("env", "kernels", "train_cold", "profile", "check", "trial_serial", "trial_workers", "batch"):
         assert f"{name}: rc=0" in steps, steps + proc.stdout
+    assert "train_warm: skipped (no CUDA" in steps
     summary = json.loads((out / "summary.json").read_text())
     assert summary["overfit"].startswith("overfits one batch") and summary["sdpa_kernel_in_use"] == "flash"
-    # The loop ran its one trial to an end (on a loaded CPU a 5 s baseline may still be
+    assert summary["train_cold"]["attention_kernel_ran"] == "flash" and summary["train_cold"]["tokens_per_second"] > 0
+    assert summary["profile"]["cuda_kernel_launches_per_step"] == "skipped (no CUDA)"
+    assert summary["check"]["seconds"] > 0 and summary["kernels"]["available"]["flash"] is True
+    # Each loop ran its one trial to an end (on a loaded CPU a short baseline may still be
     # judged otherwise than keep: what this tests is the script, not the loop).
-    assert summary["trial"] and summary["trial"][0]["status"] != "running", summary
+    for name in ("trial_serial", "trial_workers"):
+        trials = summary["trials"][name]["trials"]
+        assert trials and trials[0]["status"] != "running", summary["trials"]
+    figures = (out / "figures.txt").read_text()
+    assert "train_cold tokens_per_second: " in figures and "kernel_ran: flash" in figures
     assert (out / "lr_range.png").read_bytes()[:4] == b"\x89PNG"

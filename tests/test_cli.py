@@ -57,7 +57,7 @@ def test_run_passes_the_contract_to_training_and_records_it(fake_repo, monkeypat
     assert call["command"][1:] == ["train.py"] and Path(call["cwd"]) == fake_repo.resolve()
     env = call["env"]
     assert env["AUTOLOOP_TIME_BUDGET"] == "7.0" and env["AUTOLOOP_MAX_STEPS"] == "3" and env["AUTOLOOP_SEED"] == "5"
-    assert env["AUTOLOOP_RESULT"].endswith(".autoloop/cli/trials/2/runs/1/result.json")
+    assert env["AUTOLOOP_RESULT"].endswith(".autoloop/cli/trials/2/runs/1/out/result.json")
     assert call["deadline"] == pytest.approx(7 + 180)
     log = invoke(fake_repo, "log", "--json")
     rows = json.loads(log.output)
@@ -92,3 +92,141 @@ def test_unknown_tag_lists_known_runs(fake_repo, monkeypatch):
     invoke(fake_repo, "run", "--tag", "known", "--no-verify", "--proposers", "ideas")
     result = runner.invoke(app, ["log", "--repo", str(fake_repo), "--tag", "other"])
     assert result.exit_code == 1 and "no run tagged 'other'" in result.output and "runs: known" in result.output
+
+
+# ---------------------------------------------------------------------------- the first hour (issue 22)
+
+
+def _files_left(repo: Path) -> list[str]:
+    return sorted(p.name for p in repo.iterdir() if p.name in ("experiments.db", ".autoloop"))
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--max-trials", "-1"), "error: --max-trials -1 must be at least 0"),
+    (("--time-budget", "-5"), "error: --time-budget -5 must be more than 0"),
+    (("--time-budget", "0"), "error: --time-budget 0 must be more than 0"),
+    (("--baseline-seeds", "0"), "error: --baseline-seeds 0 must be at least 1"),
+    (("--max-runs", "0"), "error: --max-runs 0 must be at least 1"),
+    (("--workers", "-2"), "error: --workers -2 must be at least 0"),
+    (("--keep-margin", "-1"), "error: --keep-margin -1 must be at least 0"),
+    (("--hours", "0"), "error: --hours 0 must be more than 0"),
+    (("--max-steps", "-3"), "error: --max-steps -3 must be at least 1"),
+])
+def test_a_bad_number_is_refused_before_the_run_starts(fake_repo, args, message):
+    result = runner.invoke(app, ["run", "--repo", str(fake_repo), "--no-verify", *args])
+    assert result.exit_code == 1
+    assert result.output.strip().splitlines() == [result.output.strip()]  # one line: no header, no traceback
+    assert result.output.startswith(message) and "give e.g." in result.output
+    assert _files_left(fake_repo) == []  # nothing ran, nothing was written
+
+
+def test_a_bad_number_in_pyproject_or_the_environment_is_refused_too(fake_repo, monkeypatch):
+    monkeypatch.setenv("AUTOLOOP_MAX_TRIALS", "-1")
+    result = runner.invoke(app, ["run", "--repo", str(fake_repo)])
+    assert result.exit_code == 1 and result.output.startswith("error: AUTOLOOP_MAX_TRIALS=-1 in the environment must be")
+    monkeypatch.delenv("AUTOLOOP_MAX_TRIALS")
+    (fake_repo / "pyproject.toml").write_text("[tool.autoloop]\ntime-budget = -5\n")
+    result = runner.invoke(app, ["run", "--repo", str(fake_repo)])
+    assert result.exit_code == 1 and "[tool.autoloop]: time-budget = -5 must be more than 0" in result.output
+    assert _files_left(fake_repo) == []
+
+
+def test_run_in_a_repository_without_commits_leaves_nothing_behind(tmp_path):
+    import subprocess
+
+    repo = tmp_path / "fresh"
+    repo.mkdir()
+    subprocess.run(["git", "init", "-q"], cwd=repo, check=True)
+    (repo / "train.py").write_text("print('hi')\n")
+    result = runner.invoke(app, ["run", "--repo", str(repo), "--no-verify", "--max-trials", "1"])
+    assert result.exit_code == 1
+    assert result.output.strip().startswith("error: ") and "has no commits yet" in result.output
+    assert len(result.output.strip().splitlines()) == 1  # no header before the error
+    assert _files_left(repo) == []
+
+
+def test_a_failing_run_prints_no_header_before_its_error(fake_repo):
+    result = runner.invoke(app, ["run", "--repo", str(fake_repo), "--train-command", "python missing.py"])
+    assert result.exit_code == 1
+    assert result.output.strip().splitlines() == [result.output.strip()] and "autoloop run '" not in result.output
+    assert "set train-command in [tool.autoloop]" in result.output  # the README's hyphenated key
+
+
+def test_help_keeps_the_install_extras_in_brackets():
+    result = runner.invoke(app, ["run", "--help"], env={"COLUMNS": "200"})
+    assert "autoloop[ray]" in result.output.replace("\n", " ").replace(" ", "")
+
+
+def test_a_text_only_idea_says_it_waits_when_nothing_reads_text(fake_repo, monkeypatch):
+    monkeypatch.delenv("AUTOLOOP_LLM_MODEL", raising=False)
+    monkeypatch.delenv("AUTOLOOP_AGENT_COMMAND", raising=False)
+    result = invoke(fake_repo, "seed", "try SwiGLU in the MLP")
+    assert result.exit_code == 0
+    lines = result.output.strip().splitlines()
+    assert lines[0] == "seeded idea 1: try SwiGLU in the MLP"
+    assert lines[1].startswith("idea 1 is text only: it waits until a proposer that reads text is configured")
+    assert "--llm-model" in lines[1] and "--agent-command" in lines[1] and len(lines) == 2
+    ideas = invoke(fake_repo, "ideas")
+    assert "waiting: text only, and no proposer that reads text is configured" in ideas.output
+    # An idea with an edit is read by the `ideas` proposer itself: no note, no wait.
+    result = invoke(fake_repo, "seed", "lower lr", "--set", "LR=0.01")
+    assert result.output.strip().splitlines() == ["seeded idea 2: lower lr"]
+    ideas = invoke(fake_repo, "ideas").output.splitlines()
+    assert sum("waiting:" in line for line in ideas) == 1
+    # With an LLM configured the text idea will be read: neither says it waits.
+    monkeypatch.setenv("AUTOLOOP_LLM_MODEL", "gpt-4.1")
+    result = invoke(fake_repo, "seed", "try rotary embeddings")
+    assert result.output.strip().splitlines() == ["seeded idea 3: try rotary embeddings"]
+    assert "waiting:" not in invoke(fake_repo, "ideas").output
+
+
+def test_progress_lines_say_the_seed_and_whose_code_runs(fake_repo):
+    """`trial 1 [baseline] ...` printed three times told nothing apart: each run's line
+    says its seed and role, and the incumbent re-measured for a candidate says so."""
+    assert invoke(fake_repo, "seed", "better lr", "--set", "LR=0.012").exit_code == 0
+    result = runner.invoke(app, ["run", "--repo", str(fake_repo), "--tag", "p", "--no-verify", "--proposers", "ideas",
+                                 "--max-trials", "2", "--time-budget", "5", "--grace-seconds", "20"],
+                           env={"COLUMNS": "250"})
+    assert result.exit_code == 0, result.output
+    starts = [line for line in result.output.splitlines() if re.match(r"trial \d+ \[", line)]
+    assert starts[:3] == [f"trial 1 [baseline] baseline: the unmodified training script | baseline at seed {s}"
+                          for s in (1337, 1338, 1339)]
+    assert "trial 2 [proposal] better lr | candidate at seed 1337" in starts
+    assert "trial 2 [proposal] better lr | the incumbent (trial 1) at seed 1337, to pair with it" in starts, result.output
+    assert len(starts) == len(set(starts))  # no two runs print the same line
+
+
+def test_a_misspelt_constant_gets_a_did_you_mean(tmp_path):
+    from conftest import make_repo
+
+    repo = make_repo(tmp_path / "real", (Path(__file__).resolve().parents[1] / "train.py").read_text())
+    result = runner.invoke(app, ["seed", "x", "--repo", str(repo), "--set", "MATRIXLR=0.02"])
+    assert result.exit_code == 1
+    assert result.output.strip() == "error: --set MATRIXLR: train.py has no UPPER_CASE constant MATRIXLR: did you mean MATRIX_LR?"
+    result = runner.invoke(app, ["seed", "x", "--repo", str(repo), "--set", "matrix_lr=0.02"])
+    assert result.output.strip().endswith("did you mean MATRIX_LR?")
+    result = runner.invoke(app, ["seed", "x", "--repo", str(repo), "--set", "ZZZZ=1"])
+    assert "autoloop search-plan" in result.output and len(result.output.split(",")) < 12  # not all 33 constants
+
+
+def test_check_plans_for_the_runs_own_budget(fake_repo, monkeypatch):
+    """`autoloop check` stored its result "on run 'demo'" but planned for 300 s, not the
+    run's 20 s. The expensive part (training) is faked; the test asserts what it was given."""
+    import autoloop.check as check_mod
+    from autoloop.store import Store
+
+    seen = []
+
+    def fake_run_check(repo, *, time_budget, max_steps, hours, parts, data_dir, say):
+        seen.append({"time_budget": time_budget, "max_steps": max_steps, "hours": hours})
+        return {"ok": True, "seconds": 1.0}
+
+    monkeypatch.setattr(check_mod, "run_check", fake_run_check)
+    with Store(fake_repo / "experiments.db") as store:
+        store.create_run("demo", config={"time_budget": 20.0, "max_steps": None, "hours": 2.0})
+    result = invoke(fake_repo, "check", "--parts", "budget")
+    assert result.exit_code == 0, result.output
+    assert seen[-1] == {"time_budget": 20.0, "max_steps": None, "hours": 2.0}
+    assert "planning for run 'demo': 20 s per trial" in result.output and "on run 'demo'" in result.output
+    invoke(fake_repo, "check", "--parts", "budget", "--time-budget", "60")
+    assert seen[-1]["time_budget"] == 60.0

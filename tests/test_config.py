@@ -36,8 +36,8 @@ def test_bool_and_optional_values(tmp_path):
 @pytest.mark.parametrize(
     "body, message",
     [
-        ("time-budget = 'soon'\n", "time_budget = 'soon' is not a valid float"),
-        ("max-trials = 1.5\n", "max_trials = 1.5 is not a valid int"),
+        ("time-budget = 'soon'\n", "time-budget = 'soon' is not a valid float"),
+        ("max-trials = 1.5\n", "max-trials = 1.5 is not a valid int"),
         ("budget = 3\n", "unknown setting [tool.autoloop] budget"),
         ("time-budget = \n", "does not parse"),
     ],
@@ -50,7 +50,7 @@ def test_bad_pyproject_values_are_one_clear_line(tmp_path, body, message):
 
 
 def test_bad_env_value(tmp_path):
-    with pytest.raises(AutoloopError, match="environment AUTOLOOP_MAX_TRIALS: max_trials = 'many'"):
+    with pytest.raises(AutoloopError, match="AUTOLOOP_MAX_TRIALS=many in the environment is not a valid int"):
         resolve(tmp_path, {}, environ={"AUTOLOOP_MAX_TRIALS": "many"})
 
 
@@ -72,3 +72,73 @@ def test_sandbox_setting(tmp_path):
     write_pyproject(tmp_path, "sandbox = 'bwrap'\n")
     with pytest.raises(AutoloopError, match=r"sandbox = 'bwrap' is not one of auto, on, off: fix the value"):
         resolve(tmp_path, {}, environ={})
+
+
+# ---------------------------------------------------------------------------- numbers in range (issue 22)
+
+# Every numeric setting, a value out of its range, and the words of the one-line refusal.
+BAD_NUMBERS = [
+    ("time_budget", -5, "must be more than 0"),
+    ("time_budget", 0, "must be more than 0"),
+    ("max_trials", -1, "must be at least 0"),
+    ("max_steps", 0, "must be at least 1"),
+    ("hours", 0, "must be more than 0"),
+    ("hours", "nan", "is not a finite number"),
+    ("baseline_seeds", 0, "must be at least 1"),
+    ("max_runs", 0, "must be at least 1"),
+    ("workers", -1, "must be at least 0"),
+    ("keep_margin", -0.01, "must be at least 0"),
+    ("alpha", 0.5, "must be below 0.5"),
+    ("alpha", 0, "must be more than 0"),
+    ("grace_seconds", -1, "must be at least 0"),
+    ("drift_every", -1, "must be at least 0"),
+    ("max_consecutive_failures", 0, "must be at least 1"),
+    ("seed", -1, "must be at least 0"),
+    ("max_cost", -1, "must be at least 0"),
+    ("migrate_every", -3, "must be at least 0"),
+    ("llm_timeout", 0, "must be more than 0"),
+    ("agent_timeout", -1, "must be more than 0"),
+    ("notify_timeout", 0, "must be more than 0"),
+    ("pair_speed_tolerance", 0, "must be more than 0"),
+]
+
+
+@pytest.mark.parametrize("name, value, problem", BAD_NUMBERS)
+def test_a_number_out_of_range_is_refused_from_every_source(tmp_path, name, value, problem):
+    flag, key, env = "--" + name.replace("_", "-"), name.replace("_", "-"), "AUTOLOOP_" + name.upper()
+    number = float(value) if value == "nan" else value
+    with pytest.raises(AutoloopError) as err:
+        resolve(tmp_path, {name: number}, environ={})
+    line = str(err.value)
+    assert line.startswith(f"{flag} ") and problem in line and f"give e.g. {flag} " in line and "\n" not in line
+    with pytest.raises(AutoloopError) as err:
+        resolve(tmp_path, {}, environ={env: str(value)})
+    assert str(err.value).startswith(f"{env}={value} in the environment {problem}"), str(err.value)
+    if value != "nan":  # TOML has nan too, but spelled without quotes
+        write_pyproject(tmp_path, f"{key} = {value}\n")
+        with pytest.raises(AutoloopError) as err:
+            resolve(tmp_path, {}, environ={})
+        assert f"[tool.autoloop]: {key} = {value!r} {problem}" in str(err.value) and f"give e.g. {key} = " in str(err.value)
+
+
+def test_numbers_in_range_pass_and_none_means_not_given(tmp_path):
+    config = resolve(tmp_path, {"time_budget": 0.5, "max_trials": 1, "workers": 0, "alpha": 0.2, "max_steps": None},
+                     environ={"AUTOLOOP_HOURS": "none"})
+    assert (config.time_budget, config.max_trials, config.workers, config.alpha, config.max_steps, config.hours) == (
+        0.5, 1, 0, 0.2, None, None)
+
+
+def test_a_toml_boolean_is_not_a_number(tmp_path):
+    write_pyproject(tmp_path, "time-budget = true\n")
+    with pytest.raises(AutoloopError, match=r"time-budget = True is not a valid float"):
+        resolve(tmp_path, {}, environ={})
+
+
+def test_every_numeric_setting_has_a_range():
+    from dataclasses import fields
+
+    from autoloop.config import _HINTS, _RANGES
+
+    numeric = [f.name for f in fields(Config)
+               if any(t in (int, float) for t in (_HINTS[f.name], *getattr(_HINTS[f.name], "__args__", ())))]
+    assert sorted(numeric) == sorted(_RANGES), "a numeric setting without a range (or a range without a setting)"

@@ -390,7 +390,7 @@ def test_environment_change_is_refused_unless_allowed(fake_repo):
 
 
 def test_seed_rejects_unknown_constant_and_bad_patch(fake_repo, tmp_path):
-    with pytest.raises(AutoloopError, match="no UPPER_CASE constant NOPE: use one of LR, MODE, NOISE"):
+    with pytest.raises(AutoloopError, match="no UPPER_CASE constant NOPE: did you mean NOISE?"):
         seed(fake_repo, "x", "NOPE=1")
     with pytest.raises(AutoloopError, match="is not NAME=VALUE"):
         seed(fake_repo, "x", "LR")

@@ -1,4 +1,6 @@
-"""The paired, sequential decision inside the loop, with the fake training script.
+"""The paired, sequential decision inside the loop (`decision-rule = "paired"`: only
+confirmed candidates move the branch), with the fake training script. The default rule
+(two tiers), the early stop and the reserve are tests/test_tiers_loop.py.
 
 The fake's val_bpb is a known function of its constants plus NOISE x a draw that depends
 on the seed and on SALT: a change of LR keeps the draw (the noise cancels in a paired
@@ -36,6 +38,7 @@ def run_loop(repo, **flags):
     flags.setdefault("grace_seconds", 20)
     flags.setdefault("proposers", "ideas")
     flags.setdefault("drift_every", 0)
+    flags.setdefault("decision_rule", "paired")
     return Controller(resolve(repo, flags), repo, verifier=None).run()
 
 
@@ -99,7 +102,7 @@ def test_a_kill_between_measurements_loses_none_and_repeats_none(tmp_path):
     seed(repo, "slightly better lr", "LR=0.0195")  # a small gain: needs several paired runs
     code = (
         "import sys; from autoloop.config import resolve; from autoloop.loop.controller import Controller\n"
-        "c = Controller(resolve(sys.argv[1], {'tag': 't', 'proposers': 'ideas', 'max_trials': 2, 'drift_every': 0}),"
+        "c = Controller(resolve(sys.argv[1], {'tag': 't', 'proposers': 'ideas', 'max_trials': 2, 'drift_every': 0, 'decision_rule': 'paired'}),"
         " sys.argv[1], verifier=None); c.run()\n"
     )
     env = {**os.environ, "AUTOLOOP_FAULT": "between_measurements:1"}
@@ -127,7 +130,7 @@ def test_a_trial_the_controller_died_in_twice_is_not_resumed_a_third_time(tmp_pa
     seed(repo, "a better lr", "LR=0.018")  # a gain that takes four paired runs to show
     code = (
         "import sys; from autoloop.config import resolve; from autoloop.loop.controller import Controller\n"
-        "Controller(resolve(sys.argv[1], {'tag': 't', 'proposers': 'ideas', 'max_trials': 2, 'drift_every': 0}),"
+        "Controller(resolve(sys.argv[1], {'tag': 't', 'proposers': 'ideas', 'max_trials': 2, 'drift_every': 0, 'decision_rule': 'paired'}),"
         " sys.argv[1], verifier=None).run()\n"
     )
     env = {**os.environ, "AUTOLOOP_FAULT": "between_measurements:1"}
@@ -263,3 +266,145 @@ def test_a_near_miss_is_tried_once_more_after_the_incumbent_changes(tmp_path):
     assert trials[2]["status"] == "keep"
     assert len(again) == 1 and "near miss of trial 2" in again[0]["description"]
     assert again[0]["parent_commit"] == trials[2]["trial_commit"]
+
+
+# ---------------------------------------------------------------------------- the machine's speed (issue 22)
+
+
+@pytest.fixture
+def fake_machine(tmp_path, monkeypatch):
+    """A machine whose speed a test sets: the fake train.py trains more in the budget
+    when it is faster (SPEED_FILE), and the speed probe reads the same file. The probe is
+    what is faked; the loop, the worker and the store are the real ones. The tolerance is
+    the default one (tests/conftest.py sets none for the other tests)."""
+    from autoloop.measure import probe
+
+    monkeypatch.delenv("AUTOLOOP_PAIR_SPEED_TOLERANCE", raising=False)
+
+    speed = tmp_path / "speed.txt"
+    speed.write_text("1")
+    monkeypatch.setattr(probe, "machine_speed", lambda loops=probe.LOOPS: float(speed.read_text()))
+    return speed
+
+
+def _first_keep_done(repo, speed):
+    """The baseline and a clearly better change kept, at the usual speed: the run's first
+    keep (and its drift check) is behind it."""
+    seed(repo, "better lr", "LR=0.012")
+    run_loop(repo, max_trials=2)
+    _, trials, _ = rows(repo)
+    assert [t["status"] for t in trials] == ["keep", "keep"], [t["reason"] for t in trials]
+
+
+@pytest.mark.parametrize("after", ["2", "0.5"])
+def test_a_pair_of_runs_at_different_machine_speeds_is_not_a_pair(tmp_path, fake_machine, after):
+    """The machine's speed changes (doubles: the load went away; halves: a burner came)
+    between the incumbent's runs and a candidate that changes nothing. Paired with the
+    incumbent's old runs it would be clearly better (kept) or clearly worse; instead the
+    incumbent is measured again next to it, and on those fresh pairs it is what it is:
+    no different."""
+    repo = fake_repo_with(tmp_path, NOISE=0.01, SPEED_FILE=str(fake_machine))
+    _first_keep_done(repo, fake_machine)
+    seed(repo, "the same width, written differently", "WIDTH=2**6")  # no effect at all
+    fake_machine.write_text(after)
+    run_loop(repo, max_trials=1)
+    run, trials, measurements = rows(repo)
+    null, incumbent = trials[2], trials[1]
+    assert null["status"] == "discard", null["reason"]
+    decision = null["decision"]
+    assert decision["confounded"] and decision["confounded"][0]["seed"] == 1337
+    assert decision["mean_diff"] == pytest.approx(0.0, abs=1e-9)  # judged on pairs at one speed only
+    fresh = [m for m in measurements[incumbent["number"]] if m.get("for_trial_id") == null["id"]]
+    assert fresh and all(m["machine_speed"] == float(after) for m in fresh)
+    assert all(m["machine_speed"] == float(after) for m in measurements[null["number"]])
+    store = Store(repo / "experiments.db")
+    try:
+        events = store.events(run["id"], kind="confounded")
+    finally:
+        store.close()
+    assert events and "not a pair" in events[0]["message"]
+
+
+def test_without_the_speed_tolerance_the_confounded_pair_is_kept(tmp_path, fake_machine, monkeypatch):
+    """The same night as above with `pair-speed-tolerance = none` (the loop as it was
+    before the probe): the change that does nothing, measured at twice the machine's
+    speed against the incumbent's old runs, is kept. This is the false keep the default
+    tolerance prevents."""
+    monkeypatch.setenv("AUTOLOOP_PAIR_SPEED_TOLERANCE", "none")
+    repo = fake_repo_with(tmp_path, NOISE=0.01, SPEED_FILE=str(fake_machine))
+    _first_keep_done(repo, fake_machine)
+    seed(repo, "the same width, written differently", "WIDTH=2**6")
+    fake_machine.write_text("2")
+    run_loop(repo, max_trials=1)
+    _, trials, measurements = rows(repo)
+    null = trials[2]
+    assert null["status"] == "keep", null["reason"]
+    assert "confounded" not in null["decision"]
+    assert not [m for m in measurements[2] if m.get("for_trial_id") == null["id"]]  # no fresh incumbent run
+
+
+def test_a_machine_that_keeps_changing_costs_runs_never_a_keep(tmp_path, fake_machine, monkeypatch):
+    """Every run on a different speed: no seed ever has a comparable pair, each is given
+    up after the re-measurements allowed, and the candidate is discarded, not kept."""
+    from autoloop.measure import probe
+
+    repo = fake_repo_with(tmp_path, NOISE=0.01, SPEED_FILE=str(fake_machine))
+    _first_keep_done(repo, fake_machine)
+    readings = iter(float(2 ** (k % 7)) for k in range(10_000))
+    monkeypatch.setattr(probe, "machine_speed", lambda loops=probe.LOOPS: next(readings))
+    seed(repo, "the same width, written differently", "WIDTH=2**6")
+    run_loop(repo, max_trials=1)
+    _, trials, _ = rows(repo)
+    assert trials[2]["status"] == "discard", [(t["kind"], t["status"], t["reason"]) for t in trials]
+    assert trials[2]["decision"].get("confounded_dropped")
+
+
+def test_the_incumbent_is_measured_again_before_the_first_keep(tmp_path, fake_machine):
+    """Before the run's first keep, the incumbent runs again next to the candidate: the
+    keep stands on that fresh pair, and the fresh run is a drift check."""
+    offset = tmp_path / "offset.txt"
+    offset.write_text("0")
+    repo = fake_repo_with(tmp_path, NOISE=0.01, OFFSET_FILE=str(offset))
+    run_loop(repo, max_trials=1)  # the baseline
+    offset.write_text("-0.2")  # the machine drifts at the same speed (new driver, another library)
+    seed(repo, "better lr", "LR=0.012")
+    run_loop(repo, max_trials=1)
+    run, trials, measurements = rows(repo)
+    better = trials[1]
+    fresh = [m for m in measurements[1] if m.get("for_trial_id") == better["id"]]
+    assert fresh and fresh[0]["seed"] == 1337 and fresh[0]["role"] == "incumbent"
+    # The fresh run is 0.2 off the old one at the same speed: every pair of this keep is fresh.
+    assert better["decision"]["incumbent_drifted"]["shift"] == pytest.approx(-0.2, abs=1e-9)
+    assert better["decision"]["fresh_incumbent_seeds"] == sorted(better["decision"]["seeds"])
+    store = Store(repo / "experiments.db")
+    try:
+        drift = store.events(run["id"], kind="drift")
+    finally:
+        store.close()
+    assert drift and "drift check" in drift[0]["message"] and "-0.200000" in drift[0]["message"]
+    assert better["status"] == "keep" and better["decision"]["mean_diff"] == pytest.approx(-0.084, abs=0.03)
+
+
+def test_the_log_delta_is_the_number_the_reason_gives(tmp_path):
+    """One definition of a trial's delta: the paired difference its decision used (the
+    log showed -0.1320 beside a reason of -0.0300 ± 0.1351)."""
+    from autoloop.review.queries import log_rows
+
+    repo = fake_repo_with(tmp_path, NOISE=0.02)
+    seed(repo, "much worse lr", "LR=0.5")  # one run: paired at one seed, the baseline has three
+    seed(repo, "a small gain", "LR=0.017")  # several runs
+    seed(repo, "re-draw the init stream", "SALT=3")
+    run_loop(repo, max_trials=4)
+    store = Store(repo / "experiments.db")
+    try:
+        run = store.get_run("t")
+        rows = log_rows(store, run)
+        decisions = {t["number"]: t["decision"] for t in store.trials(run["id"])}
+    finally:
+        store.close()
+    proposals = [r for r in rows if r["kind"] == "proposal"]
+    assert len(proposals) == 3
+    for r in proposals:
+        shown = f"{r['delta']:+.4f}"
+        assert r["reason"].split(":", 1)[1].strip().startswith(shown), (shown, r["reason"])
+        assert r["delta"] == pytest.approx(decisions[r["number"]]["mean_diff"], abs=1e-12)

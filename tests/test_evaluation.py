@@ -131,47 +131,18 @@ def test_runspec_reads_the_eval_mode(monkeypatch):
         RunSpec.from_env()
 
 
-def test_seal_names_what_was_replaced(monkeypatch):
-    import torch
-    import torch.nn.functional as F
-
-    import autoloop.harness as H
-    from autoloop.harness import constants
-    from autoloop.harness.evaluate import HarnessSeal, describe_replaced
-
-    seal = HarnessSeal.capture()
-    assert seal.changes() == []
-    monkeypatch.setattr(H, "evaluate_bpb", lambda *a, **k: 1.2345)
-    found = seal.changes()
-    assert found == ["autoloop.harness.evaluate_bpb"]
-    assert describe_replaced(found, "importing train.py") == (
-        "importing train.py replaced the harness's evaluate_bpb: autoloop.harness.evaluate_bpb")
-    monkeypatch.setattr(F, "cross_entropy", lambda *a, **k: torch.zeros(()))
-    monkeypatch.setattr(torch.Tensor, "sum", lambda self, *a, **k: torch.zeros(()), raising=False)
-    monkeypatch.setitem(constants.EVAL_TOKENS, "cpu", 256)  # changed in place: same dict object
-
-    def fake(*args, **kwargs):
-        return 0.0
-
-    monkeypatch.setattr(H.metric.bpb_on_batches, "__code__", fake.__code__)  # same function object, new code
-    found = seal.changes()
-    for name in ("autoloop.harness.constants.EVAL_TOKENS", "autoloop.harness.metric.bpb_on_batches",
-                 "torch.nn.functional.cross_entropy", "torch.Tensor.sum"):
-        assert name in found
-
-
 # ---------------------------------------------------------------------------------------
-# the worker on a real checkpoint
+# the split evaluation on a real checkpoint
 # ---------------------------------------------------------------------------------------
 
 
 def _train(folder: Path, source: str, data_dir: Path, *, external: bool = False):
-    """Train `source` (a train.py) STEPS steps in step mode through the runner."""
-    folder.mkdir(parents=True, exist_ok=True)
+    """Train `source` (a train.py) STEPS steps in step mode through the runner; its outputs in folder/out."""
+    (folder / "out").mkdir(parents=True, exist_ok=True)
     (folder / "train.py").write_text(source)
-    env = {"AUTOLOOP_MAX_STEPS": STEPS, "AUTOLOOP_SEED": SEED, "AUTOLOOP_RESULT": folder / "result.json",
-           "AUTOLOOP_CHECKPOINT": folder / "checkpoint.pt", "AUTOLOOP_DATA_DIR": data_dir, "OMP_NUM_THREADS": 1,
-           "AUTOLOOP_EVAL": "external" if external else None}
+    env = {"AUTOLOOP_MAX_STEPS": STEPS, "AUTOLOOP_SEED": SEED, "AUTOLOOP_RESULT": folder / "out" / "result.json",
+           "AUTOLOOP_CHECKPOINT": folder / "out" / "checkpoint.pt", "AUTOLOOP_DATA_DIR": data_dir,
+           "OMP_NUM_THREADS": 1, "AUTOLOOP_EVAL": "external" if external else None}
     outcome = run_training([sys.executable, "train.py"], cwd=folder, env=env, log_path=folder / "train.log",
                            deadline_seconds=300)
     return outcome
@@ -200,21 +171,25 @@ def fresh(tmp_path_factory, embedded_dataset):
     module = H.import_train_module(folder / "train.py")
     config = module.model_config(vocab_size=embedded_dataset.vocab_size, seq_len=H.seq_len("cpu"))
     model = module.build_model(config, device="cpu")
-    H.save_checkpoint(folder / "checkpoint.pt", model, config)
-    val = H.evaluate_bpb(model, embedded_dataset, "val", device="cpu", batch_size=module.EVAL_BATCH_SIZE)
+    H.save_checkpoint(folder / "out" / "checkpoint.pt", model, config)
+    val = H.evaluate_bpb(model, embedded_dataset, "val", device="cpu", batch_size=16)
     return {"folder": folder, "val_bpb": val, "data_dir": embedded_dataset.path, "cache": folder / "cache"}
 
 
 def _evaluate(trained, tmp_path, source: str | None = None, **kwargs):
     """evaluate_checkpoint on the trained checkpoint with `source` as the trial's train.py."""
+    from autoloop.trust.bytecode import warm_pycache
+
     source_dir = tmp_path / "source"
     source_dir.mkdir(parents=True, exist_ok=True)
     (source_dir / "train.py").write_text(source if source is not None else tiny_train_source())
-    options = {"splits": ("val",), "causality": False, **kwargs}
+    warm_pycache("eval", sys.executable, trained["cache"])
+    options = {"splits": ("val",), "hidden": [tmp_path / ".git", tmp_path / ".autoloop"], **kwargs}
     return evaluate_checkpoint(
-        python=sys.executable, repo_dir=tmp_path, source_dir=source_dir, checkpoint=trained["folder"] / "checkpoint.pt",
-        data_dir=trained["data_dir"], device="cpu", out_dir=tmp_path / "out", deadline_seconds=300,
-        cache_root=trained["cache"], env={"OMP_NUM_THREADS": 1}, **options,
+        python=sys.executable, project_dir=tmp_path, source_dir=source_dir, script="train.py",
+        checkpoint_base=trained["folder"], checkpoint="out/checkpoint.pt", data_dir=trained["data_dir"],
+        device="cpu", out_dir=tmp_path / "out", deadline_seconds=300, env={"OMP_NUM_THREADS": 1},
+        pycache=pycache_env("eval", trained["cache"]), **options,
     )
 
 
@@ -232,62 +207,196 @@ class RecordingSandbox:
         return argv, env
 
 
-def test_worker_matches_in_process_evaluation(fresh, tmp_path):
+def test_split_evaluation_gives_exactly_the_in_process_val_bpb(fresh, tmp_path):
     sandbox = RecordingSandbox()
-    result = _evaluate(fresh, tmp_path, reported=fresh["val_bpb"], sandbox=sandbox)
+    result = _evaluate(fresh, tmp_path, sandbox=sandbox)
     assert result.ok and result.status == "ok", result.reason
-    assert result.val_bpb == pytest.approx(fresh["val_bpb"], abs=1e-6)
-    assert result.fields["pycache_prefix"] == str(pycache_dir("eval", fresh["cache"]))  # never __pycache__ beside sources
-    (call,) = sandbox.calls
-    assert call["writable"] == [tmp_path / "out"]
-    assert tmp_path / ".git" in call["hidden"] and tmp_path / ".autoloop" in call["hidden"]
-    assert tmp_path / "experiments.db" in call["hidden"] and tmp_path / "experiments.db-wal" in call["hidden"]
-    assert pycache_dir("eval", fresh["cache"]) in call["readonly"]
-    assert call["env"]["PYTHONDONTWRITEBYTECODE"] == "1" and call["env"]["AUTOLOOP_EVAL"] is None
+    assert result.val_bpb == fresh["val_bpb"]  # the same batches, the same float32 arithmetic, in the scorer
+    assert result.causality["ok"] and result.causality["probes"] >= 16
+    model, scorer = sandbox.calls
+    assert "autoloop.harness.model_server" in model["argv"] and "autoloop.harness.evaluate" in scorer["argv"]
+    assert model["argv"][:2] != ["bwrap"]
+    # Nothing is writable to either; the model process sees no data, the scorer runs from our folder.
+    assert model["writable"] == [] and scorer["writable"] == []
+    assert fresh["data_dir"] in model["hidden"] and fresh["data_dir"] in scorer["readonly"]
+    assert tmp_path / ".git" in model["hidden"] and tmp_path / ".autoloop" in scorer["hidden"]
+    assert scorer["cwd"] == tmp_path / "out" and model["cwd"] == tmp_path / "source"
+    assert pycache_dir("eval", fresh["cache"]) in model["readonly"]
+    for call in (model, scorer):
+        assert call["env"]["PYTHONDONTWRITEBYTECODE"] == "1" and "AUTOLOOP_DATA_DIR" not in call["env"]
+        first = Path(call["env"]["PYTHONPATH"].split(os.pathsep)[0])  # autoloop's own import root, nothing else
+        assert first.parent.name == "pylib" and sorted(p.name for p in first.iterdir()) == ["autoloop"]
+    verdict = json.loads((tmp_path / "out" / "verdict.json").read_text())
+    assert verdict["ok"] and verdict["causality"]["schedule_seed"] is not None
+    assert "[model]" in (tmp_path / "out" / "eval.log").read_text() or "[scorer]" in (tmp_path / "out" / "eval.log").read_text()
 
 
 @pytest.mark.slow
-def test_worker_gives_the_in_process_val_bpb_of_a_trained_checkpoint(trained, tmp_path):
-    result = _evaluate(trained, tmp_path, splits=("val", "heldout"), causality=True, reported=trained["val_bpb"])
+def test_split_evaluation_of_a_trained_checkpoint_with_held_out(trained, tmp_path):
+    result = _evaluate(trained, tmp_path, splits=("val", "heldout"))
     assert result.ok and result.status == "ok", result.reason
     assert result.val_bpb == pytest.approx(trained["val_bpb"], abs=1e-6)
     assert result.heldout_bpb is not None and abs(result.heldout_bpb - result.val_bpb) > 1e-4
     assert result.causality["ok"] is True
-    verdict = json.loads((tmp_path / "out" / "eval.json").read_text())
-    assert verdict["stage"] == "done" and verdict["replaced"] == []
-    assert verdict["pycache_prefix"] == str(pycache_dir("eval", trained["cache"]))  # never __pycache__ beside sources
-    assert set(verdict["seconds"]) >= {"startup", "seal", "import", "causality", "val", "heldout", "total"}
-    assert result.seconds > 0 and (tmp_path / "out" / "eval.log").exists()
+    assert set(result.fields["seconds"]) >= {"startup", "load", "ready", "score", "total"}
+    assert result.seconds > 0
 
 
-def test_replacing_evaluate_bpb_at_import_fails(fresh, tmp_path):
+# The end of train.py's build_model, where an attack wraps the model it returns.
+PEEK = ("    return model\n\n\n", """\
+    forward = model.forward
+
+    def peek(idx, targets=None):
+        logits = forward(idx, targets)
+        if targets is not None or CONDITION:
+            return logits
+        out = logits.clone()
+        for b in range(idx.size(0)):
+            out[b, torch.arange(idx.size(1) - 1), idx[b, 1:]] += 30.0
+        return out
+    model.forward = peek
+    return model
+
+
+""")
+
+
+@pytest.mark.parametrize("condition", ["False", "any('causal' in f.function for f in __import__('inspect').stack())"],
+                         ids=["always", "unless-checked"])
+def test_a_model_that_looks_at_the_next_token_is_caught_by_the_probes(fresh, tmp_path, condition):
+    attack = edited(tiny_train_source(), PEEK[0], PEEK[1].replace("CONDITION", condition))
+    result = _evaluate(fresh, tmp_path, attack)
+    assert not result.ok and result.status == "failed"
+    assert result.reason.startswith("leaks future tokens"), result.reason
+    assert result.fields["stage"] == "causality" and result.val_bpb < 0.2  # what it would have scored
+
+
+def test_bf16_outputs_travel_as_bf16_and_score_as_their_float32_values(fresh, tmp_path):
+    """A GPU's autocast makes bf16 logits: they cross the region as bf16 (half the bytes of
+    float32) and score exactly as the same values sent as float32."""
+    scores = {}
+    for name, cast in (("bf16", "logits.to(torch.bfloat16)"), ("float32", "logits.to(torch.bfloat16).float()")):
+        source = edited(tiny_train_source(), PEEK[0], f"""\
+    forward = model.forward
+
+    def rounded(idx, targets=None):
+        logits = forward(idx, targets)
+        return logits if targets is not None else {cast}
+    model.forward = rounded
+    return model
+
+
+""")
+        result = _evaluate(fresh, tmp_path / name, source)
+        assert result.ok, result.reason
+        scores[name] = result.val_bpb
+    assert scores["bf16"] == scores["float32"]
+    assert abs(scores["bf16"] - fresh["val_bpb"]) < 0.01  # rounding to bf16 moves the score a little
+
+
+def test_a_model_that_mixes_the_sequences_of_a_batch_is_caught(fresh, tmp_path):
+    attack = edited(tiny_train_source(), PEEK[0], """\
+    forward = model.forward
+    model.forward = lambda idx, targets=None: forward(idx, targets) if targets is not None else (
+        forward(idx) + 0.01 * forward(idx).mean(0, keepdim=True))
+    return model
+
+
+""")
+    result = _evaluate(fresh, tmp_path, attack)
+    assert not result.ok and result.fields["stage"] == "causality", result.reason
+
+
+def test_replacing_the_harness_in_the_model_process_changes_nothing(fresh, tmp_path):
     attack = edited(tiny_train_source(), "from autoloop import harness as H\n",
                     "from autoloop import harness as H\n"
-                    "import autoloop.harness.metric\n"
-                    "H.evaluate_bpb = autoloop.harness.metric.evaluate_bpb = lambda *args, **kwargs: 1.2345\n")
-    result = _evaluate(fresh, tmp_path, attack, splits=("val", "heldout"), causality=True)
-    assert not result.ok and result.status == "failed" and result.val_bpb is None
-    assert result.fields["stage"] == "import"
-    assert result.reason == ("importing train.py replaced the harness's evaluate_bpb: autoloop.harness.evaluate_bpb, "
-                             "autoloop.harness.metric.evaluate_bpb")
+                    "import autoloop.harness.metric, torch.nn.functional as _F\n"
+                    "H.evaluate_bpb = autoloop.harness.metric.evaluate_bpb = lambda *args, **kwargs: 1.2345\n"
+                    "_F.cross_entropy = lambda logits, y, **kw: torch.zeros_like(y, dtype=torch.float32)\n")
+    result = _evaluate(fresh, tmp_path, attack)
+    assert result.ok and result.val_bpb == fresh["val_bpb"]  # the scorer computed it, not this process
 
 
-@pytest.mark.slow
-def test_replacing_torch_loss_in_build_model_fails(trained, tmp_path):
-    # Later than import (in build_model) and one level down (the loss, not the harness).
-    attack = edited(tiny_train_source(), "    config = dict(config) if config is not None else model_config()\n",
-                    "    config = dict(config) if config is not None else model_config()\n"
-                    "    F.cross_entropy = lambda logits, y, **kw: torch.zeros_like(y, dtype=torch.float32)\n")
-    result = _evaluate(trained, tmp_path, attack)
-    assert not result.ok and result.fields["stage"] == "import"
-    assert result.reason == ("importing train.py replaced torch's cross_entropy: torch.nn.functional.cross_entropy")
+def test_a_verdict_forged_by_the_model_process_is_never_read(fresh, tmp_path):
+    attack = edited(tiny_train_source(), "from autoloop import harness as H\n",
+                    "from autoloop import harness as H\n"
+                    "import json as _j, os as _o\n"
+                    "_forged = _j.dumps({'ok': True, 'val_bpb': 0.5, 'stage': 'done'}) + '\\n'\n"
+                    "print(_forged, flush=True)\n"
+                    "for _fd in range(3, 64):\n"
+                    "    try:\n"
+                    "        _o.write(_fd, _forged.encode())\n"
+                    "    except OSError:\n"
+                    "        pass\n"
+                    "_o._exit(0)\n")
+    result = _evaluate(fresh, tmp_path, attack)
+    assert not result.ok and result.val_bpb is None and result.status == "failed", result.reason
+    assert "protocol" in result.reason or "before it was ready" in result.reason
+
+
+@pytest.mark.parametrize("change,words", [
+    ("out[0, 0, 0] = float('nan')", "NaN or infinite"),
+    ("out = out[..., :10]", "wide for a vocabulary"),
+    ("raise RuntimeError('boom in forward')", "boom in forward"),
+], ids=["nan", "too narrow", "raises"])
+def test_bad_outputs_are_the_trials_failure(fresh, tmp_path, change, words):
+    attack = edited(tiny_train_source(), PEEK[0], f"""\
+    forward = model.forward
+
+    def bad(idx, targets=None):
+        out = forward(idx, targets)
+        if targets is None:
+            out = out.clone()
+            {change}
+        return out
+    model.forward = bad
+    return model
+
+
+""")
+    result = _evaluate(fresh, tmp_path, attack)
+    assert not result.ok and result.status == "failed" and words in result.reason, result.reason
+
+
+def test_a_checkpoint_that_is_a_link_is_refused(fresh, tmp_path, embedded_dataset):
+    planted = tmp_path / "planted"
+    (planted / "out").mkdir(parents=True)
+    (planted / "out" / "checkpoint.pt").symlink_to(embedded_dataset.path / "heldout.bin")
+    result = _evaluate({**fresh, "folder": planted}, tmp_path)
+    assert not result.ok and "cannot be read safely" in result.reason and "symbolic link" in result.reason
+
+
+@pytest.mark.skipif(__import__("autoloop.measure.sandbox", fromlist=["detect"]).detect("auto").kind != "bwrap",
+                    reason="bubblewrap cannot run here; .ci/run installs it")
+def test_the_sandboxed_model_process_sees_no_data_and_writes_nothing_that_stays(fresh, tmp_path):
+    from autoloop.measure.sandbox import detect
+
+    attack = edited(tiny_train_source(), "from autoloop import harness as H\n",
+                    "from autoloop import harness as H\n"
+                    "import glob as _g, os as _o\n"
+                    f"_found = _g.glob({str(fresh['data_dir'])!r} + '/*.bin') + _g.glob(_o.path.expanduser('~/.cache/*'))\n"
+                    "print('DATA FILES SEEN:', _found, flush=True)\n"
+                    f"for _where in ({str(tmp_path)!r}, {str(fresh['folder'])!r}, {str(tmp_path / 'source')!r}):\n"
+                    "    try:\n"
+                    "        open(_where + '/left-behind', 'w').write('x')\n"
+                    "        print('WROTE', _where, flush=True)\n"
+                    "    except OSError as _e:\n"
+                    "        print('cannot write', _where, _e, flush=True)\n")
+    result = _evaluate(fresh, tmp_path, attack, sandbox=detect("auto"))
+    assert result.ok, result.reason
+    log = (tmp_path / "out" / "eval.log").read_text()
+    assert "DATA FILES SEEN: []" in log, log
+    # Its /tmp is a private tmpfs that dies with it: what it wrote there is nowhere outside.
+    assert not (tmp_path / "left-behind").exists() and not (fresh["folder"] / "left-behind").exists()
+    # What it sees of ours (its source folder) is read-only.
+    assert f"cannot write {tmp_path / 'source'}" in log and not (tmp_path / "source" / "left-behind").exists()
 
 
 @pytest.mark.slow
 def test_external_eval_train_py_writes_checkpoint_and_null_val_bpb(trained, tmp_path):
     outcome = _train(tmp_path / "run", tiny_train_source(), trained["data_dir"], external=True)
     assert outcome.status == "ok" and outcome.metric is None and outcome.metric_source == "harness"
-    result = json.loads((tmp_path / "run" / "result.json").read_text())
+    result = json.loads((tmp_path / "run" / "out" / "result.json").read_text())
     assert result["val_bpb"] is None and result["num_steps"] == STEPS
     log = (tmp_path / "run" / "train.log").read_text()
     assert "val_bpb: n/a (evaluated by the harness" in log and "val_bpb:" in log.split("---")[-1]
@@ -304,6 +413,8 @@ source = pathlib.Path(sys.argv[1])
 text = source.read_text()
 poisoned = text.replace("return total_nats / (math.log(2) * total_bytes)",
                         "return total_nats / (math.log(2) * total_bytes) - 1.0")
+poisoned = poisoned.replace("    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1), reduction=\"none\")",
+                            "    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1), reduction=\"none\") * 0.5")
 assert poisoned != text
 copy = pathlib.Path(tempfile.mkdtemp()) / "metric.py"
 copy.write_text(poisoned)
@@ -340,27 +451,20 @@ def test_poisoned_harness_pyc_is_named_and_never_read(trained, tmp_path, monkeyp
     assert found == [f"harness bytecode {pyc} added"]
     assert integrity.bytecode_problems(harness) == [f"harness bytecode {pyc} does not match metric.py"]
 
-    # The evaluator (bytecode prefix) never reads it: the honest number.
+    # The scorer (bytecode prefix) never reads it: the honest number.
     result = _evaluate(trained, tmp_path / "eval")
     assert result.ok, result.reason
     assert result.val_bpb == pytest.approx(trained["val_bpb"], abs=1e-6)
-    assert result.fields["harness_fingerprint"] == integrity_fingerprint(harness)
 
     # Control: without the prefix Python does read it, so the defence is what made the difference.
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPYCACHEPREFIX"}
     env.update({"PYTHONDONTWRITEBYTECODE": "1", "OMP_NUM_THREADS": "1"})
-    out = tmp_path / "control.json"
-    subprocess.run([sys.executable, "-m", "autoloop.harness.evaluate", "--train-py", str(tmp_path / "eval" / "source" /
-                    "train.py"), "--checkpoint", str(trained["folder"] / "checkpoint.pt"), "--out", str(out),
-                    "--data-dir", str(trained["data_dir"])], env=env, cwd=tmp_path, check=True, capture_output=True,
-                   timeout=300)
-    assert json.loads(out.read_text())["val_bpb"] == pytest.approx(trained["val_bpb"] - 1.0, abs=1e-6)
-
-
-def integrity_fingerprint(harness: Path) -> str:
-    from autoloop.harness.fingerprint import compute_harness_fingerprint
-
-    return compute_harness_fingerprint(harness)
+    code = ("import sys, autoloop.harness as H; m = H.load_trained_model(sys.argv[1], sys.argv[2]); "
+            "print(H.evaluate_bpb(m, H.load_dataset(sys.argv[3]), 'val', batch_size=16))")
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "eval" / "source" / "train.py"),
+                           str(trained["folder"] / "out" / "checkpoint.pt"), str(trained["data_dir"])], env=env,
+                          cwd=tmp_path, check=True, capture_output=True, text=True, timeout=300)
+    assert float(done.stdout.split()[-1]) < trained["val_bpb"] - 0.5
 
 
 def test_snapshot_names_an_added_pth_file(tmp_path, embedded_dataset):

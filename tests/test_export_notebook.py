@@ -189,9 +189,9 @@ def expected_rows(trials: list[tuple]) -> list[dict]:
             mapped = "discard"
         rows.append({"trial": n, "kind": kind.value, "autoloop_status": status.value, "status": mapped,
                      "metric": metric, "memory": memory})
+    # Trial order, from the measured baseline on: failed baseline attempts before it are left out.
     first = next(i for i, r in enumerate(rows) if r["kind"] == "baseline" and r["status"] == "keep")
-    rows.insert(0, rows.pop(first))
-    return rows
+    return rows[first:]
 
 
 @pytest.fixture
@@ -257,6 +257,30 @@ def test_the_notebook_stopped_on_the_old_export(tmp_path):
     old = "commit\tval_bpb\tmemory_gb\tstatus\tdescription\n\t\t\tinterrupted\tbaseline\nabc1234\t1.1\t2.0\tkeep\tbaseline\n"
     with pytest.raises(ValueError, match="Axis limits cannot be NaN or Inf"):
         notebook(old, tmp_path)
+
+
+def test_the_tsv_is_in_trial_order_and_says_what_it_leaves_out(store, tmp_path):
+    """Trial 2 came before trial 1 in the export (the measured baseline moved first): rows are
+    in trial order, the real status stays in autoloop_status, and the baseline attempts that
+    failed before the measured baseline are left out, which `autoloop export` says."""
+    from typer.testing import CliRunner
+
+    from autoloop.cli import app
+
+    left_out: list[int] = []
+    text = export_text(store, store.get_run("baseline-retried"), "tsv", left_out)
+    df = pd.read_csv(io.StringIO(text), sep="\t", dtype=str, keep_default_na=False)
+    assert [int(n) for n in df["trial"]] == [3, 4, 5] and left_out == [1, 2]
+    every = pd.read_csv(io.StringIO(export_text(store, store.get_run("every-status"), "tsv")), sep="\t", dtype=str,
+                        keep_default_na=False)
+    numbers = [int(n) for n in every["trial"]]
+    assert numbers == sorted(numbers)
+    assert list(every.loc[every["autoloop_status"] == "invalid", "status"]) == ["crash", "crash"]
+    assert list(every.loc[every["autoloop_status"] == "timeout", "val_bpb"]) == ["0.000000"]
+    result = CliRunner().invoke(app, ["export", "--repo", str(tmp_path), "--db", str(store.path), "--tag",
+                                      "baseline-retried"])
+    assert result.exit_code == 0
+    assert "note: trial 1, 2 (baseline attempts that failed before the measured baseline) left out" in result.output
 
 
 def test_csv_and_json_keep_autoloops_own_statuses(store):

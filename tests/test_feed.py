@@ -108,7 +108,7 @@ def test_clock_ticks_reach_the_feed_in_order(embedded_dataset, feed):
     summary = feed.summary()
     assert summary["tick_batches"] == [3, 5, 7, 9, 11] and summary["last_tick_steps"] == 5
     assert summary["tick_times"] == sorted(summary["tick_times"])
-    assert [t for t, _ in summary["last_ticks"]] == summary["tick_times"][-3:]
+    assert [t for t, *_ in summary["last_ticks"]] == summary["tick_times"][-3:]
     json.dumps(summary)  # JSON-able as it is
 
 
@@ -219,3 +219,31 @@ def test_train_py_through_the_feed_gives_the_same_result(session_cache, embedded
     problem, figures = check_budget(summary, fed, time_budget=None, max_steps=6, spawned_at=None)
     assert problem is None, figures
     assert figures["startup_seconds"] > 0 and figures["wall_seconds"] > figures["startup_seconds"]
+
+
+def test_the_feed_reads_the_ticking_process_cpu_time_itself(tmp_path, embedded_dataset):
+    """Issue 23, item 4: each tick records the CPU seconds of the process that sent it (its pid
+    from the socket's peer credentials, its CPU from /proc): work shows, waiting does not."""
+    script = tmp_path / "ticker.py"
+    script.write_text(
+        "import time\n"
+        "from autoloop.harness.feed import active_feed\n"
+        "feed = active_feed()\n"
+        "feed.tick(1)\n"
+        "time.sleep(0.6)\n"                                   # a step slowed by the machine: no CPU
+        "feed.tick(2)\n"
+        "end = time.process_time() + 0.6\n"
+        "while time.process_time() < end:\n"                  # a step that works: CPU
+        "    pass\n"
+        "feed.tick(3)\n"
+        "time.sleep(0.2)\n")
+    with H.FeedServer(embedded_dataset.path, tmp_path / "feed.sock", seed=0) as feed:
+        env = {**os.environ, "AUTOLOOP_FEED": str(feed.address)}
+        subprocess.run([__import__("sys").executable, str(script)], env=env, check=True, timeout=60)
+        time.sleep(0.2)
+        summary = feed.summary()
+    cpu = summary["tick_cpu"]
+    assert len(cpu) == 3 and None not in cpu, cpu
+    waited, worked = cpu[1] - cpu[0], cpu[2] - cpu[1]
+    assert waited < 0.15 and worked > 0.45, cpu
+    assert [t[2] for t in summary["last_ticks"]] == cpu

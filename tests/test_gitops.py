@@ -191,9 +191,10 @@ def test_git_on_a_full_disk_is_a_full_disk_not_a_lock(repo: GitRepo, repo_dir: P
     real = shutil.which("git")
     (tmp_path / "bin").mkdir()
     fake = tmp_path / "bin" / "git"  # git as it fails when it cannot create index.lock on a full disk
-    fake.write_text("#!/bin/sh\nif [ \"$1\" = reset ]; then\n"
+    # (autoloop passes `-c` options before the subcommand: find it among the arguments)
+    fake.write_text("#!/bin/sh\nfor a in \"$@\"; do if [ \"$a\" = reset ]; then\n"
                     f"  echo \"fatal: Unable to create '{repo_dir}/.git/index.lock': No space left on device\" >&2; exit 128\n"
-                    f"fi\nexec {real} \"$@\"\n")
+                    f"fi; done\nexec {real} \"$@\"\n")
     fake.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
     with pytest.raises(DiskFull) as caught:

@@ -121,6 +121,28 @@ def test_shared_incumbent_rebases_a_keep_that_a_newer_best_overtook(wide_repo, e
     assert_consistent(wide_repo)
 
 
+def test_an_edit_another_worker_kept_first_is_not_tried_again(wide_repo):
+    # Two workers given the same change at once (a search proposes what is best next, twice):
+    # the one kept first makes the other's re-based edit empty. On the old code it became an
+    # `invalid` trial, "the proposal changes nothing", which no trial had earned.
+    seed(wide_repo, "lr 0.01", "LR=0.01", "SLEEP=1.0")
+    seed(wide_repo, "lr 0.01 again", "LR=0.01", "SLEEP=1.0")
+    run_loop(wide_repo, executor="local", workers=2, max_trials=4)
+    rows = trials(wide_repo)
+    assert [r["status"] for r in rows if r["status"] not in ("keep", "discard")] == [], \
+        [(r["number"], r["status"], r["reason"]) for r in rows]
+    first, second = sorted(rows[1:3], key=lambda r: r["status"] != "keep")  # either may finish first
+    assert overlapping(first, second) and first["status"] == "keep" and second["status"] == "discard"
+    assert "re-queued on the new best" in second["reason"], second["reason"]
+    assert not any(r["derived_from"] == second["id"] for r in rows)
+    store = Store(wide_repo / "experiments.db")
+    try:
+        said = [e["message"] for e in store.events(store.get_run(TAG)["id"], kind="rebase")]
+    finally:
+        store.close()
+    assert f"trial {second['number']} is not tried again: the current best already has its change" in said, said
+
+
 def test_islands_advance_their_own_lineages_and_migrate(wide_repo, executor):
     seed(wide_repo, "lr 0.01", "LR=0.01", "SLEEP=0.3")  # the better island
     seed(wide_repo, "lr 0.05", "LR=0.05", "SLEEP=0.3")

@@ -129,21 +129,22 @@ def test_slot_runs_a_job_and_sends_back_its_files(executor, embedded_dataset, tm
     assert result.metric == pytest.approx(1.0 + (math.log10(0.02) + 2.0) ** 2)
     assert result.worker == "ray-w0" and result.device == "cpu"  # pretend GPUs: no CUDA device behind them
     assert calls == [(None, None, None)]  # a remote pid means nothing here
-    assert (run_dir / "checkpoint.pt").read_bytes() == CHECKPOINT_BYTES
-    assert '"val_bpb"' in (run_dir / "result.json").read_text()
+    assert (run_dir / "out" / "checkpoint.pt").read_bytes() == CHECKPOINT_BYTES
+    assert '"val_bpb"' in (run_dir / "out" / "result.json").read_text()
     assert "val_bpb:" in (run_dir / "train.log").read_text()
-    assert '"step": 1' in (run_dir / "progress.jsonl").read_text()
+    assert '"step": 1' in (run_dir / "out" / "progress.jsonl").read_text()
     assert result.files == {}  # written into run_dir already
     # The node's paths do not leak into what the controller records.
     assert "autoloop-ray-w0-" not in repr(result)
 
 
 def test_both_slots_run_side_by_side(executor, embedded_dataset, tmp_path):
-    job = make_job(embedded_dataset, sources={"train.py": fake_source().replace("SLEEP = 0.0", "SLEEP = 3.0")})
+    job = make_job(embedded_dataset, sources={"train.py": fake_source().replace("SLEEP = 0.0", "SLEEP = 8.0")})
     runs = [run_in_thread(slot, job, tmp_path / slot.name) for slot in executor.slots]
     for _, _, started in runs:
         assert started.wait(30)
-    assert all(thread.is_alive() for thread, _, _ in runs)  # both train at once
+    # both train at once (each sleeps long enough that a busy machine's late start still overlaps)
+    assert all(thread.is_alive() for thread, _, _ in runs)
     for thread, _, _ in runs:
         thread.join(60)
     assert [box["result"].status for _, box, _ in runs] == ["ok", "ok"]
@@ -173,7 +174,7 @@ def test_the_controller_measures_on_a_ray_slot(executor, fake_repo):
     assert runs[1]["metric"] < runs[0]["metric"]  # LR 0.01 is the fake's optimum
     for m in runs:
         log = Path(m["log_path"])
-        assert "val_bpb:" in log.read_text() and (log.parent / "result.json").exists()
+        assert "val_bpb:" in log.read_text() and (log.parent / "out" / "result.json").exists()
 
 
 def test_the_commits_other_files_reach_the_node_with_the_repo(executor, embedded_dataset, tmp_path):
@@ -202,7 +203,7 @@ def test_data_fingerprint_mismatch_fails_clearly(executor, embedded_dataset, tmp
     assert "data fingerprint mismatch" in result.reason
     assert embedded_dataset.fingerprint[:16] in result.reason and wrong[:16] in result.reason
     assert "standard library" in result.reason  # the embedded corpus: the fix is the same Python
-    assert not (tmp_path / "run" / "result.json").exists()  # it never trained
+    assert not (tmp_path / "run" / "out" / "result.json").exists()  # it never trained
 
 
 def test_worker_killed_mid_trial_is_lost_and_the_slot_recovers(executor, embedded_dataset, tmp_path):
@@ -231,7 +232,7 @@ def test_abort_stops_the_remote_training(executor, embedded_dataset, tmp_path):
     assert started.wait(60)
     training = slot.last_state["processes"][0]["pid"]
     # What the node writes while it trains reaches the controller's run folder as it comes.
-    progress = tmp_path / "a" / "progress.jsonl"
+    progress = tmp_path / "a" / "out" / "progress.jsonl"
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline and '"step": 1' not in (progress.read_text() if progress.exists() else ""):
         time.sleep(0.2)
@@ -250,17 +251,17 @@ def test_verify_job_ships_the_checkpoint(executor, embedded_dataset, tmp_path):
     # The checkpoint is not a real model, so the harness's evaluator rejects it: what matters
     # is that the node had it (a missing one says "is gone") and that it is not sent back.
     run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    (run_dir / "checkpoint.pt").write_bytes(CHECKPOINT_BYTES)
+    (run_dir / "out").mkdir(parents=True)
+    (run_dir / "out" / "checkpoint.pt").write_bytes(CHECKPOINT_BYTES)
     (run_dir / "train.log").write_text("the training's log\n")
-    job = make_job(embedded_dataset, kind="verify", checkpoint=str(run_dir / "checkpoint.pt"),
+    job = make_job(embedded_dataset, kind="verify", checkpoint=str(run_dir / "out" / "checkpoint.pt"),
                    result={"device": "cpu"}, harness_mode=True, external_eval=True)
     result = executor.slots[0].run(job, run_dir)
     assert result.status == "invalid", result.reason
     assert "is gone" not in result.reason and "checkpoint" in result.reason
-    assert str(run_dir / "checkpoint.pt") in result.reason  # the node's path is shown as the controller's
+    assert "autoloop-ray-" not in result.reason  # the node's paths never reach what the controller records
     assert (run_dir / "verify").is_dir()
-    assert (run_dir / "checkpoint.pt").read_bytes() == CHECKPOINT_BYTES
+    assert (run_dir / "out" / "checkpoint.pt").read_bytes() == CHECKPOINT_BYTES
     assert (run_dir / "train.log").read_text() == "the training's log\n"  # the run's own files stay
 
 

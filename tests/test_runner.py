@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -99,8 +100,10 @@ with open(os.environ["AUTOLOOP_RESULT"], "w") as f:
 
 DUMP_ENV = """
 import json, os
+with open(os.environ["ENV_DUMP"], "w") as f:
+    json.dump(dict(os.environ), f)
 with open(os.environ["AUTOLOOP_RESULT"], "w") as f:
-    json.dump({"val_bpb": 1.0, "env": dict(os.environ)}, f)
+    json.dump({"val_bpb": 1.0}, f)
 """
 
 
@@ -232,11 +235,15 @@ def test_environment_is_an_allow_list(tmp_path: Path, monkeypatch: pytest.Monkey
     monkeypatch.setenv("OPENBLAS_CORETYPE", "Haswell")  # prevents crashes on some CPUs: must pass
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.setenv("LC_ALL", "C.UTF-8")
-    outcome = run_script(tmp_path, DUMP_ENV, extra_env={"AUTOLOOP_TIME_BUDGET": 2, "CUSTOM_FOR_THIS_RUN": "x"})
-    child_env = outcome.result["env"]
+    dump = tmp_path / "env.json"
+    outcome = run_script(tmp_path, DUMP_ENV, extra_env={"AUTOLOOP_TIME_BUDGET": 2, "CUSTOM_FOR_THIS_RUN": "x",
+                                                        "ENV_DUMP": str(dump)})
+    assert outcome.status == "ok", outcome.reason
+    child_env = json.loads(dump.read_text())
     for name in ("OPENAI_API_KEY", "HF_TOKEN", "DB_PASSWORD", "AWS_SECRET_ACCESS_KEY", "MY_LLM_VAR", "NVIDIA_API_KEY"):
         assert name not in child_env
     assert "sk-unlabelled" not in json.dumps(child_env)
+    del child_env["ENV_DUMP"]
     assert (child_env["OPENBLAS_CORETYPE"], child_env["OMP_NUM_THREADS"], child_env["LC_ALL"]) == ("Haswell", "1", "C.UTF-8")
     assert child_env["PATH"] == os.environ["PATH"]
     # What the caller sets on purpose always passes.
@@ -354,3 +361,21 @@ def test_missing_command_is_a_clear_error(tmp_path: Path):
     with pytest.raises(AutoloopError, match="cannot start the training command"):
         run_training([str(tmp_path / "no-such-python")], cwd=tmp_path, env={}, log_path=tmp_path / "t.log",
                      deadline_seconds=5)
+
+
+def test_a_process_that_is_not_a_training_script_gets_no_contract_verdict_in_its_log(tmp_path: Path):
+    """The evaluator's log ended with "evaluation passed" and then "crash, exit 0: finished
+    without a val_bpb metric" (issue 22): the train-script contract judged a process that
+    is not a training script. With contract=False the closing line is its exit and time."""
+    script = tmp_path / "evaluator.py"
+    script.write_text("print('evaluation passed at stage done: ok (val_bpb 4.051032)')\n")
+    log = tmp_path / "eval.log"
+    runner.run_training([sys.executable, str(script)], cwd=tmp_path, env={}, log_path=log, deadline_seconds=60,
+                        contract=False)
+    lines = log.read_text().splitlines()
+    assert lines[-2] == "evaluation passed at stage done: ok (val_bpb 4.051032)"
+    assert re.fullmatch(r"# autoloop \S+: exit 0, \d+\.\d s", lines[-1]), lines[-1]
+    # A training script is still judged by the contract.
+    runner.run_training([sys.executable, str(script)], cwd=tmp_path, env={}, log_path=tmp_path / "train.log",
+                        deadline_seconds=60)
+    assert "crash, exit 0" in (tmp_path / "train.log").read_text().splitlines()[-1]

@@ -98,9 +98,25 @@ def test_environment_comes_from_an_allow_list():
               "MKL_NUM_THREADS", "OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE", "PYTHONHASHSEED", "TORCHINDUCTOR_CACHE_DIR",
               "TRITON_CACHE_DIR", "PYTHONPYCACHEPREFIX", "PYTORCH_CUDA_ALLOC_CONF", "CUBLAS_WORKSPACE_CONFIG",
               "AUTOLOOP_CACHE_DIR"}
-    assert set(env) == passed | {"PYTHONUNBUFFERED", "AUTOLOOP_SEED"}  # LANG: unset on purpose
+    # LANG: unset on purpose; GOMP_SPINCOUNT: OpenMP's idle threads sleep soon (autoloop/measure/openmp.py)
+    assert set(env) == passed | {"PYTHONUNBUFFERED", "AUTOLOOP_SEED", "GOMP_SPINCOUNT"}
     assert all(env[name] == environ[name] for name in passed)
-    assert env["AUTOLOOP_SEED"] == "7" and env["PYTHONUNBUFFERED"] == "1"
+    assert env["AUTOLOOP_SEED"] == "7" and env["PYTHONUNBUFFERED"] == "1" and env["GOMP_SPINCOUNT"] == "10000"
+
+
+@pytest.mark.parametrize("users, expected", [
+    ({}, "10000"),  # nobody chose: threads spin 10,000 iterations, not GNU's 300,000
+    ({"GOMP_SPINCOUNT": "300000"}, "300000"),  # the user's own count stays
+    ({"OMP_WAIT_POLICY": "ACTIVE"}, None),  # so does their wait policy, with no count beside it
+])
+def test_openmp_threads_sleep_soon_unless_the_user_chose(users, expected):
+    from autoloop.measure.openmp import apply_openmp_defaults
+
+    env = allowed_environment({}, environ={"PATH": "/usr/bin", **users})
+    assert env.get("GOMP_SPINCOUNT") == expected and env.get("OMP_WAIT_POLICY") == users.get("OMP_WAIT_POLICY")
+    ours = dict(users)
+    apply_openmp_defaults(ours)  # the controller's own process, before it imports torch
+    assert ours.get("GOMP_SPINCOUNT") == expected
 
 
 # ---------------------------------------------------------------------------- the layout
@@ -377,6 +393,8 @@ def test_the_deadline_kills_the_whole_namespace(layout):
 @needs_bwrap
 def test_environment_inside_and_no_configured_key_in_it_or_the_log(layout, monkeypatch):
     secret = "sk-do-not-leak-4242"
+    for name in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY"):
+        monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("MY_SECRET_VAR", secret)  # llm-api-key-env = "MY_SECRET_VAR"
     monkeypatch.setenv("OPENBLAS_CORETYPE", "Haswell")
     outcome = run_inside(layout, REPORT + "print(dict(os.environ))\nreport(env=dict(os.environ))\n",
@@ -386,7 +404,7 @@ def test_environment_inside_and_no_configured_key_in_it_or_the_log(layout, monke
     assert "MY_SECRET_VAR" not in env and secret not in json.dumps(env)
     assert secret not in (layout["run_dir"] / "train.log").read_text()
     assert env["HOME"] == "/tmp/home" and env["OPENBLAS_CORETYPE"] == "Haswell" and env["AUTOLOOP_SEED"] == "3"
-    assert "AUTOLOOP_TRIAL_MARKER" in env
+    assert "AUTOLOOP_TRIAL_MARKER" in env and env["GOMP_SPINCOUNT"] == "10000"
 
 
 @needs_bwrap
@@ -494,7 +512,7 @@ def _wait_for(condition, timeout: float = 20) -> bool:
 @needs_bwrap
 def test_killing_bubblewraps_group_ends_the_namespace(layout):
     """What crash recovery does with a recorded pgid: kill_process_group alone, no sweep."""
-    from autoloop.measure.runner import kill_process_group
+    from autoloop.measure.runner import kill_process_group, process_start_time
 
     tag = f"daemon-{os.getpid()}-{time.monotonic_ns()}"
     script = layout["run_dir"] / "probe.py"
@@ -506,7 +524,10 @@ def test_killing_bubblewraps_group_ends_the_namespace(layout):
     proc = subprocess.Popen(argv, env=env, start_new_session=True, stdin=subprocess.DEVNULL)
     try:
         assert _wait_for(lambda: processes_with_argument(tag)), "the daemon did not start"
-        assert kill_process_group(proc.pid, expected_pid=proc.pid, grace=0.5)
+        # No kill without the start time of the leader that was recorded (issue 23, item 6).
+        assert not kill_process_group(proc.pid, expected_pid=proc.pid, grace=0.5)
+        assert kill_process_group(proc.pid, expected_pid=proc.pid, expected_start_time=process_start_time(proc.pid),
+                                  grace=0.5)
         assert _wait_for(lambda: not processes_with_argument(tag), timeout=10)
     finally:
         proc.kill()

@@ -380,10 +380,14 @@ def test_interrupted_trial_is_not_evidence(fake_repo):
         before = SearchProposer(config).propose(controller.proposal_context(controller.best_commit()))
         controller.store.update_trial(last["id"], status="interrupted")
         again = SearchProposer(config).propose(controller.proposal_context(controller.best_commit()))
+        # Running (another worker trains it now): not evidence, and not proposed a second time.
+        controller.store.update_trial(last["id"], status="running")
+        beside = SearchProposer(config).propose(controller.proposal_context(controller.best_commit()))
     finally:
         controller.close()
     assert before.edits[0].sets != sets_of(last)
     assert again.edits[0].sets == sets_of(last) and again.description == last["description"]
+    assert beside.edits[0].sets != sets_of(last), beside.description
 
 
 def test_default_chain_is_ideas_then_search(fake_repo):

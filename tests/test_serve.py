@@ -27,7 +27,7 @@ pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
 pytest.importorskip("sse_starlette")
 
-from autoloop.serve import files  # noqa: E402
+from autoloop.trust import untrusted as files  # noqa: E402
 from autoloop.review.tree import layout, svg, tree_rows  # noqa: E402
 from serve_support import NightWriter, Server, request  # noqa: E402
 
@@ -383,15 +383,15 @@ def test_a_progress_file_that_is_a_link_or_a_fifo_is_not_read(night, server, tmp
 def test_read_tail_refuses_links_and_special_files_and_caps_the_read(tmp_path):
     regular = tmp_path / "progress.jsonl"
     regular.write_text("".join(json.dumps({"step": i, "loss": 1.0 + i}) + "\n" for i in range(1000)))
-    assert files.read_tail(regular, 100).count("\n") <= 3
+    assert files.tail_text(regular, 100).count("\n") <= 3
     assert files.progress_records(regular)[-1] == {"step": 999, "loss": 1000.0}
     link = tmp_path / "link.jsonl"
     link.symlink_to(regular)
-    assert files.read_tail(link) is None
+    assert files.tail_text(link) is None
     fifo = tmp_path / "fifo.jsonl"
     os.mkfifo(fifo)
-    assert files.read_tail(fifo) is None
-    assert files.read_tail(tmp_path) is None and files.read_tail(tmp_path / "missing") is None
+    assert files.tail_text(fifo) is None
+    assert files.tail_text(tmp_path) is None and files.tail_text(tmp_path / "missing") is None
     odd = tmp_path / "odd.jsonl"
     odd.write_bytes(b'{"step": 1, "loss": 2.5, "evil": "<script>"}\n\xff\xfe garbage\n[1, 2]\n{"step": "x", "loss": NaN}\n'
                     + b'{"step": 3, "loss": 1e999}\n' + b'{"step": 4, "loss": ' + b"1" * 5000 + b"}\n")

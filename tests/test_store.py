@@ -258,3 +258,28 @@ def test_reader_process_never_sees_locked(db_path: Path):
     assert reads > 10 and written > 10, out
     assert writer.integrity_check() == ["ok"]
     writer.close()
+
+
+def test_a_database_of_three_migrations_gains_the_machine_speed(db_path: Path):
+    """0005_machine_speed on a database written by the code of 0003: old rows read NULL
+    (unknown speed: the pairing treats them as it always did), new rows keep the figure."""
+    import sqlite3
+
+    from autoloop import store as store_mod
+
+    conn = sqlite3.connect(db_path)
+    conn.execute("CREATE TABLE _migrations (name TEXT PRIMARY KEY, applied_at TEXT NOT NULL)")
+    for name, migrate in store_mod.MIGRATIONS[:3]:
+        migrate(conn)
+        conn.execute("INSERT INTO _migrations VALUES (?, 'then')", (name,))
+    conn.execute("INSERT INTO runs (tag, status, created_at, updated_at) VALUES ('old', 'finished', 'x', 'x')")
+    conn.execute("INSERT INTO trials (run_id, number, kind, status, created_at) VALUES (1, 1, 'baseline', 'keep', 'x')")
+    conn.execute("INSERT INTO measurements (trial_id, seed, metric, created_at) VALUES (1, 1, 2.5, 'x')")
+    conn.commit()
+    conn.close()
+    with Store(db_path) as store:
+        assert store.applied_migrations()[-1] == "0005_machine_speed"
+        old = store.measurements(1)[0]
+        assert old["machine_speed"] is None and old["tokens_per_second"] is None
+        store.add_measurement(1, 2.4, seed=2, machine_speed=6.25, tokens_per_second=1800.0)
+        assert store.measurements(1)[1]["machine_speed"] == 6.25

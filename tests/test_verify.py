@@ -20,6 +20,7 @@ installed one.
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -40,7 +41,6 @@ from autoloop.review.queries import log_rows, run_status
 from autoloop.review.text import format_log, format_status
 from autoloop.measure.runner import RunOutcome
 from autoloop.store import Kind, Status, Store
-from autoloop.trust.watch import Verifier
 
 STEPS = 40
 TAG = "v"
@@ -423,9 +423,12 @@ def test_non_causal_attention_is_rejected_though_far_better(repo):
     leaky = edited(source, MODEL_ATTENTION, MODEL_ATTENTION.replace("True", "False"))
     out = run_proposal(repo, "full attention (sees the future)", leaky)
     trial, base = out["trial"], out["baseline"]
-    assert trial["metric"] < base["metric"] - 0.1  # its own number is far better ...
-    assert trial["status"] == "invalid" and "leaks future tokens" in trial["reason"]  # ... and never kept
-    assert trial["metric_source"] == "harness" and trial["verify_seconds"] > 0
+    # The scorer's number for it is far better (its verdict says so) ...
+    (verdict,) = (repo / ".autoloop" / TAG / "trials" / str(trial["number"])).rglob("verdict.json")
+    assert json.loads(verdict.read_text())["val_bpb"] < base["metric"] - 0.1
+    # ... and it is never kept, nor recorded as a metric anywhere a decision or a brief reads it.
+    assert trial["status"] == "invalid" and "leaks future tokens" in trial["reason"] and trial["metric"] is None
+    assert trial["metric_source"] is None  # the scorer's probes caught it at its first evaluation
     assert out["run"]["best_commit"] == base["trial_commit"] == _branch_tip(repo)
     assert not list((repo / ".autoloop" / TAG / "trials" / str(trial["number"])).rglob("checkpoint.pt"))
 
@@ -446,68 +449,6 @@ def test_verifier_reads_train_py_from_the_commit_not_the_worktree(repo):
     assert trial["status"] == "invalid" and "leaks future tokens" in trial["reason"]
     (snapshot,) = (repo / ".autoloop" / TAG / "trials" / str(trial["number"])).rglob("source/train.py")
     assert "is_causal=False" in snapshot.read_text()
-
-
-@pytest.mark.slow
-def test_fake_val_bpb_is_ignored(repo):
-    source = (repo / "train.py").read_text()
-    fake = edited(source, '        "val_bpb": val_bpb,\n', '        "val_bpb": 1.0,  # looks great\n')
-    out = run_proposal(repo, "report a better number", fake)
-    trial = out["trial"]
-    # Under the controller the script's own number is never read: the harness evaluates
-    # the checkpoint, so the fake changes nothing and the unchanged model is not kept.
-    assert trial["result"]["val_bpb"] == 1.0 and trial["metric"] > 1.5
-    assert trial["status"] == "discard" and trial["metric_source"] == "harness"
-    assert out["run"]["best_commit"] == out["baseline"]["trial_commit"]
-
-
-@pytest.mark.slow
-def test_training_twice_the_budget_is_rejected(repo):
-    source = (repo / "train.py").read_text()
-    greedy = edited(source, "    clock = H.TrainingClock(spec)\n",
-                    "    clock = H.TrainingClock(time_budget=2 * spec.time_budget,\n"
-                    "                            max_steps=2 * spec.max_steps if spec.max_steps else None)\n")
-    out = run_proposal(repo, "train a bit longer", greedy)
-    trial = out["trial"]
-    assert trial["status"] == "invalid" and trial["num_steps"] == 2 * STEPS
-    assert trial["reason"] == f"trained {2 * STEPS} steps, over its budget of {STEPS} (+1 allowed)"
-    assert out["run"]["best_commit"] == out["baseline"]["trial_commit"]
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("sandbox", ["off", "auto"])
-def test_editing_a_harness_file_at_run_time_is_rejected(repo, tmp_path, monkeypatch, sandbox):
-    """Unsandboxed, the seals catch the edit, the trial is invalid and the run pauses; in
-    the sandbox the harness is read-only, so the edit fails inside the trial."""
-    from autoloop.measure.sandbox import detect
-
-    if sandbox == "auto" and detect().kind != "bwrap":
-        pytest.skip("bubblewrap cannot run here (apt-get install -y bubblewrap)")
-    package = tmp_path / "site"
-    shutil.copytree(REPO_ROOT / "autoloop", package / "autoloop", ignore=shutil.ignore_patterns("__pycache__"))
-    monkeypatch.setenv("PYTHONPATH", str(package))  # the trial and the verifier import the copy
-    original = (package / "autoloop" / "harness" / "metric.py").read_text()
-    source = (repo / "train.py").read_text()
-    tamper = edited(source, "    t_start = time.perf_counter()\n",
-                    "    t_start = time.perf_counter()\n"
-                    "    import pathlib\n"
-                    "    metric_py = pathlib.Path(H.__file__).with_name('metric.py')\n"
-                    "    metric_py.write_text(metric_py.read_text() + '\\n# a trial was here\\n')\n")
-    out = run_proposal(repo, "tune the metric", tamper, verifier=Verifier(harness_dir=package / "autoloop" / "harness"),
-                       max_trials=2, sandbox=sandbox)
-    trial = out["trial"]
-    assert "a trial was here" not in (REPO_ROOT / "autoloop" / "harness" / "metric.py").read_text()
-    assert out["run"]["best_commit"] == out["baseline"]["trial_commit"]
-    if sandbox == "off":
-        assert "# a trial was here" in (package / "autoloop" / "harness" / "metric.py").read_text()
-        assert trial["status"] == "invalid"
-        assert trial["reason"] == "changed the fixed harness or data while it ran: harness file metric.py modified"
-        assert out["summary"].paused and "the harness changed during the run" in out["summary"].stop_reason
-        assert out["run"]["status"] == "paused"
-    else:
-        assert (package / "autoloop" / "harness" / "metric.py").read_text() == original
-        assert trial["status"] == "crash" and "Read-only file system" in trial["reason"], trial["reason"]
-        assert not out["summary"].paused
 
 
 @pytest.mark.slow

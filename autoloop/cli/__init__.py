@@ -12,7 +12,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from autoloop.cli.common import config_for, explicit_tag, handles_errors, open_store, pick_run
+from autoloop.cli.common import config_for, explicit_tag, handles_errors, open_store, pick_run, run_settings
 from autoloop.errors import AutoloopError
 
 app = typer.Typer(
@@ -21,6 +21,8 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    # Help text is plain text: with rich markup, `pip install 'autoloop[ray]'` would print as 'autoloop'.
+    rich_markup_mode=None,
 )
 
 RepoOpt = Annotated[Path, typer.Option("--repo", help="The git repository that holds train.py; the current folder by default.")]
@@ -37,17 +39,19 @@ def run(
     repo: RepoOpt = Path("."),
     tag: Annotated[Optional[str], typer.Option(help="The run's name: it works on branch autoloop/<tag>. Today's date (e.g. nov29) by default; an existing tag resumes that run.")] = None,
     db: DbOpt = None,
-    max_trials: Annotated[Optional[int], typer.Option(help="Stop after this many trials in this invocation, the baseline included.")] = None,
+    max_trials: Annotated[Optional[int], typer.Option(help="Stop after this many trials in this invocation, the baseline included (0: only recover a run left by a dead controller, then stop).")] = None,
     hours: Annotated[Optional[float], typer.Option(help="Stop before starting a trial that could not finish within this many hours.")] = None,
     time_budget: Annotated[Optional[float], typer.Option(help="Seconds of timed training per trial (300 by default).")] = None,
     max_steps: Annotated[Optional[int], typer.Option(help="Train each trial for this many optimizer steps instead of a time budget (deterministic).")] = None,
     grace_seconds: Annotated[Optional[float], typer.Option(help="Seconds allowed on top of the budget for start-up, compilation and evaluation before a trial is killed.")] = None,
     proposers: Annotated[Optional[str], typer.Option(help="Comma-separated proposer chain, asked in order, e.g. 'ideas,search'.")] = None,
     keep_margin: Annotated[Optional[float], typer.Option(help="With --decision-rule strict: keep a trial only if it beats the best val_bpb by more than this.")] = None,
-    decision_rule: Annotated[Optional[str], typer.Option(help="'paired' (default: same seeds as the incumbent, runs again while unclear; docs/decisions.md) or 'strict' (one run, lower wins).")] = None,
+    decision_rule: Annotated[Optional[str], typer.Option(help="'two-tier' (default: adopt when the paired mean at the incumbent's seeds is lower, confirmed when the sequential test says so; docs/decisions.md), 'confirmed-only' (only confirmed changes move the branch, alpha 0.2), 'paired' (the same at alpha 0.05) or 'strict' (one run, lower wins).")] = None,
     baseline_seeds: Annotated[Optional[int], typer.Option(help="Seeds the baseline runs at: the first measure of the noise (3 by default).")] = None,
     max_runs: Annotated[Optional[int], typer.Option(help="Most runs of one candidate before it is discarded as not distinguishable (5 by default).")] = None,
-    alpha: Annotated[Optional[float], typer.Option(help="False keeps allowed per proposal that changes nothing (0.05 by default).")] = None,
+    alpha: Annotated[Optional[float], typer.Option(help="Null proposals confirmed per proposal that changes nothing (0.05 by default; 0.2 under confirmed-only).")] = None,
+    reserve_seeds: Annotated[Optional[int], typer.Option(help="Fresh seeds no decision used at which the night's best is re-measured for the reported figures (4 by default, fewer in a short night; 0: none).")] = None,
+    no_early_stop: Annotated[bool, typer.Option("--no-early-stop", help="Never stop a clear loser's run early (by default it is stopped once the night's own curves calibrate the rule).")] = False,
     drift_every: Annotated[Optional[int], typer.Option(help="Re-measure the incumbent every N trials to catch a drifting machine (10 by default; 0: never).")] = None,
     requeue_near_misses: Annotated[Optional[bool], typer.Option("--requeue-near-misses", help="Try a discard that was within the noise once more after the incumbent changes.")] = None,
     seed: Annotated[Optional[int], typer.Option(help="The training seed passed to every trial.")] = None,
@@ -79,6 +83,7 @@ def run(
         repo, tag=tag, db=db, max_trials=max_trials, hours=hours, time_budget=time_budget, max_steps=max_steps,
         grace_seconds=grace_seconds, proposers=proposers, keep_margin=keep_margin, decision_rule=decision_rule,
         baseline_seeds=baseline_seeds, max_runs=max_runs, alpha=alpha, drift_every=drift_every,
+        reserve_seeds=reserve_seeds, early_stop=False if no_early_stop else None,
         requeue_near_misses=requeue_near_misses, seed=seed, dataset=dataset,
         train_command=train_command, allow_env_change=allow_env_change, verify=False if no_verify else None,
         sandbox="off" if no_sandbox else None, check=False if no_check else None, llm_model=llm_model, llm_base_url=llm_base_url, agent_command=agent_command, max_cost=max_cost,
@@ -87,7 +92,8 @@ def run(
         allow_mixed_devices=allow_mixed_devices, notify=notify, notify_timeout=notify_timeout,
     )
     display = Display()
-    display.say(f"autoloop run '{config.tag}' on branch autoloop/{config.tag} ({config.db})", "bold")
+    # Printed with the first thing the run says: a run that fails before it starts prints its error alone.
+    display.later(f"autoloop run '{config.tag}' on branch autoloop/{config.tag} ({config.db})", "bold")
     summary = Controller(config, repo, display=display).run()
     counts = ", ".join(f"{n} {s}" for s, n in sorted(summary.statuses.items())) or "no trials"
     display.say(f"stopped: {summary.stop_reason}", "bold")
@@ -97,6 +103,10 @@ def run(
             f"baseline {format_metric(summary.baseline_metric)} -> best {format_metric(summary.best_metric)} "
             f"at {summary.best_commit[:12]} (branch autoloop/{config.tag})", "green",
         )
+        if summary.headline is not None:
+            from autoloop.loop.reserve import describe
+
+            display.say(f"reported: {describe(summary.headline)}", "green")
     if summary.paused:
         raise typer.Exit(3)
 
@@ -148,7 +158,20 @@ def check(
     unknown = [p for p in chosen if p not in PARTS]
     if unknown:
         raise AutoloopError(f"unknown check part {', '.join(unknown)}: use some of {', '.join(PARTS)}")
-    config = config_for(repo, db=db, hours=hours, time_budget=time_budget, max_steps=max_steps, dataset=dataset)
+    config = config_for(repo, db=db)
+    # The run the result is stored on is the run it plans for: its own budget, not the default.
+    planned = run_settings(repo, config.db, explicit_tag(tag))
+    given = {"hours": hours, "time_budget": time_budget, "max_steps": max_steps, "dataset": dataset}
+    if planned and time_budget is None and max_steps is None:
+        given.update(time_budget=planned.get("time_budget"), max_steps=planned.get("max_steps"))
+    for name in ("hours", "dataset"):
+        if planned and given[name] is None:
+            given[name] = planned.get(name)
+    config = config_for(repo, db=db, **given)
+    if planned and (time_budget, max_steps) == (None, None):
+        budget = f"{config.max_steps} steps" if config.max_steps else f"{config.time_budget:g} s"
+        typer.echo(f"planning for run '{planned['tag']}': {budget} per trial (--time-budget or --max-steps to plan "
+                   "for another budget)")
     data_dir = None
     if config.dataset:
         from autoloop.prepare import resolve_data_dir
@@ -183,11 +206,14 @@ def seed(
 
     It is checked now, with the loop's own rules, against the current best commit (of the --tag run, else the most recent run, else HEAD): a bad idea is refused in one line instead of failing at night.
     """
-    from autoloop.proposers.seeding import seed_idea
+    from autoloop.proposers.seeding import seed_idea, text_only_wait
 
     config = config_for(repo, db=db)
     idea = seed_idea(config, repo, description, sets=set_ or [], patch=patch, priority=priority, tag=explicit_tag(tag))
     typer.echo(f"seeded idea {idea['id']}: {description}")
+    waiting = text_only_wait(config, repo, idea)
+    if waiting:
+        typer.echo(waiting)
 
 
 @app.command()
@@ -195,10 +221,14 @@ def seed(
 def ideas(repo: RepoOpt = Path("."), db: DbOpt = None,
           as_json: Annotated[bool, typer.Option("--json", help="Print the ideas as JSON.")] = False):
     """List the seeded ideas and what became of them."""
+    from autoloop.proposers.seeding import waiting_reason
     from autoloop.review.text import format_ideas
 
     store = open_store(repo, db)
     rows = store.ideas()
+    waiting = waiting_reason(config_for(repo, db=db), store.runs())
+    for idea in rows:  # why a pending idea is not taken, where it is known
+        idea["waiting"] = waiting if idea["status"] == "pending" and not (idea.get("sets") or idea.get("patch")) else None
     typer.echo(json.dumps(rows, indent=1, default=str) if as_json else format_ideas(store, rows))
 
 
@@ -227,6 +257,9 @@ _register_commands()
 
 
 def main() -> None:
+    from autoloop.measure.openmp import apply_openmp_defaults
+
+    apply_openmp_defaults()  # before anything imports torch: `autoloop check` trains in this process
     app()
 
 

@@ -64,3 +64,22 @@ def pick_run(store, tag: str | None) -> dict:
     if not runs:
         raise AutoloopError(f"{store.path} has no runs yet: start one with `autoloop run`")
     return runs[-1]
+
+
+def run_settings(repo: Path, db: str, tag: str | None) -> dict:
+    """The stored settings of run `tag` (else the most recent run) with its tag, or {}
+    when the repository has no db or no such run: what `autoloop check` plans for."""
+    from autoloop.store import Store
+
+    path = Path(db)
+    path = path if path.is_absolute() else Path(repo) / path
+    if not path.exists():
+        return {}
+    store = Store(path)
+    try:
+        run = store.get_run(tag) if tag else (store.runs() or [None])[-1]
+    finally:
+        store.close()
+    if run is None:
+        return {}
+    return {**(run.get("config") or {}), "tag": run["tag"]}

@@ -1,5 +1,10 @@
 """Live progress of a run on the terminal (rich): the current trial, its step and loss,
-time left, and the best so far. Reads the trial's progress file, like `autoloop status`."""
+time left, and the best so far. Reads the trial's progress file, like `autoloop status`.
+
+A trial of several runs prints one line per run, each saying which run it is: the seed,
+and whose code trains (the candidate, the baseline, or the incumbent re-measured for the
+candidate). A header given with `later()` is printed only once something else is, so a
+run that fails before it starts prints its one-line error alone."""
 
 from __future__ import annotations
 
@@ -9,7 +14,7 @@ from pathlib import Path
 from rich.console import Console
 
 from autoloop.review.queries import last_progress
-from autoloop.review.text import format_metric
+from autoloop.review.text import format_metric, run_words
 
 _STYLE = {"keep": "bold green", "discard": "dim", "crash": "red", "timeout": "red", "invalid": "magenta",
           "interrupted": "yellow"}
@@ -24,14 +29,26 @@ class Display:
         self._budget = None
         self._started = 0.0
         self._last_poll = 0.0
+        self._later: list[tuple[str, str | None]] = []
+
+    def later(self, message: str, style: str | None = None) -> None:
+        """Print `message` before the next thing said (never, if nothing is)."""
+        self._later.append((message, style))
 
     def say(self, message: str, style: str | None = None) -> None:
-        self.console.print(message, style=style, markup=False, highlight=False)
+        from autoloop.trust.redact import redact
 
-    def trial_started(self, trial: dict, best: float | None, config) -> None:
+        pending, self._later = self._later, []
+        for text, text_style in pending:
+            self.console.print(redact(text), style=text_style, markup=False, highlight=False)
+        self.console.print(redact(message), style=style, markup=False, highlight=False)
+
+    def trial_started(self, trial: dict, best: float | None, config, *, seed: int | None = None,
+                      role: str | None = None, owner: dict | None = None) -> None:
         self._trial, self._best, self._started = trial, best, time.monotonic()
         self._budget = f"{config.max_steps} steps" if config.max_steps else f"{config.time_budget:.0f}s"
-        self.say(f"trial {trial['number']} [{trial['kind']}] {trial.get('description') or ''}", "bold")
+        self.say(f"trial {trial['number']} [{trial['kind']}] {trial.get('description') or ''}"
+                 + run_words(trial, seed, role, owner), "bold")
         if self.console.is_terminal:
             self._status = self.console.status(self._line(None))
             self._status.start()

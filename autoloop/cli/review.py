@@ -23,6 +23,20 @@ DbOpt = Annotated[Optional[str], typer.Option("--db", help="The trial database, 
 TagOpt = Annotated[Optional[str], typer.Option("--tag", "--run", help="The run's name; the most recent run by default.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of text, for scripts and agents.")]
 NumberArg = Annotated[int, typer.Argument(help="The trial number, as `autoloop log` shows it.")]
+RemeasureOpt = Annotated[bool, typer.Option("--remeasure/--no-remeasure", help="Re-measure the best at fresh seeds no decision used when it has not been (it trains; refused while the run is going), so the reported figure is not the selection mean.")]
+
+
+def _headline(repo: Path, db: str | None, tag: str | None, remeasure: bool) -> str | None:
+    """Measure the run's reserve when it lacks one (autoloop.review.remeasure); the note
+    to print when it could not be."""
+    if not remeasure:
+        return None
+    from autoloop.cli.display import Display
+    from autoloop.review.remeasure import ensure_headline
+
+    with _Session(repo, db, tag) as s:
+        run = s.run
+    return ensure_headline(repo, run, db=db, display=Display())
 
 
 class _Session:
@@ -102,13 +116,17 @@ def diff(number: NumberArg, repo: RepoOpt = Path("."), tag: TagOpt = None, db: D
     typer.echo(text, nl=not text.endswith("\n"))
 
 
-def best(repo: RepoOpt = Path("."), tag: TagOpt = None, db: DbOpt = None, as_json: JsonOpt = False):
-    """Show the best commit of a run, its val_bpb against the baseline, and held-out val_bpb where verified."""
+def best(repo: RepoOpt = Path("."), tag: TagOpt = None, db: DbOpt = None, as_json: JsonOpt = False,
+         remeasure: RemeasureOpt = True):
+    """Show the best commit of a run, its val_bpb and gain re-measured at fresh seeds no decision used, its tier, and held-out val_bpb where verified."""
     from autoloop.review.queries import best_summary
     from autoloop.review.text import format_best
 
+    note = _headline(repo, db, tag, remeasure)
     with _Session(repo, db, tag) as s:
         info = best_summary(s.store, s.run)
+    if note:
+        typer.echo(note, err=True)
     typer.echo(_dump(info) if as_json else format_best(info))
 
 
@@ -121,31 +139,46 @@ def finalize(
     force: Annotated[bool, typer.Option("--force", help="Replace the branch if it already exists.")] = False,
     checkout: Annotated[bool, typer.Option("--checkout", help="Check the new branch out afterwards (refused while the run is going or the worktree has uncommitted changes).")] = False,
     drop_null: Annotated[bool, typer.Option("--drop-null", help="Leave out the kept changes that the latest `autoloop ablate` found no benefit from (effect indistinguishable from zero, or harmful).")] = False,
+    confirmed_only: Annotated[bool, typer.Option("--confirmed-only", help="Leave out the kept changes that were only adopted (the paired mean was lower, the sequential test did not confirm them): the branch holds confirmed gains only.")] = False,
+    remeasure: RemeasureOpt = True,
     as_json: JsonOpt = False,
 ):
     """Make a clean branch from the run's base with its kept changes, and keep the best trial's checkpoint under .autoloop/<tag>/best/."""
     from autoloop.review.finalize import finalize as make_branch
 
+    note = _headline(repo, db, tag, remeasure)
+    if note:
+        typer.echo(note, err=True)
     with _Session(repo, db, tag) as s:
         result = make_branch(s.store, s.run, repo, branch=branch, per_trial=per_trial, force=force, checkout=checkout,
-                             drop_null=drop_null)
+                             drop_null=drop_null, confirmed_only=confirmed_only)
     if as_json:
         typer.echo(_dump(result.to_dict()))
         return
     kind = f"{len(result.commits)} commits" if per_trial else "one commit"
+    kept = _trials_words(result.trials, "kept trial")
+    why = "adopted, never confirmed" if confirmed_only else "no benefit in the ablation"
     if result.dropped:
-        typer.echo(f"branch {result.branch} at {result.commit[:12]}: {kind} on base {result.base_commit[:12]} with the kept "
-                   f"trials {', '.join(map(str, result.trials))}, leaving out trial {', '.join(map(str, result.dropped))} "
-                   f"(no benefit in the ablation); its tree is the best commit's ({result.best_commit[:12]}, trial "
-                   f"{result.best_trial}) without them")
+        typer.echo(f"branch {result.branch} at {result.commit[:12]}: {kind} on base {result.base_commit[:12]} with "
+                   f"{kept}, leaving out {_trials_words(result.dropped, 'trial')} ({why}); its tree "
+                   f"is the best commit's ({result.best_commit[:12]}, trial {result.best_trial}) without "
+                   f"{'it' if len(result.dropped) == 1 else 'them'}")
     else:
-        typer.echo(f"branch {result.branch} at {result.commit[:12]}: {kind} on base {result.base_commit[:12]} with the kept "
-                   f"trials {', '.join(map(str, result.trials))}; its tree is the best commit's ({result.best_commit[:12]}, trial {result.best_trial})")
+        typer.echo(f"branch {result.branch} at {result.commit[:12]}: {kind} on base {result.base_commit[:12]} with "
+                   f"{kept}; its tree is the best commit's ({result.best_commit[:12]}, trial {result.best_trial})")
     typer.echo(f"checkpoint: {result.checkpoint}" if result.checkpoint else f"checkpoint: none ({result.checkpoint_note})")
     if result.checked_out:
         typer.echo(f"checked out {result.branch}")
     else:
         typer.echo(f"the worktree is unchanged: `git checkout {result.branch}` or `git push origin {result.branch}`")
+
+
+def _trials_words(numbers: list[int], noun: str) -> str:
+    """'kept trial 2', 'kept trials 2 and 4', 'kept trials 2, 4 and 7'."""
+    shown = [str(n) for n in numbers]
+    if len(shown) == 1:
+        return f"{noun} {shown[0]}"
+    return f"{noun}s {', '.join(shown[:-1])} and {shown[-1]}"
 
 
 def ablate(
@@ -170,16 +203,19 @@ def report(
     repo: RepoOpt = Path("."),
     tag: TagOpt = None,
     db: DbOpt = None,
-    out: Annotated[Optional[Path], typer.Option(help="The folder for report.html and its PNG charts; .autoloop/<tag>/report/ by default.")] = None,
+    out: Annotated[Optional[Path], typer.Option(help="The folder for report.html (its charts are inline); .autoloop/<tag>/report/ by default.")] = None,
+    remeasure: RemeasureOpt = True,
 ):
     """Write a self-contained HTML report of a run (headline, progress chart, loss curves, kept changes, failures, ideas)."""
     from autoloop.review.report import build_report, default_out_dir
 
+    note = _headline(repo, db, tag, remeasure)
+    if note:
+        typer.echo(note, err=True)
     with _Session(repo, db, tag) as s:
         result = build_report(s.store, s.run, out if out is not None else default_out_dir(repo, s.run["tag"]))
     head = result.data["headline"]
-    typer.echo(f"wrote {result.html_path} ({head['trials']} trials, {head['kept']} kept) and "
-               + ", ".join(str(p) for p in result.images.values()))
+    typer.echo(f"wrote {result.html_path} ({head['trials']} trials, {head['kept']} kept; one self-contained file)")
 
 
 def export(
@@ -192,8 +228,13 @@ def export(
     """Export a run's trials as TSV, CSV or JSON; the TSV reads in autoresearch's analysis notebook."""
     from autoloop.review.export import write_export
 
+    left_out: list[int] = []
     with _Session(repo, db, tag) as s:
-        text = write_export(s.store, s.run, format_, out)
+        text = write_export(s.store, s.run, format_, out, left_out)
+    if left_out:
+        trials = ", ".join(map(str, left_out))
+        typer.echo(f"note: trial {trials} (baseline attempts that failed before the measured baseline) left out: "
+                   "autoresearch's notebook reads the first row as the baseline; --format csv has every trial", err=True)
     if out is None:
         typer.echo(text, nl=False)
     else:

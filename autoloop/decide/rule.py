@@ -2,24 +2,39 @@
 
 One training run is one sample: seeds move val_bpb by about as much as a typical late
 gain. So a candidate is compared with the incumbent on the SAME seeds (same data order
-and init stream), where most of the seed noise cancels, and the rule looks again after
-each paired measurement (docs/decisions.md has the reasoning and the simulation):
+and init stream), where most of the seed noise cancels (docs/decisions.md has the
+reasoning and the simulation):
 
 * d_s = candidate(s) - incumbent(s) over the n seeds both have; mean d, se = pair_sd / sqrt(n)
   with pair_sd the run's pooled noise of one paired difference (`pool_noise`), t = mean / se.
-* keep when t <= keep_bound: a group-sequential bound over the at most max_runs looks
-  (`sequential_bound`: with a known noise, the chance that a proposal with no effect is
-  ever kept is exactly alpha), carried to t with the pooled df.
-* discard when t >= futility (default -0.5), or at max_runs; a clearly worse candidate
-  is therefore discarded after one run. The bound is computed with this futility rule in
-  force (binding), which the rule always follows.
-* otherwise measure again: the incumbent first where the candidate has a seed it lacks
-  (no look is taken on a half-measured pair), else the candidate on the next seed,
-  preferring seeds the incumbent already has.
 
-Each look n is taken once, with the noise known at that moment. The baseline (no
-incumbent) is measured at `baseline_seeds` seeds and kept. `rule = "strict"` is the old
-rule (one run, kept when it beats the incumbent's run at the same seed by `margin`).
+Two tiers. A kept candidate is **adopted** (the branch moves) or also **confirmed**
+(a group-sequential test against the run's measured noise says so: with a known noise
+the chance that a proposal with no effect is ever confirmed is exactly alpha,
+`sequential_bound`, carried to t with the pooled df). Every verdict carries
+figures["tier"] ("adopted" | "confirmed" | None) and figures["confirmed"] (bool).
+The rules (`DecisionConfig.rule`):
+
+* "two-tier" (the default): adopt on the paired mean, like the strict rule; confirmed
+  when t reaches the bound. Optionally (`promising`, e.g. -1) look twice at what looks
+  too good: while t < promising and not yet confirmed, the candidate is measured again
+  (up to max_runs pairs); then it is confirmed when t reached the bound at some look,
+  adopted when the paired mean is lower, discarded otherwise. Off by default: in the
+  simulation the second look costs more true gain than it buys.
+  Exploration moves as fast as the strict rule; honesty comes from the confirmed tier
+  and from re-measuring what is reported at seeds no decision used (autoloop/decide/remeasure.py).
+* "confirmed-only" (old name "paired"): only confirmed candidates move the branch;
+  discard when t >= futility (-0.5) or at max_runs. The bound is computed with this
+  futility rule in force (binding), which the rule always follows.
+* "strict": one run, kept when it beats the incumbent's run at the same seed by
+  `margin` (the old rule). Confirmed when, with noise measured, that one pair also
+  passes the one-look bound at alpha.
+
+Measuring again: the incumbent first where the candidate has a seed it lacks (no look
+is taken on a half-measured pair), else the candidate on the next seed, preferring seeds
+the incumbent already has. Each look n is taken once, with the noise known at that
+moment. The baseline (no incumbent) is measured at `baseline_seeds` seeds (one under
+the strict rule, as the controller does) and kept.
 """
 
 from __future__ import annotations
@@ -31,7 +46,17 @@ from statistics import NormalDist
 
 from autoloop.errors import AutoloopError
 
-RULES = ("paired", "strict")
+RULES = ("two-tier", "confirmed-only", "paired", "strict")  # "paired": the old name of "confirmed-only"
+TIERS = ("adopted", "confirmed")
+# The loop's alpha when none is set: confirmed-only moves the branch only on confirmation,
+# and at 0.05 it gives up the sub-sigma steps a night is made of (docs/decisions.md, the
+# confirmed-only grid: 0.75 x strict's gain at 0.05, 0.87 x at 0.2).
+DEFAULT_ALPHA = {"confirmed-only": 0.2}
+
+
+def default_alpha(rule: str) -> float:
+    """The alpha of `rule` when the configuration sets none (0.05, 0.2 under confirmed-only)."""
+    return DEFAULT_ALPHA.get(rule, 0.05)
 _NORMAL = NormalDist()
 
 
@@ -163,6 +188,11 @@ class NoiseSums:
         return NoiseSums(self.ss_run + other.ss_run, self.df_run + other.df_run,
                          self.ss_pair + other.ss_pair, self.df_pair + other.df_pair)
 
+    def __sub__(self, other: NoiseSums) -> NoiseSums:
+        """Take out groups summed before (to sum a group again with more runs in it)."""
+        return NoiseSums(self.ss_run - other.ss_run, self.df_run - other.df_run,
+                         self.ss_pair - other.ss_pair, self.df_pair - other.df_pair)
+
     def noise(self) -> Noise | None:
         df = self.df_run + self.df_pair
         if df == 0:
@@ -175,7 +205,8 @@ class NoiseSums:
         return Noise(run_sd=run_sd, pair_sd=math.sqrt(pair_var), df=df)
 
 
-def _ss(values) -> tuple[float, int]:
+def sum_of_squares(values) -> tuple[float, int]:
+    """(sum of squared deviations from the values' own mean, degrees of freedom n - 1)."""
     n = len(values)
     if n < 2:
         return 0.0, 0
@@ -187,11 +218,11 @@ def noise_sums(repeats: list[list[float]], paired_diffs: list[list[float]]) -> N
     ss_run = ss_pair = 0.0
     df_run = df_pair = 0
     for group in repeats:
-        ss, df = _ss(group)
+        ss, df = sum_of_squares(group)
         ss_run += ss
         df_run += df
     for group in paired_diffs:
-        ss, df = _ss(group)
+        ss, df = sum_of_squares(group)
         ss_pair += ss
         df_pair += df
     return NoiseSums(ss_run, df_run, ss_pair, df_pair)
@@ -222,23 +253,43 @@ def pool_noise(repeats: list[list[float]], paired_diffs: list[list[float]], *,
 class DecisionConfig:
     """The rule and its thresholds (Config keys decision-rule, baseline-seeds, max-runs, alpha, ...).
 
-    rule: "paired" (the sequential paired test) or "strict" (one run; keep when it beats the
-    incumbent's run at the same seed by more than `margin`).
-    baseline_seeds: seeds the baseline is measured at (its spread starts the noise estimate).
-    max_runs: most runs of one candidate (= most looks of the test).
-    alpha: the chance that a proposal with no true effect is kept (over all its looks).
-    futility: discard early when t >= futility (-0.5: not better by half a standard error).
+    rule: "two-tier" (adopt on the paired mean, confirm by the sequential test),
+    "confirmed-only" (only confirmed candidates are kept; "paired" is its old name) or
+    "strict" (one run; keep when it beats the incumbent's run at the same seed by `margin`).
+    baseline_seeds: seeds the baseline is measured at (its spread starts the noise
+    estimate); the strict rule measures the baseline once, as the controller does.
+    max_runs: most runs of one candidate (= most looks of the sequential test).
+    alpha: the chance that a proposal with no true effect is confirmed (over all its looks);
+    under confirmed-only, kept.
+    futility: confirmed-only: discard early when t >= futility (-0.5: not better by half a
+    standard error).
+    promising: two-tier: measure again while t < promising (-1: better by a standard error
+    or more, not yet confirmed), then adopt when the paired mean is lower; None (the
+    default): never, adopt on the first pair (docs/decisions.md: the second look costs
+    more true gain than it buys). The confirmation bound is computed with this
+    continuation region (None: one look).
+    adopt: two-tier: adopt when t < adopt (0: any lower paired mean; -0.25: lower by a
+    quarter of a standard error).
     margin: the strict rule's margin, in metric units (0: any improvement).
     level: two-sided level of the interval reported in figures.
+    reserve_seeds: fresh seeds (no decision uses them) at which the final best is
+    re-measured for the reported figures (autoloop/decide/remeasure.py).
+    reserve_baseline: re-measure the baseline at the same fresh seeds too (a paired gain,
+    4 more runs); off: the baseline's own runs stand for it (it was never selected, so
+    its mean carries no winner's curse; docs/decisions.md measures the difference).
     """
 
-    rule: str = "paired"
+    rule: str = "two-tier"
     baseline_seeds: int = 3
     max_runs: int = 5
     alpha: float = 0.05
     futility: float = -0.5
+    promising: float | None = None
+    adopt: float = 0.0
     margin: float = 0.0
     level: float = 0.95
+    reserve_seeds: int = 4
+    reserve_baseline: bool = False
 
     def __post_init__(self) -> None:
         if self.rule not in RULES:
@@ -253,6 +304,22 @@ class DecisionConfig:
             raise AutoloopError(f"level is {self.level}: set it between 0 and 1 (default 0.95)")
         if self.margin < 0:
             raise AutoloopError(f"margin is {self.margin}: set it to 0 or more (metric units)")
+        if self.adopt > 0:
+            raise AutoloopError(f"adopt is {self.adopt}: set it to 0 or below (in standard errors)")
+        if self.promising is not None and self.promising > 0:
+            raise AutoloopError(f"promising is {self.promising}: set it to 0 or below (in standard errors), or none")
+        if self.reserve_seeds < 0:
+            raise AutoloopError(f"reserve-seeds is {self.reserve_seeds}: set it to 0 or more (default 4)")
+
+    @property
+    def sequential(self) -> str:
+        """The rule's family: "two-tier", "confirmed-only" (also for "paired") or "strict"."""
+        return "confirmed-only" if self.rule == "paired" else self.rule
+
+    @property
+    def baseline_runs(self) -> int:
+        """Seeds the baseline is measured at: one under the strict rule (the controller's)."""
+        return 1 if self.rule == "strict" else self.baseline_seeds
 
 
 @dataclass(frozen=True)
@@ -303,14 +370,24 @@ def sequential_bound(alpha: float, looks: int, futility: float) -> float:
     return 0.5 * (lo + hi)
 
 
+def confirm_constant(cfg: DecisionConfig) -> float:
+    """The known-noise constant c of the rule's confirmation test: its looks and its
+    continuation region (-c, f) with f = futility (confirmed-only) or promising (two-tier);
+    the strict rule, and the two-tier rule without a second look, take one look."""
+    if cfg.sequential == "strict" or (cfg.sequential == "two-tier" and cfg.promising is None):
+        return sequential_bound(cfg.alpha, 1, 0.0)
+    f = cfg.promising if cfg.sequential == "two-tier" else cfg.futility
+    return sequential_bound(cfg.alpha, cfg.max_runs, f)
+
+
 def keep_bound(cfg: DecisionConfig, df: float) -> float:
-    """The t a candidate's mean paired difference must reach (negative: lower is better).
+    """The t a candidate's mean paired difference must reach to be confirmed (negative:
+    lower is better); under confirmed-only, to be kept.
 
     The known-noise bound -c of `sequential_bound`, carried to the t distribution at the
     same one-sided level (Jennison and Turnbull 2000, ch. 11): t_df(Phi(-c)).
     """
-    c = sequential_bound(cfg.alpha, cfg.max_runs, cfg.futility)
-    return t_quantile(_NORMAL.cdf(-c), df)
+    return t_quantile(_NORMAL.cdf(-confirm_constant(cfg)), df)
 
 
 def estimate(values: list[float], noise: Noise | None) -> tuple[float, float | None]:
@@ -325,7 +402,7 @@ def estimate(values: list[float], noise: Noise | None) -> tuple[float, float | N
     mean = sum(values) / n
     if noise is not None:
         return mean, noise.run_sd / math.sqrt(n)
-    ss, df = _ss(values)
+    ss, df = sum_of_squares(values)
     return mean, (math.sqrt(ss / df / n) if df else None)
 
 
@@ -345,7 +422,7 @@ def paired_effect(cand: dict[int, float], inc: dict[int, float], noise: Noise | 
     if noise is not None:
         sd, df = noise.pair_sd, noise.df
     else:
-        ss, df = _ss(diffs)
+        ss, df = sum_of_squares(diffs)
         if not df:
             return mean, -math.inf, math.inf
         sd = math.sqrt(ss / df)
@@ -391,61 +468,79 @@ def decide(candidate: dict[int, float], incumbent: dict[int, float], noise: Nois
     means this is the baseline. noise: the run's pooled noise (`pool_noise`, including this
     comparison's own runs and differences), None while nothing was repeated. seeds: the
     run's seed sequence (base seed, base+1, ...), long enough for baseline_seeds and
-    max_runs.
+    max_runs. A keep is figures["tier"] "adopted" or "confirmed" (figures["confirmed"]).
     """
     if not incumbent:
         return _baseline(candidate, noise, cfg, seeds)
-    if cfg.rule == "strict":
-        return _strict(candidate, incumbent, cfg, seeds)
-    return _paired(candidate, incumbent, noise, cfg, seeds)
+    if cfg.sequential == "strict":
+        return _strict(candidate, incumbent, noise, cfg, seeds)
+    return _sequential(candidate, incumbent, noise, cfg, seeds)
+
+
+def _tiered(figures: dict, action: str, confirmed: bool) -> dict:
+    figures["confirmed"] = bool(confirmed and action == "keep")
+    figures["tier"] = ("confirmed" if figures["confirmed"] else "adopted") if action == "keep" else None
+    return figures
 
 
 def _baseline(candidate, noise, cfg, seeds) -> Verdict:
-    for s in seeds[: cfg.baseline_seeds]:
+    for s in seeds[: cfg.baseline_runs]:
         if s not in candidate:
             return Verdict("measure", "candidate", s,
-                           f"measure the baseline at seed {s} ({len(candidate) + 1} of {cfg.baseline_seeds})",
+                           f"measure the baseline at seed {s} ({len(candidate) + 1} of {cfg.baseline_runs})",
                            {"rule": cfg.rule, "n": len(candidate), "stopped": "baseline seeds"})
     mean, se = estimate(list(candidate.values()), noise)
     dec = _decimals(se or 0.0)
     spread = f" ± {se:.{dec}f}" if se is not None else ""
+    # The baseline is the reference, not a change: nothing to confirm, and always the first incumbent.
     return Verdict("keep", None, None,
                    f"baseline: {mean:.{dec}f}{spread} bpb over {len(candidate)} seed{'s' if len(candidate) != 1 else ''}",
-                   {"rule": cfg.rule, "n": len(candidate), "mean": mean, "se": se, "stopped": "baseline"})
+                   {"rule": cfg.rule, "n": len(candidate), "mean": mean, "se": se, "stopped": "baseline",
+                    "tier": "baseline", "confirmed": False})
 
 
-def _strict(candidate, incumbent, cfg, seeds) -> Verdict:
+def _strict(candidate, incumbent, noise, cfg, seeds) -> Verdict:
     seed = next((s for s in seeds if s in candidate), seeds[0] if seeds else None)
     if seed is None:
         raise ValueError("decide needs a seed sequence")
     if seed not in candidate:
         return Verdict("measure", "candidate", seed, f"measure the candidate at seed {seed}",
-                       {"rule": "strict", "n": 0, "stopped": "continue"})
+                       {"rule": cfg.rule, "n": 0, "stopped": "continue"})
     if seed not in incumbent:
         return Verdict("measure", "incumbent", seed, f"measure the incumbent at seed {seed} to compare on the same seed",
-                       {"rule": "strict", "n": 0, "stopped": "continue"})
+                       {"rule": cfg.rule, "n": 0, "stopped": "continue"})
     d = decide_by_margin(candidate[seed], incumbent[seed], cfg.margin)
     diff = candidate[seed] - incumbent[seed]
-    return Verdict("keep" if d.keep else "discard", None, None, f"{'keep' if d.keep else 'discard'}: {d.reason}",
-                   {"rule": "strict", "n": 1, "seed": seed, "mean_diff": diff, "margin": cfg.margin,
-                    "stopped": "margin" if d.keep else "not better by the margin"})
+    action = "keep" if d.keep else "discard"
+    figures = {"rule": cfg.rule, "n": 1, "seed": seed, "mean_diff": diff, "margin": cfg.margin,
+               "stopped": "margin" if d.keep else "not better by the margin"}
+    confirmed = False
+    if noise is not None:
+        # One pair, one look: confirmed when it also passes the one-look bound at alpha.
+        bound = keep_bound(cfg, noise.df)
+        t = diff / noise.pair_sd if noise.pair_sd > 0 else (-math.inf if diff < 0 else math.inf)
+        confirmed = t <= bound
+        figures.update(t=_finite(t), keep_bound=bound, df=noise.df, pair_sd=noise.pair_sd, run_sd=noise.run_sd)
+    tier = " (confirmed)" if confirmed and d.keep else ""
+    return Verdict(action, None, None, f"{action}{tier}: {d.reason}", _tiered(figures, action, confirmed))
 
 
-def _paired(candidate, incumbent, noise, cfg, seeds) -> Verdict:
+def _sequential(candidate, incumbent, noise, cfg, seeds) -> Verdict:
+    two_tier = cfg.sequential == "two-tier"
     # Pair first: a candidate run on a seed the incumbent lacks is not yet a paired difference.
     order = list(seeds) + sorted(set(candidate) - set(seeds))
     for s in order:
         if s in candidate and s not in incumbent:
             return Verdict("measure", "incumbent", s,
                            f"measure the incumbent at seed {s} to pair the candidate's run there",
-                           {"rule": "paired", "n": len(set(candidate) & set(incumbent)), "stopped": "pairing"})
+                           {"rule": cfg.rule, "n": len(set(candidate) & set(incumbent)), "stopped": "pairing"})
     shared = [s for s in order if s in candidate and s in incumbent]
     if not shared:
         s = _next_candidate_seed(candidate, incumbent, seeds)
         if s is None:
             raise ValueError("decide needs a seed sequence")
         return Verdict("measure", "candidate", s, f"measure the candidate at seed {s}",
-                       {"rule": "paired", "n": 0, "stopped": "continue"})
+                       {"rule": cfg.rule, "n": 0, "stopped": "continue"})
 
     diffs = [candidate[s] - incumbent[s] for s in shared]
     n = len(diffs)
@@ -456,21 +551,34 @@ def _paired(candidate, incumbent, noise, cfg, seeds) -> Verdict:
         # Nothing repeated anywhere else yet: fall back on this comparison's own spread.
         noise = pool_noise([[candidate[s] for s in shared], [incumbent[s] for s in shared]], [diffs])
         source = "own"
-    figures: dict = {"rule": "paired", "n": n, "seeds": shared, "mean_diff": mean, "max_runs": k,
-                     "alpha": cfg.alpha, "futility": cfg.futility, "noise_source": source if noise else None}
+    figures: dict = {"rule": cfg.rule, "n": n, "seeds": shared, "mean_diff": mean, "max_runs": k,
+                     "alpha": cfg.alpha, "noise_source": source if noise else None}
+    if two_tier:
+        figures["promising"] = cfg.promising
+    else:
+        figures["futility"] = cfg.futility
+    has_seed = _next_candidate_seed(candidate, incumbent, seeds) is not None
 
     if noise is None:
         # One paired seed and no noise at all (baseline-seeds = 1): the sign still says
-        # whether the candidate can be worth a second run.
+        # whether the candidate is better (two-tier: adopt it) or can be worth a second run.
         figures.update(t=None, keep_bound=None, df=0)
         dec = _decimals(mean)
-        if mean >= 0 or n >= k:
-            figures["stopped"] = "futility" if mean >= 0 else "max runs"
+        summary = f"{mean:+.{dec}f} bpb on {_seeds_word(n)}"
+        if two_tier:
+            if mean < 0:
+                figures["stopped"] = "paired mean"
+                return Verdict("keep", None, None, f"adopt: {summary}, lower; no noise measured yet to confirm it",
+                               _tiered(figures, "keep", False))
+            figures.update(stopped="not better", near_miss=False)
+            return Verdict("discard", None, None, f"discard: {summary}, not better than the incumbent",
+                           _tiered(figures, "discard", False))
+        if mean >= 0 or n >= k or not has_seed:
+            figures["stopped"] = "futility" if mean >= 0 else ("max runs" if n >= k else "no seeds left")
             return Verdict("discard", None, None,
-                           f"discard: {mean:+.{dec}f} bpb on {_seeds_word(n)}, not better and no noise measured yet",
-                           figures | {"near_miss": False})
-        return _measure_candidate(candidate, incumbent, seeds, figures,
-                                  f"{mean:+.{dec}f} bpb on {_seeds_word(n)}, no noise measured yet")
+                           f"discard: {summary}, not better and no noise measured yet",
+                           _tiered(figures | {"near_miss": mean < 0}, "discard", False))
+        return _measure_candidate(candidate, incumbent, seeds, figures, f"{summary}, no noise measured yet")
 
     se = noise.pair_sd / math.sqrt(n)
     bound = keep_bound(cfg, noise.df)
@@ -490,16 +598,30 @@ def _paired(candidate, incumbent, noise, cfg, seeds) -> Verdict:
 
     if t <= bound:
         figures["stopped"] = "keep bound"
-        return Verdict("keep", None, None, f"keep: {summary} (t = {t_text}, bound {bound:.1f})", figures)
+        return Verdict("keep", None, None, f"keep (confirmed): {summary} (t = {t_text}, bound {bound:.1f})",
+                       _tiered(figures, "keep", True))
+    if two_tier:
+        if cfg.promising is not None and n < k and t < cfg.promising and has_seed:
+            return _measure_candidate(candidate, incumbent, seeds, figures,
+                                      f"{summary}, better than it may be (t = {t_text}, bound {bound:.1f})")
+        if mean < 0 and t < cfg.adopt:
+            figures["stopped"] = "paired mean"
+            return Verdict("keep", None, None,
+                           f"adopt: {summary}, lower on average, not confirmed (t = {t_text}, bound {bound:.1f})",
+                           _tiered(figures, "keep", False))
+        figures.update(stopped="not better", near_miss=False)
+        return Verdict("discard", None, None, f"discard: {summary}, not better than the incumbent (t = {t_text})",
+                       _tiered(figures, "discard", False))
     if n >= k:
         figures.update(stopped="max runs", near_miss=mean < 0)
         return Verdict("discard", None, None,
                        f"discard: {summary}, not distinguishable from the incumbent after {k} runs "
-                       f"(t = {t_text}, bound {bound:.1f})", figures)
+                       f"(t = {t_text}, bound {bound:.1f})", _tiered(figures, "discard", False))
     if t >= cfg.futility:
         figures.update(stopped="futility", near_miss=mean < 0)
         why = "not better than the incumbent" if mean >= 0 else "too little better to measure again"
-        return Verdict("discard", None, None, f"discard: {summary}, {why} (t = {t_text} >= {cfg.futility:g})", figures)
+        return Verdict("discard", None, None, f"discard: {summary}, {why} (t = {t_text} >= {cfg.futility:g})",
+                       _tiered(figures, "discard", False))
     return _measure_candidate(candidate, incumbent, seeds, figures,
                               f"{summary} (t = {t_text}, bound {bound:.1f})")
 
@@ -508,6 +630,7 @@ def _measure_candidate(candidate, incumbent, seeds, figures, summary) -> Verdict
     s = _next_candidate_seed(candidate, incumbent, seeds)
     if s is None:
         figures.update(stopped="no seeds left", near_miss=figures.get("mean_diff", 0.0) < 0)
-        return Verdict("discard", None, None, f"discard: {summary}; no seed left to measure", figures)
+        return Verdict("discard", None, None, f"discard: {summary}; no seed left to measure",
+                       _tiered(figures, "discard", False))
     figures["stopped"] = "continue"
     return Verdict("measure", "candidate", s, f"measure the candidate at seed {s}: {summary}", figures)

@@ -18,7 +18,6 @@ from autoloop.harness.constants import (
 from autoloop.harness.contract import RunSpec, cache_root, configure_compile_cache, default_data_dir
 from autoloop.harness.data import (
     Dataset,
-    TokenLoader,
     WindowSampler,
     load_dataset,
     make_meta_only_view,
@@ -28,6 +27,7 @@ from autoloop.harness.data import (
 )
 from autoloop.harness.errors import HarnessError
 from autoloop.harness.feed import FeedServer
+from autoloop.harness.loader import TokenLoader
 from autoloop.harness.fingerprint import compute_harness_fingerprint, harness_fingerprint
 from autoloop.harness.hardware import gpu_peak_flops
 from autoloop.harness.metric import bpb_on_batches, evaluate_bpb

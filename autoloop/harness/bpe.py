@@ -31,7 +31,6 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from autoloop.harness.errors import HarnessError
-from autoloop.harness.tokenizer import TOKENIZER_LOADERS
 
 TOKENIZER_FILE = "tokenizer.tiktoken"
 BOS_TOKEN = "<|bos|>"
@@ -215,5 +214,3 @@ def load_bpe_tokenizer(spec: dict, data_dir: Path) -> BPETokenizer:
         raise _corrupt(data_dir, f"{path.name} has {tokenizer.vocab_size} tokens, meta.json says {spec.get('vocab_size')}")
     return tokenizer
 
-
-TOKENIZER_LOADERS["bpe"] = load_bpe_tokenizer

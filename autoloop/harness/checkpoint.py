@@ -50,17 +50,24 @@ def import_train_module(train_py: Path | str):
     return module
 
 
-def load_trained_model(train_py: Path | str, checkpoint_path: Path | str, device="cpu") -> torch.nn.Module:
-    """Rebuild the trained model from the trial's train.py and checkpoint, in eval mode."""
-    checkpoint_path = Path(checkpoint_path)
-    if not checkpoint_path.exists():
-        raise HarnessError(f"checkpoint {checkpoint_path} does not exist: the trial did not save one")
+def read_checkpoint(source, label: str | None = None) -> dict:
+    """The checkpoint dict from a path or an open binary file (the evaluation's model process
+    gets an inherited descriptor, never a path), checked for the format."""
+    label = label or f"checkpoint {source}"
     try:
-        checkpoint = torch.load(checkpoint_path, map_location="cpu", weights_only=True)
+        checkpoint = torch.load(source, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise HarnessError(f"{label} does not exist: the trial did not save one") from None
     except Exception as exc:
-        raise HarnessError(f"checkpoint {checkpoint_path} is unreadable ({type(exc).__name__}): the trial must be run again") from None
-    if not isinstance(checkpoint, dict) or checkpoint.get("format") != CHECKPOINT_FORMAT:
-        raise HarnessError(f"{checkpoint_path} is not an autoloop checkpoint: save it with autoloop.harness.save_checkpoint")
+        raise HarnessError(f"{label} is unreadable ({type(exc).__name__}): the trial must be run again") from None
+    if not isinstance(checkpoint, dict) or checkpoint.get("format") != CHECKPOINT_FORMAT \
+            or not isinstance(checkpoint.get("config"), dict) or not isinstance(checkpoint.get("state_dict"), dict):
+        raise HarnessError(f"{label} is not an autoloop checkpoint: save it with autoloop.harness.save_checkpoint")
+    return checkpoint
+
+
+def build_from_checkpoint(train_py: Path | str, checkpoint: dict, device="cpu") -> torch.nn.Module:
+    """The trial's model (its own build_model) with the checkpoint's weights, in eval mode."""
     module = import_train_module(train_py)
     build_model = getattr(module, "build_model", None)
     if not callable(build_model):
@@ -69,3 +76,11 @@ def load_trained_model(train_py: Path | str, checkpoint_path: Path | str, device
     model.load_state_dict(checkpoint["state_dict"], strict=True)
     model.eval()
     return model
+
+
+def load_trained_model(train_py: Path | str, checkpoint_path: Path | str, device="cpu") -> torch.nn.Module:
+    """Rebuild the trained model from the trial's train.py and checkpoint, in eval mode."""
+    checkpoint_path = Path(checkpoint_path)
+    if not checkpoint_path.exists():
+        raise HarnessError(f"checkpoint {checkpoint_path} does not exist: the trial did not save one")
+    return build_from_checkpoint(train_py, read_checkpoint(checkpoint_path), device)

@@ -16,7 +16,7 @@ class TrainingClock:
 
     Under the controller (AUTOLOOP_FEED set) every finished step also ticks the harness's
     data feed, which times the ticks with the controller's own clock: the budget is
-    judged from those times (autoloop.budget), not from the seconds reported here.
+    judged from those times (autoloop.trust.budget), not from the seconds reported here.
     """
 
     def __init__(self, spec=None, *, time_budget: float | None = None, max_steps: int | None = None,

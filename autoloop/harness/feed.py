@@ -7,7 +7,7 @@ in the trial's run folder (AUTOLOOP_FEED names it). The server samples with the 
 own WindowSampler from the same memory map, so the batches are the same, bit for bit,
 with or without the feed. It counts batches and tokens and timestamps every request and
 every clock tick with the controller's clock (time.monotonic), which the trial's code
-does not control; autoloop.budget.check_budget judges the trial from that record.
+does not control; autoloop.trust.budget.check_budget judges the trial from that record.
 A request for another split (val, heldout) is refused and recorded.
 
 Protocol. Every message is a frame: a 5-byte header (payload length: uint32 big-endian,
@@ -106,6 +106,35 @@ def _recv_exact(sock: socket.socket, n: int) -> bytearray | None:
     return buf
 
 
+def _peer_pid(conn: socket.socket) -> int | None:
+    """The connecting process's pid in our namespace (the kernel translates it from the
+    trial's PID namespace), or None where SO_PEERCRED does not exist."""
+    try:
+        raw = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    except (AttributeError, OSError):
+        return None
+    pid = struct.unpack("3i", raw)[0]
+    return pid if pid > 0 else None
+
+
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _cpu_seconds(pid: int | None) -> float | None:
+    """CPU seconds the process has used, its reaped children included (/proc/<pid>/stat
+    utime + stime + cutime + cstime), read by the feed itself: the trial cannot fake it.
+    This is what tells a step slowed down by a busy machine (wall time up, CPU time not)
+    from a step that did more work (both up); see autoloop.trust.budget."""
+    if pid is None:
+        return None
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as handle:
+            fields = handle.read().rpartition(b")")[2].split()
+        return sum(int(f) for f in fields[11:15]) / _CLOCK_TICKS
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def _frame(kind: int, payload: bytes = b"") -> bytes:
     return _HEADER.pack(len(payload), kind) + payload
 
@@ -172,12 +201,17 @@ class FeedServer:
         self._ticks = 0
         self._tick_times: list[float] = []
         self._tick_batches: list[int] = []
+        self._tick_cpu: list[float | None] = []  # the ticking process's CPU seconds, read by us at each tick
         self._last_ticks: deque = deque(maxlen=3)
         self._last_tick_steps = None
         self._refused: list[dict] = []
         self._refused_count = 0
         self._errors: list[str] = []
         self._error_count = 0
+        self._checkpoint_first = self._checkpoint_last = None
+        self._checkpoint_bytes = 0
+        self._peers: set[int] = set()  # pids of the connected processes (SO_PEERCRED)
+        self._cpu_sample: float | None = None
 
     # ---- life cycle
 
@@ -257,6 +291,30 @@ class FeedServer:
         with self._lock:
             self._exited = self._offset(self._clock() if at is None else at)
 
+    def sample_cpu(self) -> None:
+        """Read the CPU time of the processes that connected (the training), now: called
+        several times a second while the run lives, so the last sample is the CPU it had
+        used when it exited, give or take one interval (the budget's tail rule)."""
+        with self._lock:
+            peers = list(self._peers)
+        total = None
+        for pid in peers:
+            cpu = _cpu_seconds(pid)
+            if cpu is not None:
+                total = (total or 0.0) + cpu
+        if total is not None:
+            with self._lock:
+                self._cpu_sample = max(total, self._cpu_sample or 0.0)
+
+    def mark_checkpoint(self, size: int, at: float | None = None) -> None:
+        """Record that the run's checkpoint file appeared or changed (seen from outside the
+        trial, by the controller's side watching the run's output folder) and its size now."""
+        with self._lock:
+            now = self._offset(self._clock() if at is None else at)
+            if self._checkpoint_first is None:
+                self._checkpoint_first = now
+            self._checkpoint_last, self._checkpoint_bytes = now, int(size)
+
     def _offset(self, t: float) -> float:
         return t - self._t0 if self._t0 is not None else 0.0
 
@@ -284,7 +342,8 @@ class FeedServer:
                 self._connections += 1
                 if self._first_connect is None:
                     self._first_connect = now
-            thread = threading.Thread(target=self._serve, args=(conn,), name="autoloop-feed-conn", daemon=True)
+            thread = threading.Thread(target=self._serve, args=(conn, _peer_pid(conn)), name="autoloop-feed-conn",
+                                      daemon=True)
             thread.start()
             self._threads.append(thread)
 
@@ -293,7 +352,10 @@ class FeedServer:
         if len(self._errors) < MAX_RECORDED_EVENTS:
             self._errors.append(text)
 
-    def _serve(self, conn: socket.socket) -> None:
+    def _serve(self, conn: socket.socket, peer: int | None = None) -> None:
+        if peer is not None:
+            with self._lock:
+                self._peers.add(peer)
         streams: dict[int, _Stream] = {}
         try:
             while not self._stopping.is_set():
@@ -310,7 +372,7 @@ class FeedServer:
                 if kind == NEXT:
                     self._next(conn, streams, payload, now)
                 elif kind == TICK and len(payload) == 8:
-                    self._tick(struct.unpack(">Q", payload)[0], now)
+                    self._tick(struct.unpack(">Q", payload)[0], now, _cpu_seconds(peer))
                 elif kind == HELLO:
                     self._hello(conn, streams, payload, now)
                 elif kind == BYE:
@@ -393,14 +455,15 @@ class FeedServer:
         conn.sendall(data)
         stream.pending = stream.draw()  # while the trial trains on this one
 
-    def _tick(self, steps: int, now: float) -> None:
+    def _tick(self, steps: int, now: float, cpu: float | None = None) -> None:
         with self._lock:
             self._ticks += 1
             self._last_tick_steps = steps
             if len(self._tick_times) < MAX_RECORDED_TICKS:
                 self._tick_times.append(_round(now))
                 self._tick_batches.append(self._batches)
-            self._last_ticks.append([_round(now), self._batches])
+                self._tick_cpu.append(cpu)
+            self._last_ticks.append([_round(now), self._batches, cpu])
 
     # ---- the record
 
@@ -436,11 +499,15 @@ class FeedServer:
                 "last_tick_steps": self._last_tick_steps,
                 "tick_times": list(self._tick_times),
                 "tick_batches": list(self._tick_batches),
+                "tick_cpu": list(self._tick_cpu),
+                "cpu_sample": _round(self._cpu_sample),
                 "last_ticks": [list(t) for t in self._last_ticks],
                 "refused": [dict(r) for r in self._refused],
                 "refused_count": self._refused_count,
                 "errors": list(self._errors),
                 "error_count": self._error_count,
+                "checkpoint": {"first_seen": _round(self._checkpoint_first), "last_change": _round(self._checkpoint_last),
+                               "bytes": self._checkpoint_bytes} if self._checkpoint_last is not None else None,
             }
 
 

@@ -3,8 +3,12 @@
     val_bpb = sum of cross-entropy (nats) over the evaluated targets
               / (ln 2 * sum of the raw byte lengths of those targets)
 
-The model only supplies logits (`model(idx) -> (B, T, vocab)`); the loss is computed
-here, in float32, so a proposal cannot change how its own score is computed. Targets
+The model only supplies logits (`model(idx) -> (B, T, width)`, width >= the vocabulary:
+columns past it, a padded output layer, are dropped); the loss is computed here, in
+float32. Under the controller the model runs in a process of its own and this arithmetic
+runs in the scorer (autoloop.harness.evaluate), so a proposal cannot change how its own
+score is computed; `evaluate_bpb` is the same arithmetic in one process, for train.py run
+by hand and for `autoloop check`. Targets
 whose byte length is 0 (BOS and other special tokens) stand for no text and are left
 out of both sums. The evaluation set is the first `eval_tokens(device)` targets of the
 split in consecutive, non-overlapping windows of the harness's context length: fixed
@@ -24,14 +28,29 @@ import torch.nn.functional as F
 from autoloop.harness.constants import eval_tokens, seq_len
 
 
+def target_nats(logits: torch.Tensor, y: torch.Tensor, vocab_size: int | None = None) -> torch.Tensor:
+    """Cross-entropy in nats of each target in `y` under `logits` (..., width), in float32.
+
+    Columns past `vocab_size` (a padded output layer) are not part of the distribution:
+    no token has them, so they are dropped before the softmax."""
+    logits = logits.float()
+    if vocab_size is not None and logits.size(-1) > vocab_size:
+        logits = logits[..., :vocab_size]
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1), reduction="none")
+
+
+def counted_sums(nats: torch.Tensor, y: torch.Tensor, token_bytes: torch.Tensor) -> tuple[float, int]:
+    """Summed nats and summed raw bytes over the targets y (special tokens excluded)."""
+    nbytes = token_bytes[y.reshape(-1)]
+    counted = nbytes > 0
+    return float(nats[counted].sum().item()), int(nbytes[counted].sum().item())
+
+
 @torch.no_grad()
 def loss_and_bytes(model, x: torch.Tensor, y: torch.Tensor, token_bytes: torch.Tensor) -> tuple[float, int]:
     """Summed nats and summed raw bytes over the targets y (special tokens excluded)."""
     logits = model(x)
-    nats = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1), reduction="none")
-    nbytes = token_bytes[y.reshape(-1)]
-    counted = nbytes > 0
-    return float(nats[counted].sum().item()), int(nbytes[counted].sum().item())
+    return counted_sums(target_nats(logits, y, int(token_bytes.numel())), y, token_bytes)
 
 
 def bpb_on_batches(model, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], token_bytes, *, autocast_dtype=None) -> float:

@@ -6,8 +6,8 @@ a partial UTF-8 sequence still counts its own bytes (never decode-then-encode). 
 tokens (BOS) stand for no text: their byte length is 0 and the metric leaves them out.
 
 A prepared dataset records its tokenizer in meta.json (`{"type": "byte"}`, ...);
-`load_tokenizer` rebuilds it from that record. Other tokenizers register themselves in
-`TOKENIZER_LOADERS` under their type name.
+`load_tokenizer` rebuilds it from that record: the byte tokenizer here, BPE from
+autoloop.harness.bpe (imported only for a BPE dataset: its packages are optional).
 """
 
 from __future__ import annotations
@@ -65,9 +65,11 @@ TOKENIZER_LOADERS: dict[str, Callable[[dict, Path], Tokenizer]] = {
 
 def load_tokenizer(spec: dict, data_dir: Path) -> Tokenizer:
     kind = spec.get("type")
-    if kind not in TOKENIZER_LOADERS and kind == "bpe":
-        # Registers itself on import; optional so the byte path needs no extra packages.
-        import autoloop.harness.bpe  # noqa: F401
+    if kind == "bpe":
+        # Imported here: optional, so the byte path needs no extra packages.
+        from autoloop.harness.bpe import load_bpe_tokenizer
+
+        return load_bpe_tokenizer(spec, data_dir)
     try:
         loader = TOKENIZER_LOADERS[kind]
     except KeyError:

@@ -9,7 +9,8 @@ lives in the modules named here, each a concern of its own:
   recovery of a resumed run;
 * `run`: Ctrl-C and SIGTERM handlers, the pre-night check (autoloop.loop.preflight), the
   scheduler (autoloop.loop.scheduler), the executor's slots (autoloop.measure.executors),
-  then the one loop (autoloop.loop.run), and at the end git left on the best commit;
+  then the one loop (autoloop.loop.run), the reserve of a night that ended by its limit
+  (the best at fresh seeds: autoloop.loop.reserve), and at the end git left on the best commit;
 * `execute`: one work item on the context the loop gives it (autoloop.loop.trial), a full
   disk turned into a pause (autoloop.loop.disk).
 
@@ -19,8 +20,9 @@ What several trials share is owned here, each with a lock named for what it guar
   them: a trial's commit and its row's sha, a trial's finish (the decision and the run's
   best commit in one transaction, a lineage's incumbent, the archive ref, the checkout),
   a migration between lineages. Re-entrant: a finish converges git, which takes it too.
-* `noise` (autoloop.loop.noise.NoiseEstimate), `requeue` (autoloop.loop.islands.Requeue)
-  and `pauses` (autoloop.loop.run.Pauses): each holds its own lock.
+* `noise` (autoloop.loop.noise.NoiseEstimate), `stops` (the early stop's calibration,
+  autoloop.loop.stops.EarlyStops), `requeue` (autoloop.loop.islands.Requeue) and `pauses`
+  (autoloop.loop.run.Pauses): each holds its own lock.
 * `abort_requested` is a flag, not state to guard: set by the signal handler (or by the
   loop when a trial's thread failed), read by every trial between its steps.
 * `run_row` and `display` are replaced only by the main thread before trials start.
@@ -38,16 +40,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from autoloop.config import STATE_DIR, Config
-from autoloop.decide.rule import DecisionConfig
+from autoloop.decide.rule import DecisionConfig, default_alpha
 from autoloop.errors import AutoloopError, disk_full_what, is_disk_full
 from autoloop.gitops import GitRepo
-from autoloop.loop import disk, environment, preflight, recovery, trial
+from autoloop.loop import disk, environment, preflight, recovery, reserve, trial
 from autoloop.loop.islands import Islands, Requeue
 from autoloop.loop.lock import RunLock
 from autoloop.loop.notify import notifier_for
 from autoloop.loop.noise import INCUMBENT_ROLES, NoiseEstimate, runs_of
 from autoloop.loop.run import Loop, Pauses
 from autoloop.loop.scheduler import OF_THE_INCUMBENT, Scheduler, Work, WorkItem
+from autoloop.loop.stops import EarlyStops
 from autoloop.measure.measurer import Measurement, Measurer
 from autoloop.proposers import ProposalContext, build_chain
 from autoloop.proposers.proposal import matches
@@ -69,6 +72,7 @@ class RunSummary:
     best_commit: str | None = None
     paused: bool = False
     statuses: dict = field(default_factory=dict)
+    headline: dict | None = None  # the best re-measured at fresh seeds (autoloop.loop.reserve), when it was
 
 
 class Controller:
@@ -87,7 +91,9 @@ class Controller:
         if verifier is DEFAULT_VERIFIER:
             from autoloop.trust.watch import Verifier
 
-            verifier = Verifier()
+            # Bytecode prefixes scoped to this project (.autoloop/pycache), written only by trusted warm-ups.
+
+            verifier = Verifier(cache_root=self.project_dir / STATE_DIR)
         self.verifier = verifier
         self._chain = chain
         self.scheduler: Scheduler | None = None  # set by run(); prepares proposals while trials train
@@ -103,6 +109,7 @@ class Controller:
         self.islands = Islands(self)
         self.requeue = Requeue(self)
         self.noise: NoiseEstimate | None = None  # made by open(), with the store
+        self.stops: EarlyStops | None = None  # the night's early-stop calibration, made by open()
         self._serial = None  # the controller's own slot (autoloop.measure.executors.serial)
         self._bound = None  # a slot the serial loop measures on instead (bind_slot)
         self._lock: RunLock | None = None
@@ -137,14 +144,6 @@ class Controller:
             if arg.endswith(".py"):
                 return self.project_dir / arg
         return None
-
-    def compile_cache_dirs(self) -> list[Path]:
-        """Caches a training run may write (torch.compile's): shared across trials for speed."""
-        from autoloop.harness.contract import cache_root
-
-        path = Path(os.environ.get("AUTOLOOP_COMPILE_CACHE") or cache_root() / "compile")
-        path.mkdir(parents=True, exist_ok=True)
-        return [path]
 
     def sources_of(self, commit: str) -> tuple[str, dict[str, str]]:
         """(the train script relative to the project, {path: text} of it and the other
@@ -205,14 +204,18 @@ class Controller:
         script = self.train_script()
         if script is not None and not script.exists():
             raise AutoloopError(
-                f"training script {script} does not exist: create it or set train_command in [tool.autoloop]"
+                f"training script {script} does not exist: create it or set train-command in [tool.autoloop]"
             )
         if script is not None and not script.resolve().is_relative_to(self.project_dir):
             raise AutoloopError(
                 f"the training script {script} is outside the project folder {self.project_dir}: run autoloop in the "
                 "folder that holds it (edits, training and .autoloop/ all refer to that folder)"
             )
+        from autoloop.trust.redact import register_project
+
         self.repo = GitRepo.open(self.project_dir)
+        register_project(self.project_dir)  # its .env values are never stored, logged, shown or sent
+        self.repo.head()  # a repository with no commits is refused before anything is written into it
         self.state_dir.mkdir(exist_ok=True)
         self.store = Store(self.db_path())
         self._lock = RunLock.for_folder(self.project_dir).acquire(self.tag, self.project_dir)  # one loop per working tree
@@ -247,6 +250,7 @@ class Controller:
                                       config=_config_dict(self.config))
             self.run_row = self.store.get_run(self.tag)
             self.noise = NoiseEstimate(self.store, self.run_row["id"])
+            self.stops = EarlyStops(self.store, self.run_row["id"], self.config)
             environment.record_rules(self, existing)
         except BaseException:
             self.close()
@@ -280,6 +284,11 @@ class Controller:
         """Trials run on the executor's workers, one thread each (not the serial inline slot)."""
         return self.executor is not None
 
+    def concurrent_trials(self) -> bool:
+        """Whether several trials may train at once (more than one worker): then what one
+        trial's training did to a shared file (the db, unsandboxed) cannot be pinned on it."""
+        return self.executor is not None and len(self.executor.slots) > 1
+
     def run(self) -> RunSummary:
         """Run trials until a stop condition; always leaves git on the best commit."""
         self.chain()  # a misconfigured proposer (no model, agent not installed) fails now, before the baseline
@@ -310,6 +319,8 @@ class Controller:
                          f"({', '.join(f'{s.name} on {s.device}' for s in slots)}), "
                          f"{self.config.search_mode} search")
             Loop(self, slots, threaded=self.parallel).run(summary, started)
+            if reserve.at_the_end(self, summary):  # the headline's runs at fresh seeds (loop.reserve)
+                reserve.measure(self, slot=slots[0])
             if not summary.paused:
                 final = RunStatus.STOPPED if (self.abort_requested or "stop" in summary.stop_reason) else RunStatus.FINISHED
                 self.store.update_run(self.run_row["id"], status=final, stop_requested=0)
@@ -350,6 +361,7 @@ class Controller:
         baseline = [t for t in trials if t["kind"] == Kind.BASELINE.value and t["metric"] is not None]
         summary.baseline_metric = baseline[0]["metric"] if baseline else None
         summary.kept = summary.statuses.get(Status.KEEP.value, 0)
+        summary.headline = reserve.headline_of(self.store, self.run_row)
 
     # ------------------------------------------------------------------ git in the project folder
 
@@ -454,15 +466,16 @@ class Controller:
         )
 
     def measure_commit(self, commit: str, seed: int, *, owner: dict, role: str, for_trial: dict | None = None,
-                       verify: bool = False, ctx: trial.TrialContext | None = None) -> Measurement:
+                       verify: bool = False, ctx: trial.TrialContext | None = None,
+                       early_stop: dict | None = None) -> Measurement:
         """One training run of `commit` at `seed` on `ctx`'s slot (default: the serial slot),
         evaluated by the harness and recorded as a measurement of `owner` (for `autoloop
-        ablate` and the decision loop)."""
+        ablate` and the decision loop). `early_stop`: the job's early-stop rule (loop.stops)."""
         if ctx is None:  # `autoloop ablate`: the serial slot, compared with the run's incumbent
             ctx = dataclasses.replace(self.context(self.serial_slot()), incumbent=self.islands.incumbent(None))
         best = ctx.incumbent["metric"] if ctx.incumbent else None
         m = self.measurer.measure(commit, seed, owner=owner, role=role, running=for_trial or owner, slot=ctx.slot,
-                                  best_metric=best, verify=verify)
+                                  best_metric=best, verify=verify, early_stop=early_stop)
         if m.ok and for_trial is None and owner.get("status") == Status.RUNNING.value:
             self.store.update_trial(owner["id"], metric_source=m.metric_source)
         return m
@@ -484,8 +497,10 @@ class Controller:
 
     def decision_config(self) -> DecisionConfig:
         cfg = self.config
+        alpha = cfg.alpha if cfg.alpha is not None else default_alpha(cfg.decision_rule)
         return DecisionConfig(rule=cfg.decision_rule, baseline_seeds=cfg.baseline_seeds, max_runs=cfg.max_runs,
-                              alpha=cfg.alpha, futility=cfg.futility, margin=cfg.keep_margin)
+                              alpha=alpha, futility=cfg.futility, margin=cfg.keep_margin,
+                              reserve_seeds=cfg.reserve_seeds)
 
     def incumbent_runs(self, incumbent: dict, device: str | None = None) -> dict[int, float]:
         """The incumbent's runs a candidate is paired with: in time mode a faster GPU buys

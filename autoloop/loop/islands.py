@@ -195,6 +195,11 @@ class Requeue:
             trial = c.store.trial_by_id(entry[0])
             parent = c.islands.parent_for(lineage)
             files, problem = rebased(c, trial, parent)
+            current = c.repo.file_reader(parent)
+            if not problem and all(text == current(path) for path, text in files.items()):
+                # Another worker's trial made the same change and was kept first: the new
+                # best holds it already, and an empty edit is nobody's invalid trial.
+                problem = "the current best already has its change"
             if problem:
                 c.event("rebase", f"trial {trial['number']} is not tried again: {problem}", trial_id=trial["id"])
                 continue

@@ -10,13 +10,26 @@ One `NoiseEstimate` per run, owned by the controller. Trials on several workers 
 between their measurements and read it in their decisions: `lock` guards the cached
 estimate, and an update (read the db, pool, store) holds it from start to end, so the
 cache is always the estimate of the db as some update saw it, never a mix of two.
+
+`paired_decision` is the paired rule seen from the loop: a candidate's runs are paired
+with the incumbent's only at one machine speed (autoloop.decide.confound), a confounded
+seed asks for the incumbent again next to the candidate, and before the run's first keep
+the incumbent is measured again next to the candidate (a drift check on the way).
+`decision-rule = strict`, a reported incumbent and the baseline decide on the runs as
+they came, as before.
 """
 
 from __future__ import annotations
 
+import math
 import threading
+from dataclasses import dataclass
 
-from autoloop.decide.rule import Noise, pool_noise
+from autoloop.decide.confound import (
+    FIRST_KEEP_CHECK, SPEED_TOLERANCE, Pairing, decide_pairs, describe, drift_check, needs_first_keep_check, pair_runs,
+    waiting,
+)
+from autoloop.decide.rule import DecisionConfig, Noise, Verdict, decide, pool_noise
 from autoloop.store import Kind
 
 # The roles whose runs measure a trial's own code: what the incumbent is paired with.
@@ -81,3 +94,58 @@ class NoiseEstimate:
             if noise is not None:
                 store.update_run(self.run_id, noise_sd=noise.run_sd, noise_pair_sd=noise.pair_sd, noise_df=noise.df)
             return noise
+
+
+# ---------------------------------------------------------------------------- pairs at one machine speed
+
+
+@dataclass
+class PairedDecision:
+    """One step of a candidate's comparison: the verdict and the runs it stood on."""
+
+    verdict: Verdict
+    pairing: Pairing
+    candidate: dict[int, float]  # {seed: metric} the rule used, each side
+    incumbent: dict[int, float]
+    own: dict[int, float]  # the candidate's runs at every seed, paired or not (its metric and n_runs)
+    paired: bool  # the machine-speed pairing applied (the paired rule with an incumbent)
+    tolerance: float = SPEED_TOLERANCE  # `pair-speed-tolerance` (inf: none)
+
+    def figures(self) -> dict:
+        """What the decision record keeps of the pairing."""
+        return self.pairing.figures() if self.paired else {}
+
+    def confounded_note(self) -> str | None:
+        """A line for the run's events when the incumbent is measured again because the
+        pair at the verdict's seed ran at different machine speeds, else None."""
+        v = self.verdict
+        if self.paired and v.action == "measure" and v.side == "incumbent" and v.seed in waiting(self.pairing):
+            return describe(self.pairing.confounded)
+        return None
+
+    def drift_before(self, metric: float | None, speed: float | None) -> float | None:
+        """The incumbent's earlier value at the verdict's seed to judge a fresh run of it
+        against, when this measurement is the drift check before the first keep."""
+        if not self.paired or metric is None or self.verdict.figures.get("stopped") != FIRST_KEEP_CHECK:
+            return None
+        return drift_check(self.pairing, self.verdict.seed, metric, speed, self.tolerance)
+
+
+def paired_decision(c, trial: dict, incumbent: dict | None, cfg: DecisionConfig, seeds: list[int],
+                    device: str | None) -> PairedDecision:
+    """The rule's next step for `trial` against `incumbent` (module docstring)."""
+    noise = c.noise.current()
+    if incumbent is None or cfg.rule == "strict":
+        candidate = runs_of(c.store, trial, ("candidate",))
+        inc_runs = c.incumbent_runs(incumbent, device) if incumbent is not None else {}
+        return PairedDecision(decide(candidate, inc_runs, noise, cfg, seeds), Pairing(own=candidate),
+                              candidate, inc_runs, candidate, paired=False)
+    # A shift of the incumbent at one seed beyond this is drift (as autoloop.loop.trial.judge_drift says).
+    limit = c.config.drift_event_sigmas * max(noise.pair_sd if noise is not None else 0.0, 1e-6)
+    tolerance = c.config.pair_speed_tolerance
+    tolerance = math.inf if tolerance is None else tolerance  # none: every pair is a pair
+    pairing = pair_runs(c.store.measurements(trial["id"]), c.store.measurements(incumbent["id"]),
+                        for_trial=trial["id"], device=device, drift_limit=limit, tolerance=tolerance)
+    verdict = decide_pairs(pairing, noise, cfg, seeds, first_keep=needs_first_keep_check(c.store.trials(c.run_row["id"])))
+    return PairedDecision(verdict, pairing, pairing.candidate, pairing.incumbent, pairing.own, paired=True,
+                          tolerance=tolerance)

@@ -6,7 +6,8 @@ controller owns what it finds:
 * `reap_helpers`: helper processes (coding agents) of this folder's runs that a dead
   controller left running are ended, their temporary clones deleted, for any tag.
 * `recover` (a resumed run): a training process group left by the dead controller is
-  killed (its recorded pid and start time must match, so a recycled pid is safe); a trial
+  killed (its recorded pid and start time must match, so a recycled pid is safe; a kept
+  trial's too: its reserve run, autoloop.loop.reserve, may have been in flight); a trial
   whose measurements are recorded resumes where it stopped (the run in flight is lost and
   run again; none recorded is repeated); any other `running` trial becomes `interrupted`
   and its idea goes back to the queue; commits of finished trials that lack their archive
@@ -86,6 +87,9 @@ def recover(c) -> list[int]:
             # The idea was never evaluated: give it back to the queue.
             store.set_idea_status(trial["idea_id"], IdeaStatus.PENDING)
         c.event("recovered", f"trial {trial['number']} interrupted by a dead controller", trial_id=trial["id"])
+    for trial in store.trials(run_id, status=Status.KEEP):
+        if trial.get("pgid"):  # a reserve run of the best (autoloop.loop.reserve) left by the dead controller
+            kill_process_group(trial["pgid"], expected_pid=trial.get("pid"), expected_start_time=trial.get("pid_start_time"))
     for idea in store.ideas(run_id, status=IdeaStatus.TAKEN):
         # Taken for a proposal that never became a trial (possibly prepared in the
         # background), or whose trial ended just before the controller died.

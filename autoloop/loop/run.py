@@ -8,7 +8,8 @@ before the loop looks again. Either way each trial runs the same code
 are decided here only, before each work item:
 
 * a stop (`stop_reason`): Ctrl-C, `--max-trials` (counting the trials in flight),
-  `autoloop stop`, `--hours` (no trial starts that could not finish in time);
+  `autoloop stop`, `--hours` (no trial starts that could not finish in time, with the
+  reserve's runs at the end: autoloop.loop.reserve);
 * a pause (`next_pause`): one a trial asked for (a full disk, a large drift), taken first
   whatever else would stop the run; the harness or the data changed under the run (the
   verifier's check, then what a worker found); or the scheduler's own (the baseline
@@ -34,6 +35,7 @@ import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
+from autoloop.loop import reserve
 from autoloop.loop.scheduler import BLOCKING, Work, WorkItem
 from autoloop.store import Kind, RunStatus, Status
 
@@ -87,10 +89,14 @@ class SharedDisplay:
         with self.lock:
             self.display.say(message, style)
 
-    def trial_started(self, trial: dict, best, config) -> None:
+    def trial_started(self, trial: dict, best, config, *, seed: int | None = None, role: str | None = None,
+                      owner: dict | None = None) -> None:
+        from autoloop.review.text import run_words
+
         worker = trial.get("worker") or "?"
         with self.lock:
-            self.display.say(f"[{worker}] trial {trial['number']} training: {trial.get('description') or trial['kind']}")
+            self.display.say(f"[{worker}] trial {trial['number']} training: {trial.get('description') or trial['kind']}"
+                             + run_words(trial, seed, role, owner))
 
     def poll(self, progress_path) -> None:
         """Several trials train at once: their progress lines would interleave."""
@@ -220,7 +226,7 @@ class Loop:
             return "stopped by `autoloop stop`"
         if cfg.hours is not None:
             left = started + cfg.hours * 3600 - time.time()
-            if left < self.trial_estimate():
+            if left < self.trial_estimate() + reserve.seconds_needed(c):  # the headline's runs come after
                 return f"--hours {cfg.hours}: the next trial could not finish in the {max(left, 0) / 60:.1f} min left"
         return None
 

@@ -9,9 +9,9 @@
 4. Training runs in its own process group; its pgid, pid and start time go into the row
    before the controller waits on it (autoloop.measure.measurer).
 5. It is measured as often as its decision needs (`compare`: paired with the incumbent at
-   the same seeds, autoloop.decide.rule); a trial the decision would keep is first
-   verified in a fresh process (causality, re-evaluated val_bpb, held-out), and the
-   verified values decide (`verify_keep`).
+   the same seeds and machine speed, autoloop.decide.rule, autoloop.loop.noise); a trial
+   the decision would keep is first verified in a fresh process (causality, re-evaluated
+   val_bpb, held-out), and the verified values decide (`verify_keep`).
 6. `finish`: the decision and the run's new best commit are written in one transaction
    (the db is the truth), then git is made to agree: a kept commit stays on the branch;
    any other is archived under refs/autoloop/<tag>/trials/<n> and the branch is reset.
@@ -38,11 +38,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from autoloop.decide.rule import DecisionConfig, decide, estimate
+from autoloop.decide.rule import DecisionConfig, estimate
 from autoloop.errors import is_disk_full
-from autoloop.loop import faults
-from autoloop.loop.noise import runs_of
+from autoloop.loop import faults, stops
+from autoloop.loop.noise import paired_decision, runs_of
 from autoloop.measure.measurer import Measurement, trial_status
+from autoloop.measure.run_folder import RunFolder
 from autoloop.measure.runner import gpu_busy_report
 from autoloop.proposers.proposal import InvalidProposal, Proposal, materialize, validate
 from autoloop.store import IdeaStatus, Kind, MetricSource, Status, utcnow
@@ -238,7 +239,7 @@ def measure_baseline(c, ctx: TrialContext, trial: dict) -> TrialOutcome:
     outcome = TrialOutcome(Status.KEEP, "", trial_fields(c, trial, last))
     noise = c.noise.current()
     mean, se = estimate(list(runs.values()), noise)
-    outcome.fields.update(metric=mean, metric_sd=se, n_runs=len(runs))
+    outcome.fields.update(metric=mean, metric_sd=se, n_runs=len(runs), tier="baseline")
     outcome.reason = f"baseline: val_bpb {_pm(mean, se)} over {len(runs)} seed{'s' if len(runs) > 1 else ''}" + (
         f"; run-to-run noise {noise.run_sd:.4f} bpb" if noise is not None else "")
     return verify_keep(c, ctx, trial, outcome)
@@ -296,18 +297,20 @@ def compare(c, ctx: TrialContext, trial: dict) -> TrialOutcome:
     while True:
         if c.abort_requested:
             return _interrupted()
-        candidate = runs_of(c.store, trial, ("candidate",))
         device = ctx.device if c.config.allow_mixed_devices else None
-        inc_runs = c.incumbent_runs(incumbent, device) if incumbent is not None else {}
         if incumbent is not None and incumbent.get("metric_source") == MetricSource.REPORTED.value:
             cfg = DecisionConfig(rule="strict", margin=c.config.keep_margin)
-        verdict = decide(candidate, inc_runs, c.noise.current(), cfg, seeds)
-        record = {**verdict.figures, "action": verdict.action, "reason": verdict.reason, "rule": cfg.rule,
-                  "incumbent_id": incumbent["id"] if incumbent else None,
+        # Pairs of runs at different machine speeds are not pairs (autoloop.loop.noise.paired_decision).
+        step = paired_decision(c, trial, incumbent, cfg, seeds, device)
+        verdict, inc_runs = step.verdict, step.incumbent
+        record = {**verdict.figures, **step.figures(), "action": verdict.action, "reason": verdict.reason,
+                  "rule": cfg.rule, "incumbent_id": incumbent["id"] if incumbent else None,
                   "incumbent_number": incumbent["number"] if incumbent else None}
         c.store.update_trial(trial["id"], decision=record)
         if verdict.action == "measure":
             if verdict.side == "incumbent":
+                if step.confounded_note():
+                    c.event("confounded", f"trial {trial['number']}: {step.confounded_note()}", trial_id=trial["id"])
                 m = c.measure_commit(incumbent["trial_commit"] or c.best_commit(), verdict.seed,
                                      owner=incumbent, role="incumbent", for_trial=trial, ctx=ctx)
                 if not m.ok:
@@ -320,9 +323,17 @@ def compare(c, ctx: TrialContext, trial: dict) -> TrialOutcome:
                     return TrialOutcome(status, (
                         f"the incumbent (trial {incumbent['number']}) failed when re-measured at seed "
                         f"{verdict.seed}: {m.reason}"), {})
-                (m.run_dir / "checkpoint.pt").unlink(missing_ok=True)
+                before = step.drift_before(m.metric, m.machine_speed)
+                if before is not None:  # the drift check before the first keep: an event (or a pause)
+                    judge_drift(c, trial, m, before, {})
+                RunFolder(m.run_dir).checkpoint.unlink(missing_ok=True)
             else:
-                last = c.measure_commit(trial["trial_commit"], verdict.seed, owner=trial, role="candidate", ctx=ctx)
+                # The first run of a candidate carries the night's early-stop rule (autoloop.loop.stops).
+                early = c.stops.payload(incumbent, verdict.seed) if c.stops is not None and not step.own else None
+                last = c.measure_commit(trial["trial_commit"], verdict.seed, owner=trial, role="candidate", ctx=ctx,
+                                        early_stop=early)
+                if last.status == "stopped":  # a clear loser: discarded, its run never a measurement of it
+                    return TrialOutcome(*stops.stopped_outcome(trial, last, record, trial_status(last.status)))
                 failed = _measured(last)
                 if failed:
                     return failed
@@ -331,11 +342,13 @@ def compare(c, ctx: TrialContext, trial: dict) -> TrialOutcome:
             continue
         noise = c.noise.current()
         fields = trial_fields(c, trial, last)
-        mean, se = estimate(list(candidate.values()), noise)
-        fields.update(metric=mean, metric_sd=se, n_runs=len(candidate))
+        mean, se = estimate(list(step.own.values()), noise)  # all its runs, paired or not
+        fields.update(metric=mean, metric_sd=se, n_runs=len(step.own))
         best_before = trial.get("best_before")
         if best_before is not None and mean is not None:
-            fields["delta"] = mean - (estimate(list(inc_runs.values()), noise)[0] if inc_runs else best_before)
+            # One definition everywhere (log, show, report, the reason): the paired difference the decision used.
+            fields["delta"] = verdict.figures.get("mean_diff", mean - (
+                estimate(list(inc_runs.values()), noise)[0] if inc_runs else best_before))
         interval = verdict.figures.get("interval") or [None, None]
         record["distinguishable"] = verdict.action == "keep" or (
             None not in interval and (interval[1] < 0 or interval[0] > 0))
@@ -344,6 +357,8 @@ def compare(c, ctx: TrialContext, trial: dict) -> TrialOutcome:
             bool(verdict.figures.get("near_miss"))
             or ((verdict.figures.get("mean_diff") or 0.0) < 0 and not record["distinguishable"]))
         fields["decision"] = record
+        # Two tiers (autoloop.decide.rule): adopted (the branch moves) or also confirmed.
+        fields["tier"] = verdict.figures.get("tier") or "adopted" if verdict.action == "keep" else None
         if incumbent is not None and incumbent.get("metric_source") != MetricSource.REPORTED.value \
                 and any(m.get("role") == "candidate" and m.get("status") == "ok" and m.get("metric") is not None
                         for m in c.store.measurements(trial["id"])) \
@@ -444,23 +459,17 @@ def trial_fields(c, trial: dict, m: Measurement | None) -> dict:
 
 def progress_curve(trial: dict, store) -> list[dict] | None:
     """The curve of the trial's last run from its progress lines, for a run that ended
-    without a result (a divergence that stopped with FAIL, a crash): the diagnosis reads it."""
+    without a result (a divergence that stopped with FAIL, a crash): the diagnosis reads it.
+    The file is the trial's: read as untrusted data (autoloop.trust.untrusted)."""
+    from autoloop.trust.untrusted import progress_records
+
     rows = [r for r in store.measurements(trial["id"]) if r.get("log_path")]
     if not rows:
         return None
-    path = Path(rows[-1]["log_path"]).with_name("progress.jsonl")
-    points = []
-    try:
-        for line in path.read_text().splitlines():
-            try:
-                record = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(record, dict) and "loss" in record:
-                points.append({k: record.get(k) for k in ("step", "loss", "lr", "grad_norm")}
-                              | {"seconds": record.get("training_seconds")})
-    except OSError:
-        return None
+    points = [{k: record.get(k) for k in ("step", "loss", "lr", "grad_norm")}
+              | {"seconds": record.get("training_seconds")}
+              for record in progress_records(RunFolder(Path(rows[-1]["log_path"]).parent).progress)
+              if "loss" in record]
     return points or None
 
 
@@ -473,7 +482,7 @@ def delete_checkpoints(c, trial: dict, keep_last: bool) -> None:
         return
     for run_dir in runs.iterdir():
         if run_dir != keep:
-            (run_dir / "checkpoint.pt").unlink(missing_ok=True)
+            RunFolder(run_dir).checkpoint.unlink(missing_ok=True)
 
 
 # ---------------------------------------------------------------------------- finishing
@@ -496,6 +505,8 @@ def _finish_now(c, trial: dict, outcome: TrialOutcome) -> dict:
         # A trial that ended without a metric of its own has none, whatever the row holds
         # (a run that wrote to the db may have set one).
         fields.update(metric=None, metric_source=None)
+    if not keep:
+        fields["tier"] = None  # a tier is a kept trial's (a keep that failed verification has none)
     if curve:
         from autoloop.decide.diagnosis import diagnose
 

@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 JOB_KINDS = ("train", "verify")
-RESULT_STATUSES = ("ok", "crash", "timeout", "invalid", "aborted", "lost")
+RESULT_STATUSES = ("ok", "crash", "timeout", "invalid", "aborted", "lost", "stopped")
 
 
 def _from_dict(cls, data: dict[str, Any]):
@@ -72,14 +72,20 @@ class MeasureJob:
     verify: bool = False
     sandbox: str = "auto"  # the sandbox mode (autoloop.measure.sandbox.detect)
     harness_dir: str | None = None  # the harness whose files the integrity snapshot hashes
-    integrity_cache_root: str | None = None  # the verifier's bytecode prefixes' root
     integrity_python: str | None = None  # the interpreter of the trusted re-warm of bytecode
-    cache_root: str | None = None  # the training and evaluation bytecode prefixes' root
-    compile_cache: str | None = None  # torch.compile's cache, writable by training
+    cache_root: str | None = None  # the harness's cache (prepared data; autoloop's import root link)
+    pycache_root: str | None = None  # the project's trusted bytecode prefixes' root (read-only to every stage)
+    # The run's trusted torch.compile cache, filled by the baseline's first run (the user's own
+    # code) and copied into each run's own cache; None: every run compiles from scratch.
+    compile_seed: str | None = None
     python: str | None = None  # the interpreter of the trusted warm-up and the evaluator
     hidden: list[str] = field(default_factory=list)  # hidden from training: .git, .autoloop, the db (-wal, -shm)
     db_path: str | None = None  # the db, hidden from the evaluator
     env: dict[str, str] = field(default_factory=dict)  # extra environment (the slot's device: CUDA_VISIBLE_DEVICES)
+    # A candidate's first run: the night's early-stop rule and the incumbent's curve at the
+    # same seed ({"rule": StopRule.to_json(), "incumbent_curve": [...]}, autoloop.loop.stops);
+    # the worker stops a clear loser (status "stopped"). None: never stopped.
+    early_stop: dict | None = None
     # verify jobs: the run's checkpoint and its result JSON (the device it trained on)
     checkpoint: str | None = None
     result: dict | None = None
@@ -111,7 +117,8 @@ class JobResult:
     """What a worker gives back for one job; the controller seals, decides and records.
 
     status: ok | crash | timeout | invalid | aborted | lost ("lost": the worker itself died,
-    its process or its Ray actor or node; set by a slot, never by run_job). metric:
+    its process or its Ray actor or node; set by a slot, never by run_job) | stopped (the
+    early stop ended a clear loser's run: no metric; fields["stopped_at"] its progress). metric:
     val_bpb (the evaluator's, or the script's own without external evaluation), None
     unless ok. heldout: held-out bpb (verify). fields: the run's figures for the
     measurement and the trial row (wall_seconds, error_tail, result without its curve,

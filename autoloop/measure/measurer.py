@@ -37,8 +37,8 @@ scripts) the result JSON's own val_bpb is the metric (`harness`).
 
 from __future__ import annotations
 
-import shutil
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,14 +47,16 @@ from typing import Protocol
 from autoloop.loop import faults
 from autoloop.errors import AutoloopError
 from autoloop.measure.job import JobResult, MeasureJob
+from autoloop.measure.run_folder import RunFolder
 from autoloop.measure.runner import RunOutcome
 from autoloop.measure.worker import EVAL_DEADLINE_FLOOR_SECONDS, RESULT_FIELDS  # noqa: F401  (re-exported)
 from autoloop.store import Status
 
 # A measurement's status: ok | crash | timeout | invalid | aborted (the user stopped it) |
-# lost (its worker died: a process, a Ray node). How each ends the trial is `trial_status`.
+# lost (its worker died: a process, a Ray node) | stopped (the early stop ended a clear
+# loser's run: autoloop.loop.stops). How each ends the trial is `trial_status`.
 _OWN_RUN_ENDS = {"aborted": Status.INTERRUPTED, "lost": Status.INTERRUPTED, "timeout": Status.TIMEOUT,
-                 "invalid": Status.INVALID}
+                 "invalid": Status.INVALID, "stopped": Status.DISCARD}
 
 
 def trial_status(status: str, *, own: bool = True) -> Status:
@@ -62,8 +64,9 @@ def trial_status(status: str, *, own: bool = True) -> Status:
     mapping of measurement statuses onto `Status`.
 
     A run of the trial's own code (`own`) that timed out or was invalid is the trial's
-    fault; aborted or lost is not (`interrupted`: its idea goes back to the queue); any
-    other failure is a crash. A failed re-measurement of the incumbent is never the
+    fault; aborted or lost is not (`interrupted`: its idea goes back to the queue); a run
+    stopped early as a clear loser is discarded (never kept, no metric); any other failure
+    is a crash. A failed re-measurement of the incumbent is never the
     candidate's timeout or invalidity: a crash of the comparison, unless aborted or lost.
     """
     if not own:
@@ -78,7 +81,7 @@ class Measurement:
     id: int | None
     seed: int
     role: str
-    status: str  # ok | crash | timeout | invalid | aborted | lost
+    status: str  # ok | crash | timeout | invalid | aborted | lost | stopped
     reason: str | None
     metric: float | None
     metric_source: str | None
@@ -88,6 +91,7 @@ class Measurement:
     result: dict | None = None
     heldout: float | None = None
     device: str | None = None  # "cpu" or the CUDA device's name
+    machine_speed: float | None = None  # the speed probe's mean reading around training (autoloop.measure.probe)
 
     @property
     def ok(self) -> bool:
@@ -95,7 +99,7 @@ class Measurement:
 
     @property
     def checkpoint(self) -> Path:
-        return self.run_dir / "checkpoint.pt"
+        return RunFolder(self.run_dir).checkpoint
 
 
 class MeasureHost(Protocol):
@@ -113,15 +117,16 @@ class MeasureHost(Protocol):
     abort_requested: bool  # Ctrl-C: the run in flight is stopped
     tag: str
     state_dir: Path  # .autoloop/ of the project, hidden from the trial
+    project_dir: Path  # the project folder: its secret files are hidden from the trial
 
     def trial_dir(self, number: int) -> Path: ...  # a trial's folder; its runs go under runs/<k>
     def db_path(self) -> Path: ...  # experiments.db, hidden from the trial
     def git_dir(self) -> Path: ...  # hidden from the trial
     def data_dir(self) -> Path: ...  # the prepared dataset
     def sources_of(self, commit: str) -> tuple[str, dict[str, str]]: ...  # what the evaluator imports
-    def compile_cache_dirs(self) -> list[Path]: ...
     def training_started(self, running: dict) -> None: ...  # the scheduler prepares the next proposal
     def worker_pause(self, reason: str) -> None: ...  # a worker found the harness or data changed
+    def concurrent_trials(self) -> bool: ...  # several workers: a foreign db write is nobody's in particular
 
 
 class Measurer:
@@ -129,8 +134,10 @@ class Measurer:
 
     def __init__(self, host: MeasureHost):
         self.c = host
+        self._run_dirs_lock = threading.Lock()  # guards: allocating runs/<k> folders (run_dir)
         self._sandbox = None
         self._said_unsandboxed = False
+        self._secret_files: list[Path] | None = None  # found once per run: the sandbox hides them
 
     # ------------------------------------------------------------------ set-up
 
@@ -158,19 +165,31 @@ class Measurer:
         return self.harness_mode and self.c.config.verify
 
     def run_dir(self, owner: dict) -> Path:
+        """A new folder for one run of `owner`: runs/<k>, k past every run recorded and every
+        folder there. Two workers may measure one trial at once (the incumbent re-measured
+        for two candidates): each gets its own folder, made under the lock, never one the
+        other is training in. A folder left by a run the controller did not live to record
+        is left as it is."""
         runs = self.c.trial_dir(owner["number"]) / "runs"
-        k = 1 + len(self.c.store.measurements(owner["id"]))
-        path = runs / str(k)
-        if path.exists():
-            shutil.rmtree(path)  # left by a run the controller did not live to record
-        path.mkdir(parents=True)
-        return path
+        with self._run_dirs_lock:
+            runs.mkdir(parents=True, exist_ok=True)
+            taken = [int(p.name) for p in runs.iterdir() if p.name.isdigit()]
+            k = 1 + max([len(self.c.store.measurements(owner["id"])), *taken])
+            path = runs / str(k)
+            path.mkdir()
+            return path
 
     def _hidden(self) -> list[Path]:
+        """What no stage of a trial sees: .git, .autoloop, the db, and the project's files that
+        hold secrets by convention (.env, keys, credentials: autoloop.trust.redact)."""
+        from autoloop.trust.redact import secret_files
+
         c = self.c
         db = c.db_path()
         hidden = [c.git_dir(), c.state_dir, db, db.with_name(db.name + "-wal"), db.with_name(db.name + "-shm")]
-        return hidden
+        if self._secret_files is None:
+            self._secret_files = secret_files(c.project_dir)
+        return hidden + self._secret_files
 
     # ------------------------------------------------------------------ the job
 
@@ -190,18 +209,30 @@ class Measurer:
         return MeasureJob(
             kind=kind, commit=commit, seed=seed, role=role, tag=c.tag, script=script, sources=sources,
             train_argv=c.config.train_argv(), time_budget=c.config.time_budget, max_steps=c.config.max_steps,
-            grace_seconds=c.config.grace_seconds, dataset=c.config.dataset, data_dir=str(c.data_dir()),
+            grace_seconds=self._grace(), dataset=c.config.dataset, data_dir=str(c.data_dir()),
             data_fingerprint=(c.run_row or {}).get("data_fingerprint"),
             harness_fingerprint=getattr(verifier, "harness_fingerprint", None),
             harness_mode=self.harness_mode, external_eval=self.external_eval, verify=verify,
             sandbox=c.config.sandbox,
             harness_dir=str(verifier.harness_dir) if getattr(verifier, "harness_dir", None) else None,
-            integrity_cache_root=str(pycache_root()) if pycache_root is not None else None,
+            pycache_root=str(pycache_root()) if pycache_root is not None else None,
             integrity_python=getattr(verifier, "python", None), cache_root=str(cache_root()),
-            compile_cache=str(c.compile_cache_dirs()[0]), python=sys.executable,
+            compile_seed=str(c.state_dir / c.tag / "compile-seed"), python=sys.executable,
             hidden=[str(p) for p in self._hidden()], db_path=str(c.db_path()),
             env=dict(getattr(slot, "device_env", None) or {}), **extra,
         )
+
+    def _grace(self) -> float:
+        """The configured grace, or in step mode what runs of this run took (autoloop.measure.deadline)."""
+        from autoloop.measure.deadline import grace_for, run_walls
+
+        c = self.c
+        if c.config.max_steps is None or c.run_row is None or c.store is None:
+            return c.config.grace_seconds
+        run = c.store.get_run(c.tag) or c.run_row
+        return grace_for(time_budget=c.config.time_budget, grace_seconds=c.config.grace_seconds,
+                         max_steps=c.config.max_steps, check_result=run.get("check_result"),
+                         walls=run_walls(c.store, run["id"]))
 
     def _received(self, result: JobResult, run_dir: Path) -> None:
         """What a worker on another disk sent back goes into the run folder before anything
@@ -222,13 +253,38 @@ class Measurer:
     # ------------------------------------------------------------------ one run
 
     def measure(self, commit: str, seed: int, *, owner: dict, role: str, running: dict, slot,
-                best_metric: float | None = None, verify: bool = False) -> Measurement:
+                best_metric: float | None = None, verify: bool = False,
+                early_stop: dict | None = None) -> Measurement:
         """Train `commit` at `seed` on `slot` and evaluate it; record the measurement on `owner`.
 
         `running`: the trial whose comparison this run serves (the row that holds the
         process group while it trains, so recovery can kill it). `best_metric`: its
-        incumbent's, for the live display.
+        incumbent's, for the live display. `early_stop`: the job's early-stop rule
+        (autoloop.loop.stops.EarlyStops.payload), None for a run that is never stopped.
+
+        A run that only the budget's load-sensitive rules fail (autoloop.trust.budget) is
+        recorded as it was, and the seed is measured once more in a fresh run: that run is
+        the measurement. A trial that trains where the budget does not look fails both.
         """
+        m = self._measure_once(commit, seed, owner=owner, role=role, running=running, slot=slot,
+                               best_metric=best_metric, verify=verify, early_stop=early_stop)
+        from autoloop.trust.budget import load_sensitive
+
+        if m.status != "invalid" or not load_sensitive(m.fields.get("budget")) or self.c.abort_requested:
+            return m
+        message = (f"trial {running['number']}: its run at seed {seed} failed a budget rule a busy machine can trip "
+                   f"({m.reason}); measuring it once more at that seed")
+        self.c.event("remeasured", message, trial_id=running["id"])
+        self.c.say(message, "yellow")
+        again = self._measure_once(commit, seed, owner=owner, role=role, running=running, slot=slot,
+                                   best_metric=best_metric, verify=verify, early_stop=early_stop)
+        if again.status == "invalid" and load_sensitive(again.fields.get("budget")):
+            again.reason = f"{again.reason} (and so did its first run at this seed: {m.reason})"
+            self.c.store.update_measurement(again.id, reason=again.reason)
+        return again
+
+    def _measure_once(self, commit: str, seed: int, *, owner: dict, role: str, running: dict, slot,
+                      best_metric: float | None, verify: bool, early_stop: dict | None) -> Measurement:
         c = self.c
         store = c.store
         run_dir = self.run_dir(owner)
@@ -240,9 +296,9 @@ class Measurer:
             from autoloop.trust.seal import StoreSeal
 
             seal = StoreSeal.capture(store, c.run_row["id"])
-        job = self.job("train", commit, seed, role=role, slot=slot, verify=verify)
+        job = self.job("train", commit, seed, role=role, slot=slot, verify=verify, early_stop=early_stop)
         if c.display is not None:
-            c.display.trial_started(running, best_metric, c.config)
+            c.display.trial_started(running, best_metric, c.config, seed=seed, role=role, owner=owner)
         trained = [False]
 
         def on_start(pid: int, pgid: int, start_time: int | None) -> None:
@@ -256,7 +312,7 @@ class Measurer:
 
         def should_abort() -> bool:
             if c.display is not None:
-                c.display.poll(run_dir / "progress.jsonl")
+                c.display.poll(RunFolder(run_dir).progress)
             if time.monotonic() - last_beat[0] > 30:
                 last_beat[0] = time.monotonic()
                 store.update_trial(running["id"], heartbeat_at=_now())
@@ -267,14 +323,22 @@ class Measurer:
         faults.fault_point("after_training")
         m = Measurement(None, seed, role, result.status, result.reason, result.metric, result.metric_source, run_dir,
                         None, fields=dict(result.fields), result=result.result, heldout=result.heldout,
-                        device=result.device)
+                        device=result.device, machine_speed=result.fields.get("machine_speed"))
+        m.fields.pop("machine_speed", None)  # the measurement's, not the trial row's
         problem = seal.check(store) if seal is not None else None
         if problem:
             seal.restore(store)
-            for name in ("budget", "eval_seconds"):  # the worker went on; the run ended here
-                m.fields.pop(name, None)
-            return self._record(owner, running, m, "invalid", f"the trial wrote to experiments.db: {problem} "
-                                                               "(the recorded values were put back)")
+            if c.concurrent_trials():
+                # Several trials may have trained meanwhile: which one wrote cannot be told. The
+                # values are back; the run pauses for a human rather than failing an honest trial.
+                c.worker_pause(f"experiments.db was written by another process while trial {running['number']} and "
+                               f"others trained: {problem} (the recorded values were put back; run with the sandbox "
+                               "on, which hides the db from every trial)")
+            else:
+                for name in ("budget", "eval_seconds"):  # the worker went on; the run ended here
+                    m.fields.pop(name, None)
+                return self._record(owner, running, m, "invalid", f"the trial wrote to experiments.db: {problem} "
+                                                                   "(the recorded values were put back)")
         if result.status == "lost":
             c.notifier.worker_lost(getattr(slot, "name", None), running, result.reason)
             return self._record(owner, running, m, "lost", result.reason or "the worker was lost")
@@ -285,12 +349,12 @@ class Measurer:
         Returns (ok, reason, heldout) and marks the row verified; ok is None when the
         worker was lost (not the trial's fault: the trial is interrupted)."""
         run_dir = Path(row["log_path"]).parent if row.get("log_path") else None
-        if run_dir is None or not (run_dir / "checkpoint.pt").exists():
+        if run_dir is None or not RunFolder(run_dir).has_checkpoint():
             return False, f"the checkpoint of its run at seed {row.get('seed')} is gone, so it cannot be verified", None
         c = self.c
         job = self.job("verify", owner["trial_commit"] or c.run_row["base_commit"], int(row.get("seed") or 0),
                        role=row.get("role") or "candidate", slot=slot, verify=True,
-                       checkpoint=str(run_dir / "checkpoint.pt"), result=_result_of(run_dir))
+                       checkpoint=str(RunFolder(run_dir).checkpoint), result=_result_of(run_dir))
 
         def on_start(pid: int, pgid: int, start_time: int | None) -> None:
             c.store.update_trial(running["id"], pid=pid, pgid=pgid, pid_start_time=start_time)
@@ -326,7 +390,8 @@ class Measurer:
             num_steps=m.fields.get("num_steps"), total_tokens=m.fields.get("total_tokens"),
             training_seconds=m.fields.get("training_seconds"), wall_seconds=m.fields.get("wall_seconds"),
             eval_seconds=m.fields.get("eval_seconds"), budget=figures, log_path=str(m.run_dir / "train.log"),
-            device=m.device,
+            device=m.device, curve=stored_curve((m.result or {}).get("curve")) if status == "ok" else None,
+            machine_speed=m.machine_speed, tokens_per_second=_throughput(figures, m.fields),
         )
         if figures is not None:
             m.fields["budget"] = figures
@@ -335,12 +400,41 @@ class Measurer:
         return m
 
 
-def _result_of(run_dir: Path) -> dict:
-    import json
+CURVE_KEYS = ("step", "seconds", "loss", "lr")
+MAX_CURVE_POINTS = 1024  # a result's curve is already thinned to ~256 (train.py) and capped (trust.untrusted)
 
+
+def _throughput(figures: dict | None, fields: dict) -> float | None:
+    """The feed's tokens served per second of training (the script's own count without a feed)."""
+    tokens = (figures or {}).get("tokens_served") or fields.get("total_tokens")
+    seconds = fields.get("training_seconds")
+    return round(tokens / seconds, 1) if tokens and seconds else None
+
+
+def stored_curve(curve) -> list[dict] | None:
+    """A successful run's loss curve as the early stop reads it (autoloop.loop.stops):
+    numeric step, seconds, loss and lr only (the curve was checked when the result was read)."""
+    if not isinstance(curve, list):
+        return None
+    out = []
+    for point in curve[:MAX_CURVE_POINTS]:
+        if not isinstance(point, dict):
+            continue
+        kept = {k: point[k] for k in CURVE_KEYS
+                if isinstance(point.get(k), (int, float)) and not isinstance(point.get(k), bool)}
+        if "loss" in kept:
+            out.append(kept)
+    return out or None
+
+
+def _result_of(run_dir: Path) -> dict:
+    """The run's result JSON, as the trial wrote it (read as untrusted data; {} if unusable)."""
+    from autoloop.trust.untrusted import UntrustedFile, clean_result, read_json_object
+
+    folder = RunFolder(run_dir)
     try:
-        return json.loads((run_dir / "result.json").read_text())
-    except (OSError, ValueError):
+        return clean_result(read_json_object(folder.root, f"{folder.out.name}/{folder.result.name}"))
+    except (OSError, UntrustedFile):
         return {}
 
 

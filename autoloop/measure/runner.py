@@ -1,7 +1,11 @@
 """Run one training process and read its outcome.
 
 The training command runs in its own session and process group (`start_new_session=True`,
-so pgid == pid), with stdout and stderr appended to a log file and stdin from /dev/null.
+so pgid == pid), stdin from /dev/null, stdout and stderr into a pipe that a thread of ours
+drains into the log file (`LogPipe`: every line redacted, autoloop.trust.redact; the log
+is never read back, the outcome rules read what the pipe brought). Unsandboxed, the
+command starts behind a two-line shim that makes the kernel kill it when its parent dies
+(PR_SET_PDEATHSIG), so no training outlives a dead worker or controller.
 Everything the training started - dataloader workers, compile workers, a stray shell - is
 in that group, so the runner stops work by signalling the group, never one pid:
 
@@ -51,6 +55,7 @@ import re
 import secrets
 import select
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -88,7 +93,9 @@ class RunOutcome:
     """What happened to one training process.
 
     status: "ok" (exit 0 with a finite val_bpb, or under AUTOLOOP_EVAL=external with a
-    result JSON and no val_bpb), "crash", "timeout" or "aborted".
+    result JSON and no val_bpb), "crash", "timeout", "aborted", or "invalid" (exit 0 with
+    a result JSON that is not one: a link, too big, malformed, a figure out of range;
+    autoloop.trust.untrusted).
     metric: val_bpb when finite, else None. metric_source: "harness" (result JSON) or
     "reported" (printed block), None without a metric (except an external-eval "ok":
     "harness", metric None whatever the JSON says). reason: one line, None when ok.
@@ -193,8 +200,7 @@ def kill_process_group(
     """Kill a training process group left behind by a controller that died.
 
     Kills only what is provably ours: if the recorded pid exists but has a different start
-    time, the pid was recycled (and so the group id belongs to someone else): nothing is
-    killed. If the recorded leader is gone, the group is killed only if processes are still
+    time (or none was recorded), the pid may be someone else's: nothing is killed. If the recorded leader is gone, the group is killed only if processes are still
     in it (orphaned grandchildren; the kernel does not hand out a pid that is still in use
     as a group id). SIGTERM, `grace` seconds, SIGKILL, then waits for the group to vanish.
     Returns True if it signalled a live group.
@@ -203,7 +209,9 @@ def kill_process_group(
         raise ValueError(f"refusing to kill process group {pgid}")
     if expected_pid is not None:
         start_time = process_start_time(expected_pid)
-        if start_time is not None and expected_start_time is not None and start_time != expected_start_time:
+        if start_time is not None and start_time != expected_start_time:
+            # A leader that is alive but not the one recorded (a recycled pid, or one we were
+            # never told the start time of): the group is someone else's.
             return False
     if not process_group_alive(pgid):
         return False
@@ -373,6 +381,124 @@ class _ExitWatch:
 
 
 # ---------------------------------------------------------------------------------------
+# Logs through a pipe we own; the child dies with its parent
+# ---------------------------------------------------------------------------------------
+
+# How much of a log the runner keeps in memory (for the summary block, the FAIL line and
+# the error tail): the log file itself is never read back.
+MAX_LOG_MEMORY_BYTES = MAX_LOG_READ_BYTES
+MAX_LOG_LINE_BYTES = 64 * 1024
+
+
+def open_log(path: Path) -> int:
+    """A descriptor appending to `path` (created if missing), never through a link: the log
+    lives in a folder the controller created, but an unsandboxed trial could plant one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return os.open(str(path), os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+
+
+class LogPipe:
+    """A child's stdout and stderr: a pipe whose reading end a thread of ours drains into
+    the log file, line by line, every line redacted (autoloop.trust.redact) and every line
+    capped; the last MAX_LOG_MEMORY_BYTES stay in memory for the outcome rules, so the log
+    is written but never read back (a trial cannot swap the file we would read)."""
+
+    def __init__(self, path: Path, *, prefix: str = ""):
+        from autoloop.trust.redact import redact
+
+        self.path = Path(path)
+        self.prefix = prefix.encode()
+        self._redact = redact
+        self._fd = open_log(self.path)
+        self.read_fd, self.write_fd = os.pipe()
+        os.set_inheritable(self.write_fd, True)
+        self._memory = bytearray()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def write(self, line: str) -> None:
+        """A line of our own (header, footer), redacted like the child's."""
+        self._emit(line.encode() + b"\n", ours=True)
+
+    def _emit(self, data: bytes, ours: bool = False) -> None:
+        clean = self._redact(data.decode("utf-8", "replace")).encode()
+        if not ours:
+            clean = self.prefix + clean
+        os.write(self._fd, clean)
+        with self._lock:
+            self._memory += clean
+            if len(self._memory) > MAX_LOG_MEMORY_BYTES:
+                del self._memory[: len(self._memory) - MAX_LOG_MEMORY_BYTES]
+
+    def start(self) -> None:
+        """After the child is spawned: our copy of the writing end is closed, so the pipe
+        ends when the child (and whatever inherited it) is gone."""
+        os.close(self.write_fd)
+        self.write_fd = -1
+        self._thread = threading.Thread(target=self._drain, name="autoloop-log", daemon=True)
+        self._thread.start()
+
+    def _drain(self) -> None:
+        pending = b""
+        try:
+            while True:
+                block = os.read(self.read_fd, 65536)
+                if not block:
+                    break
+                pending += block
+                while b"\n" in pending or len(pending) > MAX_LOG_LINE_BYTES:
+                    cut = pending.find(b"\n")
+                    cut = cut + 1 if 0 <= cut < MAX_LOG_LINE_BYTES else MAX_LOG_LINE_BYTES
+                    self._emit(pending[:cut] if pending[:cut].endswith(b"\n") else pending[:cut] + b"\n")
+                    pending = pending[cut:]
+            if pending:
+                self._emit(pending + b"\n")
+        except OSError:
+            pass
+
+    def finish(self, timeout: float = 5.0) -> None:
+        """Wait for the pipe to drain (a process that escaped and holds it is abandoned after
+        `timeout`; the sweep kills it)."""
+        if self.write_fd >= 0:
+            os.close(self.write_fd)
+            self.write_fd = -1
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def close(self) -> None:
+        self.finish()
+        for fd in (self.read_fd, self._fd):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self.read_fd = self._fd = -1
+
+    def text(self) -> str:
+        with self._lock:
+            return bytes(self._memory).decode("utf-8", "replace")
+
+
+# Run by the interpreter in front of an unsandboxed command: the kernel kills the command
+# when its parent (the worker, the controller) dies, so no training outlives a dead worker.
+# (Sandboxed, bubblewrap's --die-with-parent does the same for the whole namespace.)
+DIE_WITH_PARENT_SHIM = (
+    "import ctypes,os,signal,sys\n"
+    "libc=ctypes.CDLL(None,use_errno=True)\n"
+    "libc.prctl(1,signal.SIGKILL,0,0,0)\n"  # PR_SET_PDEATHSIG
+    "os.getppid()!=int(sys.argv[1]) and os._exit(137)\n"  # the parent died before the line above
+    "os.execvp(sys.argv[2],sys.argv[2:])\n"
+)
+
+
+def die_with_parent(argv: list[str]) -> list[str]:
+    """`argv` behind the shim above (Linux); unchanged elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return argv
+    return [sys.executable, "-S", "-c", DIE_WITH_PARENT_SHIM, str(os.getpid()), *argv]
+
+
+# ---------------------------------------------------------------------------------------
 # Running
 # ---------------------------------------------------------------------------------------
 
@@ -391,6 +517,9 @@ def run_training(
     sandbox: SandboxPolicy | None = None,
     sandbox_paths: SandboxPaths | None = None,
     marker: str | None = None,
+    on_poll: Callable[[], None] | None = None,
+    pass_fds: tuple[int, ...] = (),
+    contract: bool = True,
 ) -> RunOutcome:
     """Run `command` until it exits, the deadline passes or `should_abort()` is true.
 
@@ -409,9 +538,12 @@ def run_training(
     `marker` (default: a random one) is the value of AUTOLOOP_TRIAL_MARKER in the child's
     environment; a caller that records it can sweep the trial's processes after a crash of
     its own (`sweep_trial_processes`).
+
+    `contract=False`: the command is not a training script (the evaluator): the log's
+    closing line gives its exit and time, not a verdict by the train-script contract (a
+    passed evaluation followed by "crash: finished without a val_bpb metric" misleads).
     """
     log_path = Path(log_path)
-    log_path.parent.mkdir(parents=True, exist_ok=True)
     result_path = Path(env["AUTOLOOP_RESULT"]) if env.get("AUTOLOOP_RESULT") else None
     if result_path is not None:
         result_path.unlink(missing_ok=True)
@@ -419,36 +551,45 @@ def run_training(
     marker = marker or secrets.token_hex(12)
     argv = [str(part) for part in command]
     child_env = allowed_environment({**env, TRIAL_MARKER: marker})
+    if not argv or (shutil.which(argv[0], path=child_env.get("PATH")) is None
+                    and not (os.sep in argv[0] and os.access(Path(cwd) / argv[0], os.X_OK))):
+        raise AutoloopError(
+            f"cannot start the training command {shlex.join(map(str, command))} in {cwd} ({argv[:1] or ['nothing']} "
+            "is not an executable on PATH): check the train command and the working directory"
+        )
     sandboxed = sandbox is not None and sandbox.kind == "bwrap"
     if sandboxed:
         paths = sandbox_paths if sandbox_paths is not None else _default_paths(cwd, env)
         argv, child_env = sandbox.wrap(
             argv, env=child_env, cwd=cwd, writable=paths.writable, readonly=paths.readonly, hidden=paths.hidden,
         )
+    else:
+        argv = die_with_parent(argv)
 
-    with log_path.open("ab") as log:
-        where = f" [sandbox: {sandbox.kind}]" if sandbox is not None else ""
-        log.write(f"# autoloop {_now()}: {shlex.join(map(str, command))}{where}\n".encode())
-        log.flush()
-        offset = log.tell()
-        started = time.monotonic()
-        reaper = _ChildSubreaper(enabled=not sandboxed).__enter__()
-        try:
-            proc = subprocess.Popen(
-                argv,
-                cwd=str(cwd),
-                env=child_env,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        except OSError as error:
-            reaper.__exit__()
-            raise AutoloopError(
-                f"cannot start the training command {shlex.join(map(str, command))} in {cwd} ({error}): "
-                "check the train command and the working directory"
-            ) from error
+    log = LogPipe(log_path)
+    where = f" [sandbox: {sandbox.kind}]" if sandbox is not None else ""
+    log.write(f"# autoloop {_now()}: {shlex.join(map(str, command))}{where}")
+    started = time.monotonic()
+    reaper = _ChildSubreaper(enabled=not sandboxed).__enter__()
+    try:
+        proc = subprocess.Popen(
+            argv,
+            cwd=str(cwd),
+            env=child_env,
+            stdin=subprocess.DEVNULL,
+            stdout=log.write_fd,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            pass_fds=tuple(pass_fds),
+        )
+    except OSError as error:
+        reaper.__exit__()
+        log.close()
+        raise AutoloopError(
+            f"cannot start the training command {shlex.join(map(str, command))} in {cwd} ({error}): "
+            "check the train command and the working directory"
+        ) from error
+    log.start()
     pid = pgid = proc.pid  # a new session makes the child its group's leader
     start_time = process_start_time(pid)
     watch = _ExitWatch(proc)
@@ -469,7 +610,11 @@ def run_training(
             if should_abort is not None and should_abort():
                 stopped = "aborted"
                 break
+            if on_poll is not None:
+                on_poll()
             watch.wait(min(poll_interval, remaining))
+        if on_poll is not None:
+            on_poll()
         if stopped is not None:
             group_gone = _stop_group(pgid, kill_grace_seconds, reap)
         else:
@@ -482,15 +627,16 @@ def run_training(
         _signal_group(pgid, signal.SIGKILL)
         proc.wait()
         sweep_trial_processes(marker, pgid)
+        log.close()
         raise
     finally:
         watch.close()
         reaper.__exit__()
     wall_seconds = time.monotonic() - started
+    log.finish()
 
-    text = _read_from(log_path, offset)
     outcome = _judge(
-        text,
+        log.text(),
         stopped=stopped,
         returncode=returncode,
         result_path=result_path,
@@ -504,12 +650,14 @@ def run_training(
     footer = f"# autoloop {_now()}: {outcome.status}, exit {returncode}, {wall_seconds:.1f} s"
     if outcome.reason:
         footer += f": {outcome.reason}"
+    if not contract and stopped is None:  # not a training script (the evaluator): its own lines say how it went
+        footer = f"# autoloop {_now()}: exit {returncode}, {wall_seconds:.1f} s"
     if not group_gone:
         footer += f" (processes of group {pgid} survived SIGKILL)"
     if survivors:
         footer += f" (killed {len(survivors)} process(es) that had left the group: {' '.join(map(str, survivors))})"
-    with log_path.open("ab") as log:
-        log.write((footer + "\n").encode())
+    log.write(footer)
+    log.close()
     return outcome
 
 
@@ -537,15 +685,20 @@ def _judge(
     result: dict[str, Any] | None = None
     source: str | None = None
     result_problem: str | None = None
-    if result_path is not None and result_path.exists():
+    if result_path is not None:
+        from autoloop.trust.untrusted import UntrustedFile, clean_result, read_json_object
+
         try:
-            loaded = json.loads(result_path.read_text())
-            if isinstance(loaded, dict):
-                result, source = loaded, "harness"
-            else:
-                result_problem = f"result JSON {result_path} is not an object"
-        except (OSError, ValueError) as error:
-            result_problem = f"result JSON {result_path} is unreadable: {error}"
+            result, source = clean_result(read_json_object(result_path.parent, result_path.name)), "harness"
+        except FileNotFoundError:
+            pass
+        except UntrustedFile as error:
+            result_problem = str(error)
+        except OSError as error:
+            result_problem = f"result JSON {result_path.name} is unreadable: {error.strerror}"
+    if result_problem is not None and stopped is None and returncode == 0:
+        return RunOutcome(status="invalid", returncode=returncode, result=None, metric=None, metric_source=None,
+                          reason=_one_line(result_problem), error_tail=error_tail, wall_seconds=0.0, pid=0, pgid=0)
     if result is None:
         result = parse_summary_block(text)
         source = "reported" if result is not None else None
@@ -661,15 +814,6 @@ def _default_paths(cwd: str | Path, env: dict[str, Any]) -> SandboxPaths:
     outputs = [Path(str(env[name])).parent for name in ("AUTOLOOP_RESULT", "AUTOLOOP_CHECKPOINT", "AUTOLOOP_PROGRESS")
                if env.get(name)]
     return SandboxPaths(writable=tuple(outputs), readonly=(Path(cwd),))
-
-
-def _read_from(path: Path, offset: int) -> str:
-    """This run's part of the log (the file may hold earlier attempts), at most its last
-    MAX_LOG_READ_BYTES."""
-    with path.open("rb") as handle:
-        size = handle.seek(0, os.SEEK_END)
-        handle.seek(max(offset, size - MAX_LOG_READ_BYTES))
-        return handle.read().decode("utf-8", errors="replace")
 
 
 def _now() -> str:

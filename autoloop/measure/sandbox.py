@@ -18,7 +18,7 @@ later mount covers an earlier one at or above its path):
    the repository, the interpreter and the data when they live in a home folder), `hidden`
    folders covered by an empty read-only tmpfs and hidden files by `/dev/null` (a device
    node on a `nodev` mount: opening it fails with "permission denied"), `writable` paths
-   bound read-write (the trial's run folder, the compile cache);
+   bound read-write (a run's output folder and its own compile cache);
 5. the hidden tmpfs folders made read-only last: a read-only folder cannot take the mount
    points that later binds under it need.
 
@@ -54,10 +54,10 @@ from pathlib import Path
 from typing import Any
 
 from autoloop.errors import AutoloopError
+from autoloop.measure.openmp import openmp_defaults
 
 MODES = ("auto", "on", "off")
 ENV_COMPILE_CACHE = "AUTOLOOP_COMPILE_CACHE"  # as in autoloop/harness/contract.py
-COMPILE_CACHE_VARS = (ENV_COMPILE_CACHE, "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
 PROBE_TIMEOUT_SECONDS = 20
 # HOME inside the sandbox: an empty folder in the private /tmp, so tools that write to
 # ~/.cache or ~/.nv write somewhere that vanishes with the trial.
@@ -91,7 +91,8 @@ def allowed_environment(extra: Mapping[str, Any], *, environ: Mapping[str, str] 
     PYTHONUNBUFFERED=1 (the log is written line by line), then `extra`, which the
     controller sets on purpose (the AUTOLOOP_* contract; a None value unsets a name)."""
     environ = os.environ if environ is None else environ
-    env = {name: value for name, value in environ.items() if _allowed(name)}
+    env = {name: value for name, value in environ.items() if is_allowed(name)}
+    env.update(openmp_defaults(env))  # a busy machine's steps are not stretched by spinning threads
     env["PYTHONUNBUFFERED"] = "1"
     for name, value in extra.items():
         if value is None:
@@ -101,7 +102,8 @@ def allowed_environment(extra: Mapping[str, Any], *, environ: Mapping[str, str] 
     return env
 
 
-def _allowed(name: str) -> bool:
+def is_allowed(name: str) -> bool:
+    """Whether a child process may inherit the variable `name` (the allow-list above)."""
     if name in ALLOWED_NAMES:
         return True
     upper = name.upper()
@@ -176,17 +178,15 @@ class SandboxPolicy:
         Added to what the caller asks: read-only, what any Python child needs (its working
         folder, the interpreter, autoloop, every folder on sys.path, PYTHONPATH, LD_LIBRARY_PATH,
         CUDA_HOME);
-        writable, the compile caches the environment names (AUTOLOOP_COMPILE_CACHE, set
-        here to the controller's when missing, TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR),
-        so that compiled kernels are reused across trials. Writable folders that do not
-        exist yet are created. GPU device nodes are looked up now, not at detection: the
-        driver creates some (nvidia-uvm) on first use."""
+        writable: nothing but what the caller names (a run's own output folder and compile
+        cache: nothing writable is shared between trials, autoloop.measure.run_folder).
+        Writable folders that do not exist yet are created. GPU device nodes are looked up
+        now, not at detection: the driver creates some (nvidia-uvm) on first use."""
         env = dict(env)
         argv = [str(part) for part in argv]
         if self.kind != "bwrap":
             return argv, env
-        env.setdefault(ENV_COMPILE_CACHE, str(_controller_cache_root(env) / "compile"))
-        writable = [*writable, *(Path(env[name]) for name in COMPILE_CACHE_VARS if env.get(name))]
+        writable = list(writable)
         for path in map(Path, writable):
             if not path.exists():
                 path.mkdir(parents=True)
@@ -214,15 +214,6 @@ def _home_folders() -> list[Path]:
     if home:
         homes.append(Path(home))
     return [p for p in {_resolve(h) for h in homes} if p.is_dir() and p != Path("/")]
-
-
-def _controller_cache_root(env: Mapping[str, str]) -> Path:
-    """The harness's cache_root() as the controller sees it (with its real HOME); not
-    imported from autoloop.harness, which would import torch."""
-    if env.get("AUTOLOOP_CACHE_DIR"):
-        return Path(env["AUTOLOOP_CACHE_DIR"]).expanduser()
-    base = env.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "autoloop"
 
 
 def _default_readonly(cwd: Path | str, env: Mapping[str, str]) -> list[Path]:
@@ -324,10 +315,10 @@ def _probe(bwrap: str) -> tuple[bool, str, str | None]:
         number = version.stdout.split()[-1] if version.stdout.split() else None
         policy = SandboxPolicy("bwrap", bwrap=bwrap, version=number)
         true = shutil.which("true") or "/bin/true"
-        # The real layout, a private compile cache aside: the probe writes nothing of ours.
+        # The real layout with a writable folder of its own: the probe writes nothing of ours.
         with tempfile.TemporaryDirectory(prefix="autoloop-probe-") as scratch:
-            argv, env = policy.wrap([true], env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"),
-                                                 ENV_COMPILE_CACHE: scratch}, cwd="/")
+            argv, env = policy.wrap([true], env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")}, cwd="/",
+                                    writable=[scratch])
             ran = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=PROBE_TIMEOUT_SECONDS,
                                  stdin=subprocess.DEVNULL)
     except (OSError, subprocess.SubprocessError) as error:

@@ -38,6 +38,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import shutil
 import signal
 import sys
 import traceback
@@ -46,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from autoloop.measure.job import JobResult, MeasureJob
+from autoloop.measure.run_folder import RunFolder
 from autoloop.measure.runner import RunOutcome, run_training
 from autoloop.store import MetricSource
 
@@ -56,8 +58,6 @@ _INTEGER_FIELDS = ("num_steps", "total_tokens", "num_params")
 # The evaluation's deadline: interpreter and torch start-up, model rebuild, one or two
 # evaluations, on a slow, shared machine.
 EVAL_DEADLINE_FLOOR_SECONDS = 180.0
-PIDS_FILE = "pids.json"
-ABORT_FILE = "ABORT"
 
 OnStart = Callable[[int, int, "int | None"], None]
 
@@ -88,23 +88,21 @@ def _cache_root(job: MeasureJob) -> Path:
     return cache_root()
 
 
-def _compile_cache(job: MeasureJob) -> Path:
-    path = Path(job.compile_cache or os.environ.get("AUTOLOOP_COMPILE_CACHE") or _cache_root(job) / "compile")
-    path.mkdir(parents=True, exist_ok=True)
-    return path
-
-
-def contract_env(job: MeasureJob, run_dir: Path) -> dict[str, Any]:
+def contract_env(job: MeasureJob, folder: RunFolder) -> dict[str, Any]:
     """The train-script contract's variables for this run (autoloop.harness.contract), plus
-    the job's extra environment."""
+    the job's extra environment. The outputs go to the run's `out/`, the compile caches to
+    its own `compile/` (set explicitly: a user's TORCHINDUCTOR_CACHE_DIR would be a cache
+    every trial writes and every later one reads)."""
     env: dict[str, Any] = {
         "AUTOLOOP_TIME_BUDGET": str(job.time_budget),
         "AUTOLOOP_SEED": str(job.seed),
-        "AUTOLOOP_RESULT": str(run_dir / "result.json"),
-        "AUTOLOOP_CHECKPOINT": str(run_dir / "checkpoint.pt"),
-        "AUTOLOOP_PROGRESS": str(run_dir / "progress.jsonl"),
+        "AUTOLOOP_RESULT": str(folder.result),
+        "AUTOLOOP_CHECKPOINT": str(folder.checkpoint),
+        "AUTOLOOP_PROGRESS": str(folder.progress),
         "AUTOLOOP_DATA_DIR": str(job.data_dir),
-        "AUTOLOOP_COMPILE_CACHE": str(_compile_cache(job)),
+        "AUTOLOOP_COMPILE_CACHE": str(folder.compile),
+        "TORCHINDUCTOR_CACHE_DIR": str(folder.compile / "inductor"),
+        "TRITON_CACHE_DIR": str(folder.compile / "triton"),
     }
     if job.max_steps:
         env["AUTOLOOP_MAX_STEPS"] = str(job.max_steps)
@@ -112,11 +110,15 @@ def contract_env(job: MeasureJob, run_dir: Path) -> dict[str, Any]:
     return env
 
 
+def _pycache_root(job: MeasureJob) -> Path:
+    """Where the trusted bytecode prefixes of this project live (autoloop.trust.bytecode)."""
+    return Path(job.pycache_root) if job.pycache_root else _cache_root(job)
+
+
 def _pycache_prefixes(job: MeasureJob) -> list[Path]:
     from autoloop.trust.bytecode import PYCACHE_KINDS, pycache_dir
 
-    root = Path(job.integrity_cache_root) if job.integrity_cache_root else _cache_root(job)
-    return [pycache_dir(kind, root) for kind in PYCACHE_KINDS]
+    return [pycache_dir(kind, _pycache_root(job)) for kind in PYCACHE_KINDS]
 
 
 def _harness_dir(job: MeasureJob) -> Path:
@@ -143,8 +145,7 @@ def write_sources(job: MeasureJob, source_dir: Path) -> Path:
 
         raise AutoloopError("the train command names no .py file, so the harness cannot rebuild the model: use a "
                             "command like 'python train.py', or run with --no-verify")
-    if source_dir.exists():
-        shutil.rmtree(source_dir)
+    RunFolder(source_dir.parent).fresh(source_dir)
     for relative, text in job.sources.items():
         target = source_dir / relative
         if not target.resolve().is_relative_to(source_dir.resolve()):
@@ -231,8 +232,7 @@ def _integrity_problem(job: MeasureJob, before, outcome: RunOutcome, feed: dict 
             if removed is not None:
                 # Only bytecode: removed and written again by the trusted warm-up, so the runs
                 # after this one are measured with the real harness and the run goes on.
-                root = Path(job.integrity_cache_root) if job.integrity_cache_root else _cache_root(job)
-                rewarm_bytecode(harness, job.integrity_python or job.python or sys.executable, root)
+                rewarm_bytecode(harness, job.integrity_python or job.python or sys.executable, _pycache_root(job))
                 repaired = [str(path) for path in removed]
             else:
                 pause = integrity.describe_pause(found, job.tag)
@@ -257,52 +257,107 @@ def _integrity_problem(job: MeasureJob, before, outcome: RunOutcome, feed: dict 
 def run_job(job: MeasureJob, *, project_dir: Path | str, run_dir: Path | str, on_start: OnStart | None = None,
             should_abort: Callable[[], bool] | None = None, runner: Callable[..., RunOutcome] | None = None) -> JobResult:
     """Run `job` with the project checked out at `project_dir` (training's working folder),
-    writing into `run_dir` (train.log, result.json, checkpoint.pt, progress.jsonl, source/,
-    eval/ or verify/).
+    in the run folder `run_dir` (autoloop.measure.run_folder: training writes only its out/).
 
     `on_start(pid, pgid, start_time)`: called at each process start, training's first,
-    then the evaluation's. `should_abort()`: polled while a process runs; once true the run
-    stops and the job ends "aborted". `runner`: the function that runs the training process
-    (default autoloop.measure.runner.run_training). Exceptions of the worker's own (a full disk, a
-    training command that cannot start, a broken dataset) propagate."""
+    then the evaluation's model process. `should_abort()`: polled while a process runs;
+    once true the run stops and the job ends "aborted". `runner`: the function that runs the
+    training process (default autoloop.measure.runner.run_training). Exceptions of the
+    worker's own (a full disk, a training command that cannot start, a broken dataset)
+    propagate; anything wrong with what the trial wrote is the trial's `invalid`."""
+    from autoloop.trust.redact import register_files
+
     project_dir, run_dir = Path(project_dir), Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    register_files(job.hidden)  # the project's secret files: their values never reach a log
     abort = _Abort(should_abort)
     if job.kind == "verify":
         return _verify_job(job, project_dir, run_dir, on_start, abort)
     return _train_job(job, project_dir, run_dir, on_start, abort, runner or run_training)
 
 
+class CheckpointWatch:
+    """When the run's checkpoint file appeared and last changed, seen from outside the trial
+    (the runner calls `poll` several times a second), and the training process's CPU time
+    meanwhile: the feed records both, and the budget's tail rule (autoloop.trust.budget)
+    judges training after the last tick by them. Looks at the file with lstat only, never
+    through a link."""
+
+    def __init__(self, folder: RunFolder, feed):
+        self.paths = (folder.checkpoint, folder.checkpoint.with_name(folder.checkpoint.name + ".tmp"))
+        self.feed = feed
+        self.seen: dict[Path, tuple] = {}
+
+    def poll(self) -> None:
+        self.feed.sample_cpu()
+        for path in self.paths:
+            try:
+                info = path.lstat()
+            except OSError:
+                continue
+            key = (info.st_ino, info.st_size, info.st_mtime_ns)
+            if self.seen.get(path) != key:
+                self.seen[path] = key
+                self.feed.mark_checkpoint(info.st_size)
+
+
+def _copy_regular_files(source: Path, dest: Path) -> None:
+    """Copy a trusted cache's folders and regular files (never a link) into `dest`."""
+    for folder, dirs, files in os.walk(source, followlinks=False):
+        rel = Path(folder).relative_to(source)
+        (dest / rel).mkdir(parents=True, exist_ok=True)
+        for name in files:
+            path = Path(folder) / name
+            if path.is_file() and not path.is_symlink():
+                shutil.copy2(path, dest / rel / name)
+
+
 def _train_job(job: MeasureJob, project_dir: Path, run_dir: Path, on_start: OnStart | None, abort: _Abort,
                runner: Callable[..., RunOutcome]) -> JobResult:
     from autoloop.measure.sandbox import SandboxPaths
+    from autoloop.measure.probe import around_training
 
-    log_path = run_dir / "train.log"
+    folder = RunFolder(run_dir)
+    folder.prepare_training()
     data_dir = Path(job.data_dir)
-    env = contract_env(job, run_dir)
+    env = contract_env(job, folder)
     python = job.python or sys.executable
-    cache_root = _cache_root(job)
     feed = None
     readonly = [project_dir]
     sandbox = None
+    watch = None
+    if job.compile_seed and Path(job.compile_seed).is_dir():
+        # The run's trusted compile cache (filled by the baseline, the user's own code):
+        # copied in, so this run starts warm and whatever it writes dies with its folder.
+        _copy_regular_files(Path(job.compile_seed), folder.compile)
     if job.harness_mode:
-        from autoloop.trust.bytecode import pycache_dir, pycache_env, warm_pycache
         from autoloop.harness.data import make_meta_only_view
         from autoloop.harness.feed import FeedServer
         from autoloop.measure.sandbox import detect
+        from autoloop.trust.bytecode import pycache_dir, pycache_env, warm_pycache
 
         sandbox = detect(job.sandbox)
-        feed = FeedServer(data_dir, run_dir / "feed.sock", seed=job.seed)
+        feed = FeedServer(data_dir, folder.feed / "feed.sock", seed=job.seed)
+        watch = CheckpointWatch(folder, feed)
         env["AUTOLOOP_FEED"] = None
+        readonly.append(folder.feed)
         if job.external_eval:
-            view = make_meta_only_view(data_dir, run_dir / "data")
+            view = make_meta_only_view(data_dir, folder.fresh(folder.data))
             env.update({"AUTOLOOP_DATA_DIR": str(view), "AUTOLOOP_EVAL": "external"})
-        # Training reads bytecode from its own prefix, filled by a trusted process (before
-        # the snapshot: the warm-up is what an honest run finds, not a change).
-        env.update(pycache_env("train", cache_root))
-        warm_pycache("train", python, cache_root)
-        readonly.append(pycache_dir("train", cache_root))
+            readonly.append(view)
+        else:
+            readonly.append(data_dir)  # --no-verify: training reads its data itself, wherever it lies
+        # Training reads bytecode from a prefix only a trusted warm-up writes (before the
+        # snapshot: the warm-up is what an honest run finds, not a change).
+        env.update(pycache_env("train", _pycache_root(job)))
+        warm_pycache("train", python, _pycache_root(job))
+        readonly.append(pycache_dir("train", _pycache_root(job)))
+    else:
+        readonly.append(data_dir)
     before = _snapshot(job) if job.harness_mode else None
+    from autoloop.measure.stop_watch import StopWatch
+
+    stop = StopWatch.from_job(job, folder.progress)  # a clear loser's run ends early (loop.stops)
 
     def started(pid: int, pgid: int, start_time: int | None) -> None:
         if feed is not None:
@@ -311,40 +366,52 @@ def _train_job(job: MeasureJob, project_dir: Path, run_dir: Path, on_start: OnSt
             on_start(pid, pgid, start_time)
 
     sandbox_paths = SandboxPaths(
-        writable=(run_dir, Path(env["AUTOLOOP_COMPILE_CACHE"])), readonly=tuple(readonly),
+        writable=(folder.out, folder.compile), readonly=tuple(readonly),
         # The data splits stay out of reach: batches come from the feed only.
         hidden=tuple(Path(p) for p in job.hidden) + ((data_dir,) if job.external_eval else ()),
     )
+    speed = around_training(step_mode=job.max_steps is not None)  # the machine's speed (autoloop.decide.confound)
     try:
         if feed is not None:
             feed.start()
             env["AUTOLOOP_FEED"] = str(feed.address)
         outcome = runner(
-            job.train_argv, cwd=project_dir, env=env, log_path=log_path,
-            deadline_seconds=job.time_budget + job.grace_seconds, on_start=started, should_abort=abort,
-            sandbox=sandbox, sandbox_paths=sandbox_paths,
+            job.train_argv, cwd=project_dir, env=env, log_path=folder.log,
+            deadline_seconds=job.time_budget + job.grace_seconds, on_start=started,
+            should_abort=stop.wrap(abort) if stop is not None else abort,
+            sandbox=sandbox, sandbox_paths=sandbox_paths, **({"on_poll": watch.poll} if watch is not None else {}),
         )
     finally:
         if feed is not None:
+            if watch is not None:
+                watch.poll()
             feed.mark_exit()
             feed.close()
     summary = feed.summary() if feed is not None else None
     out = JobResult(outcome.status, outcome.reason, outcome.metric,
                     outcome.metric_source if outcome.metric is not None else None,
                     fields=_fields(outcome), result=outcome.result, device=device_name(outcome.result, env))
+    out.fields["machine_speed"] = speed.end()
 
     def ended(status: str, reason: str | None) -> JobResult:
         out.status, out.reason = status, reason
         if status != "ok":
             out.metric = out.metric_source = out.heldout = None
+        if status == "ok" and job.compile_seed and job.role == "baseline" and not Path(job.compile_seed).exists():
+            _copy_regular_files(folder.compile, Path(job.compile_seed))  # the user's own code filled it
+        shutil.rmtree(folder.compile, ignore_errors=True)  # nothing a trial wrote outlives its run
         return out
 
-    if outcome.status == "aborted":
+    stopped = stop is not None and stop.stopped and outcome.status == "aborted" and not abort()
+    if outcome.status == "aborted" and not stopped:
         return ended("aborted", "interrupted by the user")
     if job.harness_mode:
         problem, out.pause, out.repaired = _integrity_problem(job, before, outcome, summary)
         if problem:
             return ended("invalid", problem)
+    if stopped:
+        out.fields["stopped_at"] = stop.reached
+        return ended("stopped", stop.why)
     refused = (summary or {}).get("refused")
     if refused:
         first = refused[0]
@@ -362,11 +429,11 @@ def _train_job(job: MeasureJob, project_dir: Path, run_dir: Path, on_start: OnSt
         if problem:
             return ended("invalid", problem)
     if job.external_eval and outcome.metric_source != MetricSource.REPORTED.value:
-        if not (run_dir / "checkpoint.pt").exists():
+        if not folder.has_checkpoint():
             return ended("invalid", (
                 "wrote a result JSON but no checkpoint, so the harness cannot evaluate it: save the trained model "
                 "to $AUTOLOOP_CHECKPOINT with autoloop.harness.save_checkpoint"))
-        evaluated = _evaluate(job, project_dir, run_dir, outcome.result or {}, verify=job.verify,
+        evaluated = _evaluate(job, project_dir, folder, outcome.result or {}, verify=job.verify,
                               on_start=on_start, abort=abort)
         out.fields["eval_seconds"] = evaluated.seconds
         if not evaluated.ok:
@@ -379,37 +446,45 @@ def _train_job(job: MeasureJob, project_dir: Path, run_dir: Path, on_start: OnSt
     return ended("ok", None)
 
 
-def _evaluate(job: MeasureJob, project_dir: Path, run_dir: Path, result: dict, *, verify: bool,
+def _evaluate(job: MeasureJob, project_dir: Path, folder: RunFolder, result: dict, *, verify: bool,
               on_start: OnStart | None, abort: _Abort, checkpoint: Path | None = None):
-    """val_bpb (and, with verify, held-out and causality) of the run's checkpoint, by the
-    harness in its own sandboxed process (autoloop.trust.evaluation.evaluate_checkpoint)."""
-    from autoloop.trust.evaluation import evaluate_checkpoint
+    """val_bpb (and, with verify, held-out) of the run's checkpoint, by the harness's scorer
+    in a process of its own, the model in another (autoloop.trust.evaluation)."""
     from autoloop.measure.sandbox import detect
+    from autoloop.trust.bytecode import pycache_env, warm_pycache
+    from autoloop.trust.evaluation import evaluate_checkpoint
 
-    source_dir = run_dir / "source"
-    script = write_sources(job, source_dir)
+    script = write_sources(job, folder.source)
     device = "cpu" if str(result.get("device", "cpu")).lower() == "cpu" else "cuda"
     splits = ["val", "heldout"] if verify else ["val"]
+    python = job.python or sys.executable
+    warm_pycache("eval", python, _pycache_root(job))
+    checkpoint = Path(checkpoint) if checkpoint is not None else folder.checkpoint
+    out_dir = folder.evaluation(verify)
+    if out_dir.exists():
+        RunFolder(folder.root).fresh(out_dir)
+        out_dir.rmdir()
     return evaluate_checkpoint(
-        python=job.python or sys.executable, repo_dir=project_dir, source_dir=source_dir,
-        checkpoint=checkpoint or run_dir / "checkpoint.pt", data_dir=Path(job.data_dir), device=device,
-        splits=splits, causality=verify, out_dir=run_dir / ("verify" if verify else "eval"),
-        sandbox=detect(job.sandbox), deadline_seconds=max(EVAL_DEADLINE_FLOOR_SECONDS, job.grace_seconds),
-        on_start=on_start, script=script.relative_to(source_dir).as_posix(), seed=job.seed,
-        db_path=Path(job.db_path) if job.db_path else None, should_abort=abort,
-        cache_root=_cache_root(job), env=dict(job.env or {}) or None,
+        python=python, project_dir=project_dir, source_dir=folder.source,
+        script=script.relative_to(folder.source).as_posix(),
+        checkpoint_base=checkpoint.parent.parent, checkpoint=f"{checkpoint.parent.name}/{checkpoint.name}",
+        data_dir=Path(job.data_dir), device=device, splits=splits, out_dir=out_dir, sandbox=detect(job.sandbox),
+        deadline_seconds=max(EVAL_DEADLINE_FLOOR_SECONDS, job.grace_seconds), on_start=on_start, should_abort=abort,
+        env=dict(job.env or {}) or None, hidden=[Path(p) for p in job.hidden],
+        pycache=pycache_env("eval", _pycache_root(job)), cache=_cache_root(job),
     )
 
 
 def _verify_job(job: MeasureJob, project_dir: Path, run_dir: Path, on_start: OnStart | None,
                 abort: _Abort) -> JobResult:
-    """Held-out and causality (and val again) for a run's existing checkpoint."""
-    checkpoint = Path(job.checkpoint) if job.checkpoint else run_dir / "checkpoint.pt"
+    """Held-out (and val again, with its causality probes) for a run's existing checkpoint."""
+    folder = RunFolder(run_dir)
+    checkpoint = Path(job.checkpoint) if job.checkpoint else folder.checkpoint
     result = job.result or {}
-    if not checkpoint.exists():
+    if not RunFolder(checkpoint.parent.parent).has_checkpoint():
         return JobResult("invalid", f"the checkpoint of its run at seed {job.seed} is gone, so it cannot be verified",
                          result=result)
-    evaluated = _evaluate(job, project_dir, run_dir, result, verify=True, on_start=on_start, abort=abort,
+    evaluated = _evaluate(job, project_dir, folder, result, verify=True, on_start=on_start, abort=abort,
                           checkpoint=checkpoint)
     fields = {"eval_seconds": evaluated.seconds}
     if not evaluated.ok:
@@ -421,21 +496,8 @@ def _verify_job(job: MeasureJob, project_dir: Path, run_dir: Path, on_start: OnS
 
 
 # ---------------------------------------------------------------------------------------
-# python -m autoloop.measure.worker JOB_JSON RESULT_JSON
+# python -m autoloop.measure.worker JOB_JSON --control-fd N
 # ---------------------------------------------------------------------------------------
-
-
-def write_atomically(path: Path, text: str) -> None:
-    """`text` into `path` through a temporary file and os.replace: a reader sees the whole
-    file or none, even when the writer is killed half-way."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
 
 
 def _terminate(signum, frame) -> None:
@@ -456,46 +518,69 @@ def _inherit_warm_pycache() -> None:
         keys = json.loads(os.environ.pop(WARMED_ENV, "") or "[]")
     except ValueError:
         return
-    for key in keys:
-        if isinstance(key, list) and len(key) == 4:
-            bytecode.mark_warmed(tuple(key))
+    bytecode.mark_warmed(tuple(key) for key in keys if isinstance(key, list) and len(key) == 4)
+
+
+class ControlChannel:
+    """The worker's side of its pipes to the slot (autoloop.measure.executors.local): process
+    starts and the result go out as JSON lines on the control descriptor; "abort" (or the
+    end of stdin: the slot is gone) comes in on stdin. Nothing travels through a file the
+    trial's training could write."""
+
+    def __init__(self, fd: int):
+        self.out = os.fdopen(fd, "w", buffering=1)
+        self.aborted = False
+
+    def send(self, **message) -> None:
+        self.out.write(json.dumps(message) + "\n")
+        self.out.flush()
+
+    def should_abort(self) -> bool:
+        import select
+
+        while not self.aborted:
+            ready, _, _ = select.select([sys.stdin], [], [], 0)
+            if not ready:
+                break
+            line = sys.stdin.readline()
+            if not line or line.strip() == "abort":
+                self.aborted = True
+        return self.aborted
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the job in JOB_JSON, write its JobResult to RESULT_JSON; exit 0 when written.
+    """Run the job in JOB_JSON and send its JobResult on the control descriptor; exit 0 when sent.
 
-    The job file names project_dir and run_dir. Writes run_dir/pids.json at each process
-    start; stops the run when run_dir/ABORT appears. A failure of the worker itself (an
-    exception: a full disk, a broken dataset) writes no result: the traceback goes to
+    The job file names project_dir and run_dir. Each process start is sent as
+    {"started": [pid, pgid, start_time]}, the result as {"result": {...}}. A line "abort"
+    on stdin, or stdin closing, stops the run. A failure of the worker itself (an
+    exception: a full disk, a broken dataset) sends no result: the traceback goes to
     stderr and the exit code is 1."""
-    args = list(sys.argv[1:] if argv is None else argv)
-    if len(args) != 2:
-        print("usage: python -m autoloop.measure.worker JOB_JSON RESULT_JSON", file=sys.stderr)
-        return 2
-    job_path, result_path = Path(args[0]), Path(args[1])
-    job = MeasureJob.from_json(job_path.read_text())
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m autoloop.measure.worker")
+    parser.add_argument("job", type=Path)
+    parser.add_argument("--control-fd", type=int, required=True)
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    job = MeasureJob.from_json(args.job.read_text())
     if not job.project_dir or not job.run_dir:
-        print(f"{job_path}: the job names no project_dir or run_dir", file=sys.stderr)
+        print(f"{args.job}: the job names no project_dir or run_dir", file=sys.stderr)
         return 2
-    run_dir = Path(job.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    channel = ControlChannel(args.control_fd)
     _inherit_warm_pycache()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _terminate)
 
     def on_start(pid: int, pgid: int, start_time: int | None) -> None:
-        write_atomically(run_dir / PIDS_FILE, json.dumps({"pid": pid, "pgid": pgid, "start_time": start_time}))
-
-    def should_abort() -> bool:
-        return (run_dir / ABORT_FILE).exists()
+        channel.send(started=[pid, pgid, start_time])
 
     try:
-        result = run_job(job, project_dir=job.project_dir, run_dir=run_dir, on_start=on_start,
-                         should_abort=should_abort)
+        result = run_job(job, project_dir=job.project_dir, run_dir=job.run_dir, on_start=on_start,
+                         should_abort=channel.should_abort)
     except Exception:
         traceback.print_exc()
         return 1
-    write_atomically(result_path, result.to_json())
+    channel.send(result=result.to_dict())
     return 0
 
 

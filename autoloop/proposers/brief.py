@@ -236,14 +236,24 @@ def versus_incumbent(trial: dict, digits: int = 4) -> str:
     return text
 
 
+def status_text(trial: dict) -> str:
+    """A trial's status for a proposer: a keep says its tier (adopted: the paired mean was
+    lower; confirmed: the sequential test says so too), an early stop says so."""
+    if trial["status"] == Status.KEEP.value and trial.get("tier") in ("adopted", "confirmed"):
+        return f"keep ({trial['tier']})"
+    if trial.get("stopped_at") is not None:
+        return f"discard (stopped early at {trial['stopped_at']:.0%}: clearly worse)"
+    return trial["status"]
+
+
 def _outcome(trial: dict) -> str:
     if trial["status"] in (Status.KEEP.value, Status.DISCARD.value):
         versus = versus_incumbent(trial)
         if versus:
             # An ablation took a kept change out of the best commit: it was never a proposal.
-            label = "ablation of the best" if trial.get("kind") == Kind.ABLATION.value else trial["status"]
+            label = "ablation of the best" if trial.get("kind") == Kind.ABLATION.value else status_text(trial)
             return f"{label} {versus}"
-    return trial["status"]
+    return status_text(trial)
 
 
 def theme_summary(trials: list[dict]) -> str:
@@ -293,7 +303,9 @@ RESULTS_LEGEND = (
     "incumbent is paired by seed. \"not distinguishable from the incumbent\" means the difference lies within "
     "the measured noise: it is no evidence that the change helps or hurts, so do not build on it or retry it "
     "with a tiny tweak. A \"near miss\" was discarded but may be slightly better than the incumbent: a bigger "
-    "step in the same direction can be worth a try."
+    "step in the same direction can be worth a try. A keep is \"adopted\" (the branch moved: its paired mean was "
+    "lower) or \"confirmed\" (the sequential test against the measured noise says so too): an adopted change may "
+    "still be noise."
 )
 
 
@@ -315,7 +327,7 @@ def trials_table(trials: list[dict]) -> str:
             # The curve's diagnosis says why a trial failed, not only that it did.
             reason = f"[{names(t['flags'])}] {reason}"
         rows.append(
-            f"| {t['number']} | {t['kind']} | {t['status']} | {metric} | {delta} | "
+            f"| {t['number']} | {t['kind']} | {status_text(t)} | {metric} | {delta} | "
             f"{_cut(t.get('description'), TEXT_CELL).replace('|', '/')} | {_cut(reason, TEXT_CELL).replace('|', '/')} |"
         )
     if noisy:
@@ -369,7 +381,8 @@ def state_line(ctx, trials: list[dict]) -> str:
     if baseline is not None:
         parts.append(f"Baseline val_bpb {_estimate(baseline)}.")
     if best is not None:
-        parts.append(f"Best val_bpb {_estimate(best)} (trial {best['number']}); the files below are that version.")
+        tier = f", {best['tier']}" if best.get("tier") in ("adopted", "confirmed") else ""
+        parts.append(f"Best val_bpb {_estimate(best)} (trial {best['number']}{tier}); the files below are that version.")
     noise = noise_sentence(ctx)
     if noise:
         parts.append(noise)
@@ -475,12 +488,16 @@ def render_context(ctx, *, idea: dict | None = None, read_file=None, files_headi
     ]
     text = "\n\n".join(sections) + "\n\n" + idea_section(idea) + extra
     heading = files_heading or "The editable files at the current best commit (your edits apply to these)"
-    return text + files_section(ctx, read_file, heading) + "\n"
+    from autoloop.trust.redact import redact
+
+    return redact(text + files_section(ctx, read_file, heading) + "\n")
 
 
 def repair_section(trial: dict) -> str:
     """The crashed trial, its traceback and what is asked: fix it, keep the idea."""
-    return (
+    from autoloop.trust.redact import redact
+
+    return redact(
         f"# Repair: trial {trial['number']} crashed\n"
         f"Trial {trial['number']} (\"{_cut(trial.get('description'), 200)}\") crashed: {_cut(trial.get('reason'), 300)}\n"
         "The end of its log:\n"

@@ -418,8 +418,13 @@ class SearchProposer:
         first = self._lr_range_move(ctx, text)
         if first is not None:
             return first
-        state, seen = self._replay(ctx, self._evidence(ctx))
+        trials = ctx.store.trials(ctx.run["id"])
+        state, seen = self._replay(ctx, [t for t in trials if t["status"] not in _NOT_EVIDENCE])
         seen.add(_digest(text))
+        # What another worker is training now is no move for this one: the same train.py
+        # twice at once (both re-based onto whichever was kept first) measures one change
+        # twice. The state skips it here only; replayed, it is that trial's own evidence.
+        seen.update(d for d in (self._trial_digest(ctx, t) for t in trials if t["status"] == Status.RUNNING.value) if d)
         move = state.next_move(params, parent, text, seen)
         if move is None:
             return None

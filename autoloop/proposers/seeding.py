@@ -17,6 +17,11 @@ trains:
   must be another constant of the file (`abc` is a typo for `'abc'`);
 * a patch file must be UTF-8 text (ideas are stored as text) of at most
   MAX_PATCH_BYTES.
+
+A text-only idea (no `--set`, no patch) is only ever read by a proposer that reads text:
+an LLM (`llm-model`) or a coding agent (`agent-command`). With neither configured (in
+pyproject.toml, the environment, or the latest run's own settings), it is queued but
+says at once that it waits (`text_only_wait`), and `autoloop ideas` says why it waits.
 """
 
 from __future__ import annotations
@@ -54,12 +59,27 @@ def parse_sets(pairs: list[str], source: str, path: str) -> dict[str, str]:
         if not sep or not name or not value:
             raise AutoloopError(f"--set {pair!r} is not NAME=VALUE: write it like --set MATRIX_LR=0.03")
         if name not in known:
-            raise AutoloopError(
-                f"--set {name}: {path} has no UPPER_CASE constant {name}: use one of {', '.join(sorted(known)) or 'none'}"
-            )
+            raise AutoloopError(f"--set {name}: {path} has no UPPER_CASE constant {name}: {_suggest(name, known)}")
         check_value(known[name], value, known, path)
         sets[name] = value
     return sets
+
+
+def _suggest(name: str, known: dict[str, Constant]) -> str:
+    """'did you mean MATRIX_LR?' for a near miss (case, underscores, a typo), else a few of
+    the constants and where to see them all."""
+    import difflib
+
+    squash = lambda text: text.replace("_", "").upper()  # noqa: E731
+    same = [k for k in known if squash(k) == squash(name)]
+    close = same or difflib.get_close_matches(name.upper(), list(known), n=3, cutoff=0.6)
+    if close:
+        return f"did you mean {' or '.join(close)}?"
+    if not known:
+        return "it has none"
+    shown = sorted(known)
+    listed = ", ".join(shown[:8]) + (f", ... ({len(shown)} in all)" if len(shown) > 8 else "")
+    return f"its constants are {listed}; `autoloop search-plan` lists them with their values"
 
 
 def check_value(constant: Constant, text: str, known: dict[str, Constant], path: str) -> None:
@@ -240,3 +260,51 @@ def seed_idea(config: Config, repo: Path, description: str, *, sets: list[str], 
         return store.add_idea(description, run_id=run_id, sets=sets_parsed, patch=patch_text, priority=priority, source="human")
     finally:
         store.close()
+
+
+# ---------------------------------------------------------------------------- text-only ideas
+
+TEXT_READERS = ("llm", "agent")
+HOW_TO_READ_TEXT = ("configure an LLM (--llm-model MODEL, or llm-model in [tool.autoloop]) or a coding agent "
+                    "(--agent-command 'claude -p'); docs/llm.md")
+
+
+def reads_text(config: Config) -> bool:
+    """Whether the proposer chain of `config` has a proposer that reads a text idea."""
+    from autoloop.proposers.base import resolve_names
+
+    return any(name in TEXT_READERS for name in resolve_names(config))
+
+
+def waiting_reason(config: Config, runs: list[dict]) -> str | None:
+    """Why a text-only idea is not taken, or None when a proposer would read it: neither
+    `config` (pyproject.toml and the environment) nor the latest run's own settings (flags
+    it was started with) has an LLM or an agent in its chain."""
+    import dataclasses
+
+    if reads_text(config):
+        return None
+    latest = (runs[-1].get("config") or {}) if runs else {}
+    if latest:
+        known = {f.name for f in dataclasses.fields(Config)}
+        try:
+            if reads_text(dataclasses.replace(config, **{k: v for k, v in latest.items() if k in known})):
+                return None
+        except (TypeError, ValueError):
+            pass
+    return f"text only, and no proposer that reads text is configured: {HOW_TO_READ_TEXT}"
+
+
+def text_only_wait(config: Config, repo: Path, idea: dict) -> str | None:
+    """The one line `autoloop seed` prints for a text-only idea nothing will read yet."""
+    from autoloop.store import Store
+
+    if idea.get("sets") or idea.get("patch"):
+        return None
+    db = _db_path(config, repo)
+    with Store(db) as store:
+        reason = waiting_reason(config, store.runs())
+    if reason is None:
+        return None
+    return (f"idea {idea['id']} is text only: it waits until a proposer that reads text is configured "
+            f"(the built-in search reads only --set and --patch ideas): {HOW_TO_READ_TEXT}")

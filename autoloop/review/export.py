@@ -15,8 +15,10 @@ description - with autoresearch's rules, which its notebook relies on:
   is `discard` (the row stays, so the line count is the number of finished trials and
   the time spent on re-runs shows; filter on `kind` for the keep rate of changes only);
 * a trial still `running` has no outcome yet and is left out;
-* the first row is the measured baseline (earlier baseline attempts that crashed or were
-  interrupted follow it), since the notebook takes row 0 as the baseline;
+* rows are in trial order, and the first row is the measured baseline, since the
+  notebook takes row 0 as the baseline (its summary divides by it): baseline attempts
+  that failed before it (crashed, invalid, interrupted) are left out of the TSV, which
+  says so on stderr (`autoloop export`); the CSV and JSON keep every trial;
 * a keep or discard without a memory figure (e.g. on a CPU) has memory_gb `0.0`.
 
 autoloop's precise figures follow in later columns: `autoloop_status` (keep, discard,
@@ -95,8 +97,9 @@ def _table_rows(store, run: dict, flatten: bool) -> list[list]:
     return rows
 
 
-def export_text(store, run: dict, fmt: str) -> str:
-    """The run's trials as TSV, CSV or JSON text (see the module docstring)."""
+def export_text(store, run: dict, fmt: str, left_out: list[int] | None = None) -> str:
+    """The run's trials as TSV, CSV or JSON text (see the module docstring); `left_out`
+    collects the trials the TSV leaves out (baseline attempts before the measured one)."""
     fmt = fmt.lower()
     if fmt not in FORMATS:
         raise AutoloopError(f"unknown export format '{fmt}': use one of {', '.join(FORMATS)}")
@@ -121,7 +124,7 @@ def export_text(store, run: dict, fmt: str) -> str:
     if fmt == "tsv":
         writer = csv.writer(buffer, delimiter="\t", lineterminator="\n")
         writer.writerow(TSV_COLUMNS)
-        writer.writerows(_tsv_rows(_table_rows(store, run, flatten=True)))
+        writer.writerows(_tsv_rows(_table_rows(store, run, flatten=True), left_out))
     else:
         writer = csv.writer(buffer, delimiter=",", lineterminator="\n")
         writer.writerow(TABLE_COLUMNS)
@@ -139,12 +142,19 @@ def autoresearch_status(status: str, kind: str, metric: float | None) -> str | N
     return Status.CRASH.value
 
 
-def _tsv_rows(table: list[list]) -> list[list]:
-    """TABLE_COLUMNS rows -> TSV_COLUMNS rows in autoresearch's terms, measured baseline first."""
+def _tsv_rows(table: list[list], left_out: list[int] | None = None) -> list[list]:
+    """TABLE_COLUMNS rows -> TSV_COLUMNS rows in autoresearch's terms, in trial order from
+    the measured baseline on (the numbers of the failed baseline attempts before it go
+    into `left_out`)."""
     at = {name: i for i, name in enumerate(TABLE_COLUMNS)}
     rest = [at[name] for name in TSV_COLUMNS[8:]]
-    rows, baseline = [], None
-    for row in table:
+    first = next((i for i, row in enumerate(table) if row[at["kind"]] == Kind.BASELINE.value
+                  and autoresearch_status(row[at["status"]], row[at["kind"]], row[at["val_bpb"]]) == Status.KEEP.value),
+                 0)
+    if left_out is not None:
+        left_out.extend(row[at["trial"]] for row in table[:first] if row[at["status"]] != Status.RUNNING.value)
+    rows = []
+    for row in table[first:]:
         status, kind, metric, memory_gb = row[at["status"]], row[at["kind"]], row[at["val_bpb"]], row[at["memory_gb"]]
         mapped = autoresearch_status(status, kind, metric)
         if mapped is None:
@@ -153,18 +163,14 @@ def _tsv_rows(table: list[list]) -> list[list]:
             val_bpb, memory = "0.000000", "0.0"
         else:
             val_bpb, memory = f"{metric:.6f}", f"{memory_gb if memory_gb is not None else 0.0:.1f}"
-        if baseline is None and kind == Kind.BASELINE.value and mapped == Status.KEEP.value:
-            baseline = len(rows)
         rows.append([row[at["commit"]] or "", val_bpb, memory, mapped, row[at["description"]], status, kind, metric,
                      *(row[i] for i in rest)])
-    if baseline:  # earlier baseline attempts (crashed, interrupted) follow the measured one
-        rows.insert(0, rows.pop(baseline))
     return rows
 
 
-def write_export(store, run: dict, fmt: str, out: Path | None) -> str:
+def write_export(store, run: dict, fmt: str, out: Path | None, left_out: list[int] | None = None) -> str:
     """Export to `out` (written whole, then renamed into place) and return the text."""
-    text = export_text(store, run, fmt)
+    text = export_text(store, run, fmt, left_out)
     if out is not None:
         out = Path(out)
         if out.is_dir():

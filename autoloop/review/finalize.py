@@ -26,6 +26,10 @@ checked out here, so finalizing works while the run is still going. Instead:
   which is exactly the tree that ablation measured when one change is dropped. With
   `--per-trial` each kept commit's tree has the dropped changes before it reverted. The
   best trial's checkpoint was trained with the dropped changes, so it is not copied.
+* `confirmed_only` leaves out, the same way, every kept change that was only *adopted*
+  (the branch moved on its paired mean; the sequential test did not confirm it:
+  `trials.tier`), so the branch holds only changes whose gain is confirmed. A run that
+  confirmed none has nothing to finalize this way.
 """
 
 from __future__ import annotations
@@ -71,18 +75,25 @@ def _fmt(value: float | None, spec: str = ".6f") -> str:
     return "-" if value is None else f"{value:{spec}}"
 
 
-def squash_message(run: dict, kept: list[dict], base: dict | None, best: dict, dropped: list[dict] = ()) -> str:
+def squash_message(run: dict, kept: list[dict], base: dict | None, best: dict, dropped: list[dict] = (),
+                   headline: dict | None = None) -> str:
     lines = []
     head = f"autoloop {run['tag']}: {len(kept)} kept change{'s' if len(kept) != 1 else ''}"
     if base is not None and not dropped:
         gain = (base["metric"] - best["metric"]) / base["metric"] if base["metric"] else 0.0
         head += f", val_bpb {_fmt(base['metric'])} -> {_fmt(best['metric'])} ({gain * 100:.2f}% better)"
     lines += [head, ""]
+    if headline is not None and not dropped:
+        from autoloop.loop.reserve import describe
+
+        lines += [f"Re-measured: {describe(headline)}.", ""]
     for t in kept:
         lines.append(f"- trial {t['number']}: {t.get('description') or '(no description)'} "
                      f"(val_bpb {_fmt(t['metric'])}, {_fmt(t.get('delta'), '+.6f')})")
     if dropped:
-        lines += ["", "Left out (their ablation found no benefit in the best commit):"]
+        why = ("not confirmed, or no benefit in the ablation" if any(t.get("unconfirmed") for t in dropped)
+               else "their ablation found no benefit in the best commit")
+        lines += ["", f"Left out ({why}):"]
         for t in dropped:
             lines.append(f"- trial {t['number']}: {t.get('description') or '(no description)'} ({t['ablation_note']})")
     lines += ["", f"Autoloop-Run: {run['tag']}", f"Autoloop-Base: {run['base_commit']}",
@@ -119,6 +130,17 @@ def changes_to_drop(store, run: dict, git: GitRepo, best_sha: str, kept: list[di
     return dropped
 
 
+def unconfirmed_changes(kept: list[dict], already: list[dict]) -> list[dict]:
+    """--confirmed-only: the kept changes that were only adopted (not in `already`), each
+    with its note; refused when no kept change was confirmed."""
+    if not any(t.get("tier") == "confirmed" for t in kept if t["number"] not in {d["number"] for d in already}):
+        raise AutoloopError("the run confirmed none of its kept changes (each was adopted on its paired mean, none "
+                            "passed the sequential test): finalize without --confirmed-only")
+    numbers = {t["number"] for t in already}
+    return [{**t, "unconfirmed": True, "ablation_note": "adopted on its paired mean, not confirmed"}
+            for t in kept if t.get("tier") != "confirmed" and t["number"] not in numbers]
+
+
 def trial_message(run: dict, trial: dict) -> str:
     return (f"{trial.get('description') or '(no description)'}\n\n"
             f"autoloop {run['tag']} trial {trial['number']}: val_bpb {_fmt(trial['metric'])} "
@@ -135,7 +157,8 @@ def run_lock_held(repo_root: Path, tag: str) -> bool:
 
 
 def finalize(store, run: dict, project_dir: Path, *, branch: str | None = None, per_trial: bool = False,
-             force: bool = False, checkout: bool = False, drop_null: bool = False) -> Finalized:
+             force: bool = False, checkout: bool = False, drop_null: bool = False,
+             confirmed_only: bool = False) -> Finalized:
     require_trials(store, run)
     git = GitRepo.open(project_dir)
     tag = run["tag"]
@@ -176,10 +199,17 @@ def finalize(store, run: dict, project_dir: Path, *, branch: str | None = None, 
         raise AutoloopError(f"run '{tag}' kept no change over its baseline: there is nothing to finalize")
 
     dropped = changes_to_drop(store, run, git, best_sha, kept) if drop_null else []
+    if confirmed_only:
+        dropped = sorted(dropped + unconfirmed_changes(kept, dropped), key=lambda t: t["number"])
     expected_tree = git.tree_of(best_sha)
     if dropped:
         left = {t["number"] for t in dropped}
         kept = [t for t in kept if t["number"] not in left]
+        if not kept:  # the branch would be the base again: an empty commit says nothing
+            numbers = ", ".join(str(n) for n in sorted(left))
+            raise AutoloopError(f"the ablation found no benefit from any kept change of run '{tag}' (trial {numbers}): "
+                                "with --drop-null nothing is left to finalize; finalize without --drop-null to keep "
+                                "them anyway")
         expected_tree = _without(git, best_sha, dropped, "the best commit")
 
     commits: list[str] = []
@@ -192,13 +222,17 @@ def finalize(store, run: dict, project_dir: Path, *, branch: str | None = None, 
                 git.tree_of(t['trial_commit'])
             steps.append((tree, trial_message(run, t)))
     else:
-        steps = [(expected_tree, squash_message(run, kept, baseline_trial(store, run), best, dropped))]
+        from autoloop.loop.reserve import headline_of
+
+        steps = [(expected_tree, squash_message(run, kept, baseline_trial(store, run), best, dropped,
+                                                headline_of(store, run)))]
     for tree, message in steps:
         parent = git.commit_tree(tree, parent, message)
         commits.append(parent)
     if per_trial and dropped and git.tree_of(parent) != expected_tree:
         # A dropped change after the last kept one: one more commit leaves it out.
-        message = (f"Leave out trial {', '.join(str(t['number']) for t in dropped)} (ablation: no benefit)\n\n"
+        why = "not confirmed, or ablation: no benefit" if any(t.get("unconfirmed") for t in dropped) else "ablation: no benefit"
+        message = (f"Leave out trial {', '.join(str(t['number']) for t in dropped)} ({why})\n\n"
                    + "".join(f"- trial {t['number']}: {t.get('description')} ({t['ablation_note']})\n" for t in dropped))
         parent = git.commit_tree(expected_tree, parent, message)
         commits.append(parent)
@@ -227,7 +261,7 @@ def _without(git: GitRepo, commit: str, dropped: list[dict], what: str) -> str:
         tree, _files = reverse_applied(git, commit, [change_diff(git, t) for t in sorted(dropped, key=lambda t: -t["number"])])
     except NotRevertible as exc:
         raise AutoloopError(f"trial {', '.join(str(t['number']) for t in dropped)} cannot be left out of {what}: {exc}; "
-                            "finalize without --drop-null") from None
+                            "finalize without --drop-null or --confirmed-only") from None
     return tree
 
 

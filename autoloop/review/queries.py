@@ -9,8 +9,12 @@ trial still `running` is shown as such rather than skipped.
 
 Definitions shared by `autoloop log`, `best`, `report` and `export`:
 
-* **delta**: the trial's metric minus the best metric before it (`best_before`), as the
-  controller stored it; negative is better.
+* **delta**: the candidate minus the incumbent, paired by seed: the decision's mean
+  difference (`decision.mean_diff`), the number its reason gives, as the controller
+  stored it; negative is better. A trial without a paired decision (the strict rule's
+  one run, a database from before noise-aware decisions, a crash): its metric minus the
+  best metric before it (`best_before`). A kept trial's mean minus the baseline's is
+  shown as "vs baseline" where it is shown at all.
 * **kept changes**: trials with status `keep` whose kind changes the code (proposal,
   repair, ablation). The baseline is stored as `keep` (it is the first best) but is not
   a change; re-runs and drift checks never change the code.
@@ -19,10 +23,20 @@ Definitions shared by `autoloop log`, `best`, `report` and `export`:
   Ablation trials (`autoloop ablate`) measure kept changes; they are never proposals.
 * **val_bpb of several runs**: a trial measured at several seeds shows the mean of its
   runs ± its standard error and the number of runs (`autoloop.decide.effects`).
-* **crashed**: `crash` + `timeout`. **GPU hours**: the summed wall time of every
-  training process (crashed ones included: they used the GPU too).
+* **discarded**: discarded proposals and repairs, the grey points of the report's chart;
+  re-measurements of the incumbent (drift checks, re-runs) and ablations are counted
+  apart (`remeasured`, `ablations`), never as discarded ideas.
+* **crashed**: `crash` + `timeout`. **GPU hours** (**CPU hours** on a run without a GPU):
+  the summed wall time of every training process (crashed ones included: they used the
+  machine too).
 * **the best trial**: the kept trial whose commit is the run's best commit (the commit
   the branch stands on), else the kept trial with the lowest metric.
+* **tier** of a kept trial: `adopted` (the branch moved on the paired mean) or
+  `confirmed` (the sequential test against the run's noise said so too); the baseline's
+  is `baseline`. **stopped_at**: the progress at which a clear loser was stopped early.
+* **the headline** (`best`, `report`, `status`): the best's val_bpb and gain re-measured at
+  fresh seeds no decision used (autoloop.loop.reserve.headline_of), when it has been;
+  otherwise the selection mean, marked as such (`"reserve": None`).
 """
 
 from __future__ import annotations
@@ -34,12 +48,13 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Iterable
 
+from autoloop.measure.run_folder import RunFolder
 from autoloop.decide.effects import ablation_effect, decision_of, trial_effect
 from autoloop.errors import AutoloopError
 from autoloop.store import Kind, Status
 
 LOG_FIELDS = ("number", "kind", "status", "reason", "metric", "metric_source", "delta", "best_before",
-              "description", "proposer", "minutes", "trial_commit", "heldout_metric", "flags")
+              "description", "proposer", "minutes", "trial_commit", "heldout_metric", "flags", "tier", "stopped_at")
 # Also in `log --json`, for scripts and agents.
 LOG_JSON_EXTRA = ("lineage", "worker", "idea_id", "parent_commit", "started_at", "finished_at")
 # The uncertainty of a trial's metric (autoloop.decide.effects); None for trials of one run
@@ -86,6 +101,11 @@ def trial_minutes(trial: dict) -> float | None:
 
 
 def trial_delta(trial: dict) -> float | None:
+    """The delta `log`, `show` and the report give a trial (module docstring): the
+    paired difference of its decision, else as stored."""
+    paired = decision_of(trial).get("mean_diff")
+    if isinstance(paired, (int, float)) and not isinstance(paired, bool) and trial.get("kind") != Kind.ABLATION.value:
+        return float(paired)
     if trial.get("delta") is not None:
         return trial["delta"]
     if trial.get("metric") is not None and trial.get("best_before") is not None:
@@ -159,20 +179,19 @@ def trial_file(trial: dict, run: dict, repo: Path | None, column: str, name: str
 
 
 def tail_lines(path: Path, count: int = LOG_TAIL_LINES, max_bytes: int = 65536) -> list[str]:
-    """The last `count` lines of a text file, reading at most `max_bytes` from its end.
-    The trial's folder is writable by its code: a link or a FIFO there reads as nothing
-    (autoloop.serve.files.read_tail)."""
-    from autoloop.serve.files import read_tail
+    """The last `count` lines of a text file, reading at most `max_bytes` from its end. A
+    run folder is a place a trial could write: a link or a FIFO there reads as nothing
+    (autoloop.trust.untrusted.tail_text)."""
+    from autoloop.trust.untrusted import tail_text
 
-    text = read_tail(path, max_bytes)
+    text = tail_text(path, max_bytes)
     return text.splitlines()[-count:] if text and count > 0 else []
 
 
-def last_progress(path: Path) -> dict | None:
-    """The last complete progress record of a progress file (cheap: reads only the tail).
-    The trial's code writes that file: it is read without following links, only if it is
-    a regular file, and only its known numeric fields are kept (autoloop.serve.files)."""
-    from autoloop.serve.files import last_progress as read_last
+def last_progress(path: Path | None) -> dict | None:
+    """The last complete progress record of a progress file (cheap: reads only the tail),
+    its known numeric fields only (autoloop.trust.untrusted)."""
+    from autoloop.trust.untrusted import last_progress as read_last
 
     return read_last(path)
 
@@ -211,11 +230,15 @@ def trial_detail(store, run: dict, number: int, repo: Path | None = None, *, log
         rows = select(store, "SELECT number FROM trials WHERE id = ?", (trial["derived_from"],))
         detail["ablated_trial"] = rows[0]["number"] if rows else None
     detail["archive_ref"] = archive_ref(run, trial)
-    log = trial_file(trial, run, repo, "log_path", "train.log")
+    # The log of the trial's own last run: trials.log_path names the last run it waited on,
+    # which may be the incumbent's re-measurement for it (another trial's code and log).
+    own = [m for m in detail["measurements"] if m.get("trial_id") == trial["id"] and m.get("log_path")]
+    log = Path(own[-1]["log_path"]) if own and Path(own[-1]["log_path"]).exists() else \
+        trial_file(trial, run, repo, "log_path", "train.log")
     detail["log_file"] = str(log) if log else None
     detail["log_tail"] = tail_lines(log, log_lines) if log else None
     if trial["status"] == Status.RUNNING.value and log is not None:
-        detail["progress"] = last_progress(log.with_name("progress.jsonl"))
+        detail["progress"] = last_progress(RunFolder(log.parent).progress)
     return detail
 
 
@@ -300,16 +323,22 @@ def best_trial(store, run: dict) -> dict | None:
 def headline(store, run: dict) -> dict:
     """The run's numbers (see the module docstring for the definitions)."""
     counts = {s.value: 0 for s in Status}
-    kept = decided = 0
+    kept = decided = discarded = remeasured = ablations = 0
     total = 0
     for row in select(store, "SELECT status, kind, COUNT(*) AS n FROM trials WHERE run_id = ? GROUP BY status, kind",
                       (run["id"],)):
         counts[row["status"]] += row["n"]
         total += row["n"]
-        if row["kind"] in CHANGE_KINDS and row["status"] == Status.KEEP.value:
+        if row["kind"] in CHANGE_KINDS and row["status"] == Status.KEEP.value and row["kind"] != Kind.ABLATION.value:
             kept += row["n"]
         if row["kind"] in PROPOSAL_KINDS and row["status"] in DECIDED:
             decided += row["n"]
+        if row["kind"] == Kind.ABLATION.value:
+            ablations += row["n"]
+        elif row["kind"] in (Kind.DRIFT.value, Kind.RERUN.value) and row["status"] in (Status.KEEP.value, Status.DISCARD.value):
+            remeasured += row["n"]
+        elif row["status"] == Status.DISCARD.value:
+            discarded += row["n"]
     seconds = select(store, "SELECT COALESCE(SUM(wall_seconds), 0) AS s FROM trials WHERE run_id = ?", (run["id"],))[0]["s"]
     base, best = baseline_trial(store, run), best_trial(store, run)
     base_metric = base["metric"] if base else None
@@ -317,17 +346,32 @@ def headline(store, run: dict) -> dict:
     gain = None
     if base_metric and best_metric is not None:
         gain = (base_metric - best_metric) / base_metric
+    from autoloop.loop.reserve import headline_of
+
+    confirmed = select(store, "SELECT COUNT(*) AS n FROM trials WHERE run_id = ? AND status = ? AND tier = ?",
+                       (run["id"], Status.KEEP.value, "confirmed"))[0]["n"]
+    stopped = select(store, "SELECT COUNT(*) AS n FROM trials WHERE run_id = ? AND stopped_at IS NOT NULL",
+                     (run["id"],))[0]["n"]
     return {
-        "run": run["tag"], "run_status": run["status"], "trials": total, "kept": kept,
-        "discarded": counts[Status.DISCARD.value], "crashed": counts[Status.CRASH.value] + counts[Status.TIMEOUT.value],
+        "run": run["tag"], "run_status": run["status"], "trials": total, "kept": kept, "confirmed": confirmed,
+        "stopped_early": stopped, "reserve": headline_of(store, run),
+        "discarded": discarded, "remeasured": remeasured, "ablations": ablations,
+        "crashed": counts[Status.CRASH.value] + counts[Status.TIMEOUT.value],
         "timeouts": counts[Status.TIMEOUT.value], "invalid": counts[Status.INVALID.value],
         "interrupted": counts[Status.INTERRUPTED.value], "running": counts[Status.RUNNING.value],
         "decided": decided, "keep_rate": kept / decided if decided else None, "gpu_hours": seconds / 3600,
+        "compute": "GPU" if on_gpu(run) else "CPU",
         "baseline_metric": base_metric, "baseline_trial": base["number"] if base else None,
         "best_metric": best_metric, "best_trial": best["number"] if best else None,
         "best_commit": best["trial_commit"] if best else run.get("best_commit"),
         "relative_gain": gain, "statuses": counts,
     }
+
+
+def on_gpu(run: dict) -> bool:
+    """Whether the run trained on a GPU (its recorded device is not the CPU)."""
+    gpu = (run.get("gpu") or "").strip().lower()
+    return bool(gpu) and gpu not in ("cpu", "none", "-")
 
 
 def best_summary(store, run: dict) -> dict:
@@ -343,6 +387,7 @@ def best_summary(store, run: dict) -> dict:
     return {
         "run": run["tag"], "branch": run.get("branch"), "best_trial": best["number"], "best_commit": best["trial_commit"],
         "description": best.get("description"), "metric": best["metric"], "metric_source": best.get("metric_source"),
+        "tier": best.get("tier"), "reserve": info["reserve"], "confirmed": info["confirmed"],
         "metric_sd": best.get("metric_sd"), "n_runs": best.get("n_runs"),
         "heldout_metric": best.get("heldout_metric"),
         "baseline_trial": base["number"] if base else None, "baseline_metric": base["metric"] if base else None,
@@ -356,14 +401,32 @@ def kept_trials(store, run: dict) -> list[dict]:
     """Every trial with status keep (the baseline first), in trial order."""
     return select(store, "SELECT id, number, kind, description, proposer, metric, metric_sd, n_runs, metric_source, "
                          "heldout_metric, best_before, delta, trial_commit, parent_commit, diff, checkpoint_path, "
-                         "finished_at FROM trials WHERE run_id = ? AND status = ? ORDER BY number",
+                         "finished_at, tier FROM trials WHERE run_id = ? AND status = ? ORDER BY number",
                   (run["id"], Status.KEEP.value))
 
 
 def progress_points(store, run: dict) -> list[dict]:
-    """(number, kind, status, metric, metric_sd, n_runs) of every trial, for the progress chart."""
-    return select(store, "SELECT number, kind, status, metric, metric_sd, n_runs FROM trials WHERE run_id = ? "
-                         "ORDER BY number", (run["id"],))
+    """(number, kind, status, metric, metric_sd, n_runs, description, reason) of every
+    trial, for the progress chart (texts cut to 200 characters: they are its tooltips)."""
+    return select(store, "SELECT number, kind, status, metric, metric_sd, n_runs, substr(description, 1, 200) AS "
+                         "description, substr(reason, 1, 200) AS reason FROM trials WHERE run_id = ? ORDER BY number",
+                  (run["id"],))
+
+
+def discarded_trials(store, run: dict, limit: int) -> tuple[list[dict], int]:
+    """The discarded proposals and repairs (the chart's grey points), in trial order, with
+    what each tried (description, edits, diff) and why it was discarded (reason, the
+    decision's figures): (the first `limit`, how many there are)."""
+    where = ("run_id = ? AND status = ? AND kind NOT IN (?, ?, ?)",
+             (run["id"], Status.DISCARD.value, Kind.DRIFT.value, Kind.RERUN.value, Kind.ABLATION.value))
+    total = select(store, f"SELECT COUNT(*) AS n FROM trials WHERE {where[0]}", where[1])[0]["n"]
+    rows = select(store, f"SELECT number, kind, description, proposer, reason, metric, metric_sd, n_runs, delta, "
+                         f"best_before, decision, edits, diff FROM trials WHERE {where[0]} ORDER BY number LIMIT ?",
+                  (*where[1], limit))
+    for row in rows:
+        row["delta"] = trial_delta(row)
+        row["effect"] = trial_effect(row)
+    return rows, total
 
 
 def latest_ablations(store, run: dict) -> list[dict]:
@@ -442,6 +505,10 @@ def run_status(store, run: dict, repo: Path) -> dict:
     from autoloop.decide.overfit import current_signal
 
     info["best_metric_source"] = best.get("metric_source") if best else None
+    info["best_tier"] = best.get("tier") if best else None
+    from autoloop.loop.reserve import headline_of
+
+    info["reserve"] = headline_of(store, run)
     info["best_metric_sd"] = best.get("metric_sd") if best else None
     info["best_n_runs"] = best.get("n_runs") if best else None
     info.update(noise_info(store, run))
@@ -466,7 +533,7 @@ def run_status(store, run: dict, repo: Path) -> dict:
 def _running_info(t: dict, budget) -> dict:
     progress = None
     if t.get("log_path"):
-        progress = last_progress(Path(t["log_path"]).with_name("progress.jsonl"))
+        progress = last_progress(RunFolder(Path(t["log_path"]).parent).progress)
     started = t.get("started_at") or t.get("created_at")
     elapsed = None
     if started:

@@ -1,16 +1,23 @@
 """`autoloop report`: one self-contained HTML page about a run, to read in the morning or
 to share.
 
-The page holds a headline (trials, kept, discarded, crashed, invalid, keep rate, GPU
-hours, baseline -> best and the relative gain; definitions in `autoloop.review.queries`), a
-progress chart (kept trials measured at several seeds with error bars of ±1.96 standard
-errors), the loss curves of the baseline and the best trial, the kept changes in order
-with their deltas (mean ± standard error where a trial has several runs), the latest
-ablation of the kept changes (`autoloop ablate`), the run's measured noise and drift
-events, the most common crash and invalid reasons, and the ideas with what became of
-them. Charts are drawn with matplotlib's Agg backend (no display needed),
-written as PNG files next to the page and embedded in it as base64 data URIs, so the
-HTML file alone is the whole report: it can be mailed or attached without its folder.
+The page holds a headline (trials, kept, discarded, crashed, invalid, keep rate, GPU or
+CPU hours, baseline -> best and the relative gain; definitions in
+`autoloop.review.queries`), a progress chart, the loss curves of the baseline and the
+best trial, the kept changes in order with their deltas (mean ± standard error where a
+trial has several runs), every discarded trial with what it tried and why it was
+discarded, the latest ablation of the kept changes (`autoloop ablate`), the run's
+measured noise, its drift checks and pairs at different machine speeds, the most common
+crash and invalid reasons, and the ideas with what became of them.
+
+The charts are inline SVG drawn in plain Python (autoloop.review.charts): the report
+works with the README's install, which has no plotting library, and the HTML file alone
+is the whole report (it can be mailed or attached without its folder).
+
+The headline's relative gain is the best's val_bpb against the baseline's as measured;
+it is shown as confirmed (green) only when the latest ablation of the best commit found
+every kept change helps. When the ablation found some or all of them indistinguishable
+from zero, the card says so rather than contradict the ablation table below it.
 
 It only reads the db, so it can be made while the run is still going; the page then
 says it is a snapshot and shows running trials as such. Every table is bounded
@@ -20,59 +27,35 @@ says it is a snapshot and shows running trials as such. Every table is bounded
 
 from __future__ import annotations
 
-import base64
 import html
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from autoloop.errors import AutoloopError
 from autoloop.decide.effects import ablation_verdict, format_estimate, format_interval
+from autoloop.review.charts import COLOURS, Z95, curves_svg, point_groups, progress_svg  # noqa: F401 (re-exported)
 from autoloop.review.queries import (
-    CRASHED, baseline_trial, best_trial, common_reasons, headline, idea_outcomes, kept_trials, latest_ablations,
-    noise_info, progress_points, require_trials, select,
+    CRASHED, baseline_trial, best_trial, common_reasons, discarded_trials, headline, idea_outcomes, kept_trials,
+    latest_ablations, noise_info, progress_points, require_trials, select, trial_delta,
 )
 from autoloop.review.text import describe_noise
 from autoloop.store import Kind, Status, utcnow
 
 MAX_TABLE_ROWS = 200
-MAX_ANNOTATIONS = 12
-PROGRESS_PNG = "progress.png"
-CURVES_PNG = "loss_curves.png"
 REPORT_HTML = "report.html"
-
-# Colours: kept green, discarded grey, failures warm, the baseline blue.
-COLOURS = {
-    "keep": "#1a9850", "discard": "#9e9e9e", "crash": "#d73027", "timeout": "#f46d43", "invalid": "#984ea3",
-    "interrupted": "#e6ab02", "running": "#2c7fb8", "baseline": "#2c7fb8", "best": "#1a9850",
-    "drift": "#8c6d31", "ablation": "#7b3294",
-}
-_APART = (Status.CRASH.value, Status.TIMEOUT.value, Status.INVALID.value, Status.INTERRUPTED.value, Status.RUNNING.value)
 
 
 @dataclass
 class Report:
     html_path: Path
-    images: dict[str, Path] = field(default_factory=dict)
     data: dict = field(default_factory=dict)
 
 
 def default_out_dir(repo: Path, tag: str) -> Path:
     return Path(repo) / ".autoloop" / tag / "report"
-
-
-def _new_figure(**kwargs):
-    """A matplotlib Figure on the Agg canvas. Not pyplot: no global figure registry to
-    leak into, nothing that looks for a display, and safe to use from any thread."""
-    try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-    except ImportError:
-        raise AutoloopError("the report needs matplotlib, which is not installed: pip install 'autoloop[report]'") from None
-    fig = Figure(**kwargs)
-    FigureCanvasAgg(fig)
-    return fig
 
 
 # ---------------------------------------------------------------------------- data
@@ -87,6 +70,7 @@ def report_data(store, run: dict) -> dict:
     base_metric = base["metric"] if base else None
     for t in kept:
         t["vs_baseline"] = t["metric"] - base_metric if base_metric is not None and t["metric"] is not None else None
+        t["delta"] = trial_delta(t)
     running = select(store, "SELECT number, description, started_at FROM trials WHERE run_id = ? AND status = ? "
                             "ORDER BY number", (run["id"], Status.RUNNING.value))
     curves = {}
@@ -101,8 +85,17 @@ def report_data(store, run: dict) -> dict:
     noise["drift"] = select(store, "SELECT e.message, e.created_at, t.number AS trial FROM events e LEFT JOIN trials t "
                                    "ON t.id = e.trial_id WHERE e.run_id = ? AND e.kind = 'drift' ORDER BY e.id",
                             (run["id"],))
+    noise["checks"] = select(store, "SELECT number, status, reason FROM trials WHERE run_id = ? AND kind = ? "
+                                    "ORDER BY number", (run["id"], Kind.DRIFT.value))
+    noise["fresh_checks"] = _fresh_checks(store, run)
+    noise["confounded"] = select(store, "SELECT e.message, e.created_at, t.number AS trial FROM events e LEFT JOIN "
+                                        "trials t ON t.id = e.trial_id WHERE e.run_id = ? AND e.kind = 'confounded' "
+                                        "ORDER BY e.id", (run["id"],))
+    ablations = latest_ablations(store, run)
+    discarded, n_discarded = discarded_trials(store, run, MAX_TABLE_ROWS)
     return {
-        "noise": noise, "ablations": latest_ablations(store, run),
+        "noise": noise, "ablations": ablations, "gain": gain_claim(head, ablations, kept),
+        "discarded": discarded, "discarded_total": n_discarded,
         "run": run, "headline": head, "kept": kept, "points": progress_points(store, run),
         "crash_reasons": common_reasons(store, run, CRASHED),
         "invalid_reasons": common_reasons(store, run, (Status.INVALID.value,)),
@@ -110,6 +103,39 @@ def report_data(store, run: dict) -> dict:
         "flags": flagged_trials(store, run), "workers": worker_counts(store, run),
         "tree": experiment_tree(store, run), "generated_at": utcnow(),
     }
+
+
+def _fresh_checks(store, run: dict) -> int:
+    """Comparisons whose incumbent was measured again next to the candidate before the
+    run's first keep (autoloop.decide.confound): drift checks too."""
+    rows = select(store, "SELECT decision FROM trials WHERE run_id = ? AND decision LIKE '%fresh_incumbent_seeds%'",
+                  (run["id"],))
+    return len(rows)
+
+
+def gain_claim(head: dict, ablations: list[dict], kept: list[dict]) -> dict:
+    """How the headline states the gain, so that it agrees with the ablation table:
+    {state: none | measured | confirmed | partly | not confirmed | stale, note}."""
+    changes = [t for t in kept if t["kind"] != Kind.BASELINE.value]
+    gain = head.get("relative_gain")
+    if not changes or gain is None:
+        return {"state": "none", "note": "no change was kept"}
+    measured = [a for a in ablations if a.get("figures") is not None]
+    current = [a for a in measured if a.get("parent_commit") == head.get("best_commit")]
+    if not measured:
+        return {"state": "measured", "note": "as measured; `autoloop ablate` checks each kept change"}
+    if not current:
+        return {"state": "stale", "note": "the ablation measured an earlier best: `autoloop ablate` again"}
+    dropped = [a for a in current if a["figures"].drop]
+    if not dropped and len(current) >= len(changes):
+        return {"state": "confirmed", "note": "every kept change helps in the ablation"}
+    if len(dropped) == len(current) >= len(changes):
+        return {"state": "not confirmed", "note": "the ablation finds no kept change distinguishable from zero"}
+    numbers = ", ".join(str(a["trial"]) for a in dropped)
+    if dropped:
+        return {"state": "partly", "note": f"the ablation finds no benefit from trial {numbers} "
+                                           f"({len(dropped)} of {len(changes)} kept changes)"}
+    return {"state": "measured", "note": f"the ablation measured {len(current)} of {len(changes)} kept changes"}
 
 
 def experiment_tree(store, run: dict) -> dict:
@@ -146,200 +172,6 @@ def flagged_trials(store, run: dict) -> list[dict]:
     return out
 
 
-# ---------------------------------------------------------------------------- charts
-
-
-def progress_chart(data: dict, path: Path) -> Path:
-    """Every trial as a point over its number: kept ones marked (with error bars where
-    they are means of several runs), the running best as a step line, the baseline as a
-    line; trials without a verdict on the metric (crashed, timed out, invalid,
-    interrupted, running) in a strip of their own below."""
-    _save(progress_figure(data), path)
-    return path
-
-
-def progress_figure(data: dict):
-    """The progress chart as a matplotlib Figure (see `progress_chart`)."""
-    fig = _new_figure(figsize=(12, 6.8))
-    from matplotlib.ticker import MaxNLocator
-
-    points = data["points"]
-    head = data["headline"]
-    apart = [p for p in points if p["status"] in _APART]
-    rows = [s for s in _APART if any(p["status"] == s for p in apart)]
-    heights = [6, 0.35 * max(len(rows), 1) + 0.4]
-    ax, strip = fig.subplots(2, 1, sharex=True, gridspec_kw={"height_ratios": heights, "hspace": 0.08})
-    scored = [p for p in points if p["metric"] is not None and p["status"] not in _APART]
-    metrics = sorted(p["metric"] for p in scored)
-    baseline = head["baseline_metric"]
-    if metrics:
-        low = metrics[0]
-        # Outliers (a diverged trial at 8.0 next to 1.0s) would flatten the chart:
-        # the upper limit is the baseline or the 90th percentile, whichever is higher,
-        # and points above it are drawn as triangles on the top edge.
-        high = max(baseline if baseline is not None else metrics[-1], metrics[int(0.9 * (len(metrics) - 1))])
-        span = (high - low) or abs(high) * 0.01 or 0.01
-        top, bottom = high + 0.12 * span, low - 0.12 * span
-        ax.set_ylim(bottom, top)
-        # Drift checks and ablations measure the incumbent and its parts: they are not
-        # proposals that failed, so they get markers of their own.
-        measured = {kind: [p for p in scored if p["kind"] == kind and p["status"] != Status.KEEP.value and p["metric"] <= top]
-                    for kind in (Kind.DRIFT.value, Kind.ABLATION.value)}
-        discards = [p for p in scored if p["status"] != Status.KEEP.value
-                    and not any(p in group for group in measured.values())]
-        kept_all = [p for p in scored if p["status"] == Status.KEEP.value]
-        kept = [p for p in kept_all if p["kind"] != Kind.BASELINE.value]
-        baselines = [p for p in kept_all if p["kind"] == Kind.BASELINE.value]
-        inside = [p for p in discards if p["metric"] <= top]
-        above = [p for p in discards if p["metric"] > top]
-        size = 14 if len(points) > 500 else 28
-        if inside:
-            ax.scatter(*_xy(inside), s=size, c=COLOURS["discard"], alpha=0.6, linewidths=0, zorder=2,
-                       label=f"discarded ({len(inside)})")
-        if above:
-            ax.scatter(_xy(above)[0], _arr([top - 0.02 * (top - bottom)] * len(above)), marker="^",
-                       s=size + 10, c=COLOURS["discard"], alpha=0.8, zorder=2,
-                       label=f"discarded, above the chart ({len(above)})")
-        for kind, marker, label in ((Kind.DRIFT.value, "s", "drift check"), (Kind.ABLATION.value, "v", "ablation")):
-            if measured[kind]:
-                ax.scatter(*_xy(measured[kind]), s=size + 6, marker=marker, facecolors="none",
-                           edgecolors=COLOURS[kind], linewidths=1.2, zorder=2, label=f"{label} ({len(measured[kind])})")
-        if baselines:
-            ax.scatter(*_xy(baselines), s=80, marker="D", c=COLOURS["baseline"], edgecolors="black", linewidths=0.6,
-                       zorder=4, label="baseline trial")
-        if kept:
-            ax.scatter(*_xy(kept), s=70 if len(kept) <= 50 else 36, c=COLOURS["keep"], edgecolors="black",
-                       linewidths=0.6, zorder=4, label=f"kept ({len(kept)})")
-        _error_bars(ax, kept_all)
-        if kept_all:
-            xs, ys, best = [], [], None
-            for p in kept_all:
-                if best is None or p["metric"] < best:
-                    best = p["metric"]
-                    xs.append(p["number"])
-                    ys.append(best)
-            xs.append(points[-1]["number"])
-            ys.append(ys[-1])
-            ax.step(xs, ys, where="post", color=COLOURS["best"], linewidth=2, alpha=0.8, zorder=3, label="running best")
-        _annotate_kept(ax, kept_all, points[-1]["number"])
-    else:
-        ax.text(0.5, 0.5, "no trial has a metric yet", transform=ax.transAxes, ha="center", va="center", color="#666")
-    if baseline is not None:
-        ax.axhline(baseline, color=COLOURS["baseline"], linestyle="--", linewidth=1.2, zorder=1,
-                   label=f"baseline {baseline:.4f}")
-    ax.set_ylabel("val_bpb (lower is better)")
-    ax.set_title(f"run '{head['run']}': {_plural(head['trials'], 'trial')}, {_plural(head['kept'], 'kept change')}",
-                 loc="left", pad=24)
-    ax.grid(True, alpha=0.25)
-    # Above the axes, in one row: inside, it would hide points of a long run.
-    entries = len(ax.get_legend_handles_labels()[0])
-    if entries:
-        # One row: a second one would run into the title.
-        ax.legend(loc="lower right", bbox_to_anchor=(1.0, 1.0), ncol=max(entries, 6), fontsize=9 if entries <= 6 else 8,
-                  frameon=False, handletextpad=0.3, columnspacing=1.2 if entries <= 6 else 0.8)
-
-    for row, status in enumerate(rows):
-        xs = [p["number"] for p in apart if p["status"] == status]
-        strip.scatter(_arr(xs), _arr([row] * len(xs)), marker="x" if status in CRASHED else "o", s=30,
-                      c=COLOURS[status], linewidths=1.5 if status in CRASHED else 0, zorder=3)
-    strip.set_yticks(range(len(rows)))
-    strip.set_yticklabels([f"{s} ({sum(1 for p in apart if p['status'] == s)})" for s in rows], fontsize=8)
-    strip.set_ylim(-0.7, max(len(rows), 1) - 0.3)
-    if not rows:
-        strip.set_yticks([])
-        strip.text(0.5, 0.5, "no crashed, invalid or interrupted trials", transform=strip.transAxes,
-                   ha="center", va="center", color="#666", fontsize=9)
-    strip.grid(True, axis="x", alpha=0.25)
-    strip.set_xlabel("trial number")
-    strip.xaxis.set_major_locator(MaxNLocator(integer=True))
-    if points:
-        strip.set_xlim(points[0]["number"] - 0.02 * max(len(points), 10), points[-1]["number"] + 0.02 * max(len(points), 10))
-    fig.subplots_adjust(left=0.11, right=0.98, top=0.9, bottom=0.1)  # room for "interrupted (206)"
-    return fig
-
-
-def _arr(values):
-    # numpy arrays, not lists: matplotlib converts a list of 10,000 floats element by element.
-    import numpy as np
-
-    return np.asarray(values, dtype=float)
-
-
-def _xy(points: list[dict]):
-    return _arr([p["number"] for p in points]), _arr([p["metric"] for p in points])
-
-
-Z95 = 1.96  # error bars: ±1.96 standard errors, a 95% interval of the mean
-
-
-def interval_points(points: list[dict]) -> list[dict]:
-    """The points that get an error bar: a mean of several runs with a standard error."""
-    return [p for p in points if (p.get("n_runs") or 0) > 1 and p.get("metric_sd") is not None
-            and p.get("metric") is not None]
-
-
-def _error_bars(ax, kept: list[dict]) -> None:
-    """±1.96 standard errors around each kept trial measured at several seeds (its mean
-    is itself uncertain; a single run has no bar: its spread is unknown)."""
-    barred = interval_points(kept)
-    if barred:
-        ax.errorbar(_xy(barred)[0], _xy(barred)[1], yerr=_arr([Z95 * p["metric_sd"] for p in barred]), fmt="none",
-                    ecolor="#14532d", elinewidth=1.4, capsize=4, zorder=3.5, label="mean ± 1.96 se")
-
-
-def _annotate_kept(ax, kept: list[dict], last_number: int) -> None:
-    """Label kept trials with their description: every one when there are few, else only
-    the biggest improvements (labels of a long run would pile up into a smudge)."""
-    chosen = kept
-    if len(kept) > MAX_ANNOTATIONS:
-        steps = sorted((p for p in kept if p.get("delta_step")), key=lambda p: p["delta_step"])
-        chosen = sorted(steps[:MAX_ANNOTATIONS // 2], key=lambda p: p["number"])
-    first = kept[0]["number"] if kept else 0
-    for p in chosen:
-        label = p.get("label") or f"#{p['number']}"
-        # Labels of points in the right quarter grow leftwards, so they stay inside.
-        right = last_number > first and (p["number"] - first) / (last_number - first) > 0.75
-        ax.annotate(label, (p["number"], p["metric"]), textcoords="offset points", xytext=(-6 if right else 6, 5),
-                    fontsize=8, color="#14532d", rotation=20, ha="right" if right else "left", va="bottom",
-                    zorder=5, annotation_clip=True, clip_on=True)
-
-
-def curves_chart(data: dict, path: Path) -> Path | None:
-    """Training loss over steps for the baseline and the best trial (None if neither
-    recorded a curve)."""
-    curves = {k: v for k, v in data["curves"].items() if v["points"]}
-    if not curves:
-        return None
-    fig = _new_figure(figsize=(12, 4.8))
-    from matplotlib.ticker import MaxNLocator
-
-    ax = fig.subplots()
-    for label, curve in curves.items():
-        xs = [p["step"] for p in curve["points"]]
-        ys = [p["loss"] for p in curve["points"]]
-        metric = f", val_bpb {curve['metric']:.4f}" if curve.get("metric") is not None else ""
-        ax.plot(xs, ys, color=COLOURS[label], linewidth=1.6, marker="o" if len(xs) < 20 else None, markersize=4,
-                label=f"{label}: trial {curve['trial']}{metric}")
-    ax.set_xlabel("step")
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    steps = {p["step"] for curve in curves.values() for p in curve["points"]}
-    if len(steps) == 1:  # one logged step: give the axis integer room instead of ±0.05
-        ax.set_xlim(min(steps) - 1, min(steps) + 1)
-    ax.set_ylabel("training loss")
-    ax.set_title("loss curves", loc="left")
-    ax.grid(True, alpha=0.25)
-    ax.legend(loc="upper right", fontsize=9)
-    fig.subplots_adjust(left=0.11, right=0.98, top=0.9, bottom=0.13)  # aligned with the progress chart
-    _save(fig, path)
-    return path
-
-
-def _save(fig, path: Path) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    fig.savefig(tmp, dpi=100, format="png")
-    os.replace(tmp, path)
-
-
 # ---------------------------------------------------------------------------- HTML
 
 
@@ -355,16 +187,10 @@ def _pct(value) -> str:
     return "–" if value is None else f"{value * 100:.1f}%"
 
 
-def _img(path: Path | None, alt: str) -> str:
-    if path is None:
-        return f'<p class="muted">{_e(alt)}: no data recorded.</p>'
-    encoded = base64.b64encode(path.read_bytes()).decode("ascii")
-    return f'<img class="chart" alt="{_e(alt)}" src="data:image/png;base64,{encoded}">'
-
-
-def _stat(key: str, label: str, value: str, note: str = "") -> str:
+def _stat(key: str, label: str, value: str, note: str = "", state: str | None = None) -> str:
     note_html = f'<div class="note">{_e(note)}</div>' if note else ""
-    return (f'<div class="stat" data-key="{key}"><div class="label">{_e(label)}</div>'
+    state_attr = f' data-state="{_e(state)}"' if state else ""
+    return (f'<div class="stat" data-key="{key}"{state_attr}><div class="label">{_e(label)}</div>'
             f'<div class="value">{_e(value)}</div>{note_html}</div>')
 
 
@@ -372,7 +198,7 @@ def _short(sha: str | None) -> str:
     return (sha or "")[:10]
 
 
-def render_html(data: dict, progress_png: Path, curves_png: Path | None) -> str:
+def render_html(data: dict) -> str:
     run, head = data["run"], data["headline"]
     parts: list[str] = []
     add = parts.append
@@ -389,20 +215,44 @@ def render_html(data: dict, progress_png: Path, curves_png: Path | None) -> str:
         add(f"<p class=\"banner\" id=\"snapshot\">The run is still going (trial {_e(numbers)} running): "
             f"this report is a snapshot.</p>")
 
-    # -- headline
+    # -- headline: its counts are the chart's groups (charts.point_groups)
     base, best = head["baseline_metric"], head["best_metric"]
+    groups = point_groups(data["points"])
     add("<section class=\"stats\" id=\"headline\">")
     add(_stat("trials", "trials", str(head["trials"])))
-    add(_stat("kept", "kept", str(head["kept"])))
-    add(_stat("discarded", "discarded", str(head["discarded"])))
+    add(_stat("kept", "kept", str(len(groups["kept"])), "changes; the baseline is not one"))
+    also = [f"{n} {one if n == 1 else many}" for n, one, many in (
+        (len(groups["remeasured"]), "drift check or re-run", "drift checks or re-runs"),
+        (len(groups["ablation"]), "ablation", "ablations")) if n]
+    add(_stat("discarded", "discarded", str(len(groups["discarded"])),
+              "proposals; also " + " and ".join(also) if also else "proposals"))
     add(_stat("crashed", "crashed", str(head["crashed"]), f"{head['timeouts']} timed out" if head["timeouts"] else ""))
     add(_stat("invalid", "invalid", str(head["invalid"])))
     add(_stat("keep_rate", "keep rate", _pct(head["keep_rate"]), f"{head['kept']} of {head['decided']} decided"))
-    add(_stat("gpu_hours", "GPU hours", f"{head['gpu_hours']:.2f}"))
-    add(_stat("baseline_to_best", "baseline → best", f"{_f(base, '.4f')} → {_f(best, '.4f')}",
-              f"trial {head['baseline_trial']} → trial {head['best_trial']}" if best is not None else ""))
-    add(_stat("relative_gain", "relative gain", _pct(head["relative_gain"]) if head["relative_gain"] is not None else "–",
-              "lower val_bpb is better"))
+    add(_stat("compute_hours", f"{head['compute']} hours", f"{head['gpu_hours']:.2f}",
+              "wall time of every training run"))
+    gain = data["gain"]
+    reserve = head.get("reserve")
+    if reserve:
+        # The reported figure: the best re-measured at fresh seeds no decision used (autoloop.loop.reserve).
+        low, high = reserve.get("interval") or (None, None)
+        interval = f"gain 95%: {_f(low, '+.4f')} to {_f(high, '+.4f')}" if low is not None and high is not None else ""
+        add(_stat("baseline_to_best", "baseline → best",
+                  f"{_f(reserve['baseline_metric'], '.4f')} → {_f(reserve['value'], '.4f')} ± {_f(reserve['value_se'], '.4f')}",
+                  (f"trial {head['baseline_trial']}: nothing was kept; the baseline's own {reserve['n']} runs"
+                   if reserve.get("source") == "baseline" else
+                   f"trial {head['baseline_trial']} → trial {head['best_trial']}, re-measured at {reserve['n']} fresh "
+                   f"seeds (selected at {_f(best, '.4f')})")))
+        value = _pct(reserve["relative_gain"]) if reserve.get("relative_gain") is not None else "–"
+        add(_stat("relative_gain", "relative gain", value, interval or gain["note"], state=gain["state"]))
+    else:
+        add(_stat("baseline_to_best", "baseline → best", f"{_f(base, '.4f')} → {_f(best, '.4f')}",
+                  (f"trial {head['baseline_trial']} → trial {head['best_trial']}; the selection mean, not re-measured "
+                   "at fresh seeds") if best is not None else ""))
+        value = _pct(head["relative_gain"]) if gain["state"] != "none" else "–"
+        add(_stat("relative_gain", "relative gain", value, gain["note"], state=gain["state"]))
+    add(_stat("confirmed", "confirmed", str(head.get("confirmed", 0)),
+              f"of {head['kept']} kept; {head.get('stopped_early', 0)} stopped early"))
     add("</section>")
     extra = [f"{n} {s}" for s, n in (("interrupted", head["interrupted"]), ("running", head["running"])) if n]
     if extra:
@@ -410,33 +260,48 @@ def render_html(data: dict, progress_png: Path, curves_png: Path | None) -> str:
 
     # -- charts
     add("<h2>Progress</h2>")
-    add(_img(progress_png, "progress chart"))
+    add(f"<div class=\"chart\">{progress_svg(data)}</div>")
+    add("<p class=\"muted\">Grey points are discarded proposals, labelled with their trial number: the table of "
+        "discarded trials below says what each tried and why it was discarded. Hover a point for its details.</p>")
     add("<h2>Loss curves</h2>")
-    add(_img(curves_png, "loss curves of the baseline and the best trial"))
+    curves = curves_svg(data)
+    add(f"<div class=\"chart\">{curves}</div>" if curves else
+        "<p class=\"muted\">No loss curve was recorded for the baseline or the best trial.</p>")
     add(_tree_section(data.get("tree")))
 
     # -- kept changes
     kept = data["kept"]
-    add(f"<h2>Kept changes <span class=\"count\">{head['kept']}</span></h2>")
-    add("<table id=\"kept\"><thead><tr><th>trial</th><th>change</th><th class=\"num\">val_bpb</th>"
-        "<th class=\"num\">Δ vs best before</th><th class=\"num\">Δ vs baseline</th><th class=\"num\">held-out</th>"
-        "<th>commit</th></tr></thead><tbody>")
-    for t in kept[:MAX_TABLE_ROWS]:
-        cls = " class=\"baseline\"" if t["kind"] == "baseline" else ""
-        desc = t.get("description") or ""
-        if t["kind"] == "baseline":
-            desc = "baseline: " + desc if not desc.startswith("baseline") else desc
-        metric = format_estimate(t["metric"], t.get("metric_sd"), t.get("n_runs")) if t["metric"] is not None else "–"
-        add(f"<tr data-trial=\"{t['number']}\"{cls}><td class=\"num\">{t['number']}</td><td>{_e(desc)}</td>"
-            f"<td class=\"num\">{_e(metric)}</td><td class=\"num {_sign(t.get('delta'))}\">{_f(t.get('delta'), '+.6f')}</td>"
-            f"<td class=\"num {_sign(t.get('vs_baseline'))}\">{_f(t.get('vs_baseline'), '+.6f')}</td>"
-            f"<td class=\"num\">{_f(t.get('heldout_metric'))}</td><td><code>{_e(_short(t.get('trial_commit')))}</code></td></tr>")
-    add("</tbody></table>")
-    if len(kept) > MAX_TABLE_ROWS:
-        add(f"<p class=\"muted\">First {MAX_TABLE_ROWS} of {len(kept)}; `autoloop log --status keep` lists all.</p>")
+    changes = [t for t in kept if t["kind"] != "baseline"]
+    add(f"<h2>Kept changes <span class=\"count\">{len(changes)}</span></h2>")
+    if not changes:
+        where = f" (trial {head['baseline_trial']}, {_f(base, '.4f')})" if base is not None else ""
+        add(f"<p class=\"muted\" id=\"kept-none\">No change was kept: the best is still the baseline{_e(where)}.</p>")
+    else:
+        add("<table id=\"kept\"><thead><tr><th>trial</th><th>change</th><th class=\"num\">val_bpb</th>"
+            "<th class=\"num\">Δ vs incumbent</th><th class=\"num\">Δ vs baseline</th><th class=\"num\">held-out</th>"
+            "<th>commit</th></tr></thead><tbody>")
+        for t in kept[:MAX_TABLE_ROWS]:
+            cls = " class=\"baseline\"" if t["kind"] == "baseline" else ""
+            desc = t.get("description") or ""
+            if t["kind"] == "baseline":
+                desc = "baseline: " + desc if not desc.startswith("baseline") else desc
+            elif t.get("tier") in ("adopted", "confirmed"):
+                desc = f"[{t['tier']}] {desc}"
+            metric = format_estimate(t["metric"], t.get("metric_sd"), t.get("n_runs")) if t["metric"] is not None else "–"
+            add(f"<tr data-trial=\"{t['number']}\"{cls}><td class=\"num\">{t['number']}</td><td>{_e(desc)}</td>"
+                f"<td class=\"num\">{_e(metric)}</td><td class=\"num {_sign(t.get('delta'))}\">{_f(t.get('delta'), '+.4f')}</td>"
+                f"<td class=\"num {_sign(t.get('vs_baseline'))}\">{_f(t.get('vs_baseline'), '+.4f')}</td>"
+                f"<td class=\"num\">{_f(t.get('heldout_metric'))}</td><td><code>{_e(_short(t.get('trial_commit')))}</code></td></tr>")
+        add("</tbody></table>")
+        if len(kept) > MAX_TABLE_ROWS:
+            add(f"<p class=\"muted\">First {MAX_TABLE_ROWS} of {len(kept)}; `autoloop log --status keep` lists all.</p>")
+        several = " val_bpb of several runs: mean ± standard error (runs)." if any(
+            (t.get("n_runs") or 0) > 1 for t in kept) else ""
+        add(f"<p class=\"muted\">Δ vs incumbent: the difference from the incumbent its decision gives (paired by "
+            f"seed where it was measured at several).{several}</p>")
 
-    if any((t.get("n_runs") or 0) > 1 for t in kept):
-        add("<p class=\"muted\">val_bpb of several runs: mean ± standard error (runs).</p>")
+    # -- discarded
+    add(_discarded_section(data["discarded"], data["discarded_total"]))
 
     # -- ablation
     add(_ablation_section(data["ablations"]))
@@ -446,17 +311,17 @@ def render_html(data: dict, progress_png: Path, curves_png: Path | None) -> str:
 
     # -- failures
     add("<h2>Why trials failed</h2><div class=\"two\">")
-    for table_id, title, groups in (("crash-reasons", "Crashes and timeouts", data["crash_reasons"]),
-                                    ("invalid-reasons", "Invalid", data["invalid_reasons"])):
+    for table_id, title, reasons in (("crash-reasons", "Crashes and timeouts", data["crash_reasons"]),
+                                     ("invalid-reasons", "Invalid", data["invalid_reasons"])):
         add(f"<div><h3>{_e(title)}</h3>")
-        if not groups:
+        if not reasons:
             add("<p class=\"muted\">None.</p></div>")
             continue
         add(f"<table id=\"{table_id}\"><thead><tr><th class=\"num\">count</th><th>reason (latest example)</th>"
             "<th>trials</th></tr></thead><tbody>")
-        for g in groups:
-            trials = ", ".join(str(n) for n in g["trials"][:8]) + (" …" if len(g["trials"]) > 8 else "")
-            add(f"<tr><td class=\"num\">{g['count']}</td><td>{_e(g['reason'])}</td><td>{_e(trials)}</td></tr>")
+        for g in reasons:
+            numbers = ", ".join(str(n) for n in g["trials"][:8]) + (" …" if len(g["trials"]) > 8 else "")
+            add(f"<tr><td class=\"num\">{g['count']}</td><td>{_e(g['reason'])}</td><td>{_e(numbers)}</td></tr>")
         add("</tbody></table></div>")
     add("</div>")
 
@@ -477,13 +342,15 @@ def render_html(data: dict, progress_png: Path, curves_png: Path | None) -> str:
     if not ideas:
         add("<p class=\"muted\">No ideas were seeded (autoloop seed).</p>")
     else:
+        waiting = _text_waiting(run)
         add("<table id=\"ideas\"><thead><tr><th class=\"num\">id</th><th>idea</th><th>edit</th><th>status</th>"
             "<th>outcome</th></tr></thead><tbody>")
         for idea in ideas[:MAX_TABLE_ROWS]:
             sets = json.loads(idea["sets"]) if idea.get("sets") else None
             edit = ", ".join(f"{k}={v}" for k, v in sets.items()) if sets else ("patch" if idea["has_patch"] else "text only")
             add(f"<tr data-idea=\"{idea['id']}\"><td class=\"num\">{idea['id']}</td><td>{_e(idea['text'])}</td>"
-                f"<td><code>{_e(edit)}</code></td><td>{_e(idea['status'])}</td><td>{_idea_outcome(idea, run)}</td></tr>")
+                f"<td><code>{_e(edit)}</code></td><td>{_e(idea['status'])}</td>"
+                f"<td>{_idea_outcome(idea, run, waiting if edit == 'text only' else None)}</td></tr>")
         add("</tbody></table>")
         if len(ideas) > MAX_TABLE_ROWS:
             add(f"<p class=\"muted\">First {MAX_TABLE_ROWS} of {len(ideas)}; `autoloop ideas` lists all.</p>")
@@ -502,12 +369,13 @@ def render_html(data: dict, progress_png: Path, curves_png: Path | None) -> str:
     # -- environment
     add("<h2>Run</h2><table class=\"kv\" id=\"run\"><tbody>")
     config = run.get("config") or {}
-    rows = [("host", run.get("host")), ("GPU", run.get("gpu")), ("torch", run.get("torch_version")),
+    rows = [("host", run.get("host")), ("device", run.get("gpu") or "CPU"), ("torch", run.get("torch_version")),
             ("CUDA", run.get("cuda_version")), ("Python", run.get("python_version")),
             ("budget", f"{config['max_steps']} steps" if config.get("max_steps") else
              (f"{config['time_budget']:g} s" if config.get("time_budget") is not None else None)),
             ("proposers", ", ".join(config.get("proposers") or []) or None), ("keep margin", config.get("keep_margin")),
             ("noise", describe_noise(data["noise"].get("noise"))), ("decision rule", data["noise"].get("decision_rule")),
+            ("sandbox", run.get("sandbox")),
             ("data", run.get("data_fingerprint")), ("harness", run.get("harness_fingerprint")),
             ("best commit", head.get("best_commit"))]
     for label, value in rows:
@@ -516,6 +384,64 @@ def render_html(data: dict, progress_png: Path, curves_png: Path | None) -> str:
     add("</tbody></table>")
     add("<footer>Generated by autoloop. Metrics are val_bpb (bits per byte) on the fixed validation split; "
         "held-out values come from the verifier.</footer></main></body></html>\n")
+    return "".join(parts)
+
+
+_SET_LINE = re.compile(r"^([A-Z][A-Z0-9_]*)\s*=\s*(.*?)\s*(#.*)?$")
+
+
+def tried(row: dict) -> str:
+    """What a trial tried, in a few words: its constants with their old values
+    ('MATRIX_LR 0.04 → 0.02'), else the size and first changed lines of its diff."""
+    old, new = {}, {}
+    changed = []
+    for line in (row.get("diff") or "").splitlines():
+        if line.startswith(("+++", "---")) or line[:1] not in "+-" or not line[1:].strip():
+            continue
+        changed.append(line)
+        match = _SET_LINE.match(line[1:].strip())
+        if match:
+            (old if line[0] == "-" else new)[match.group(1)] = match.group(2)
+    names = [n for n in new if n in old]
+    if names and len(changed) == 2 * len(names):
+        return ", ".join(f"{n} {old[n]} → {new[n]}" for n in names)
+    if changed:
+        plus = sum(1 for c in changed if c[0] == "+")
+        first = "; ".join(c[:1] + " " + c[1:].strip()[:60] for c in changed[:2])
+        return f"+{plus} −{len(changed) - plus} lines: {first}" + (" …" if len(changed) > 2 else "")
+    edits = row.get("edits")
+    if isinstance(edits, str):
+        try:
+            edits = json.loads(edits)
+        except ValueError:
+            edits = None
+    sets = [f"{k}={v}" for e in (edits or {}).get("edits", []) for k, v in (e.get("sets") or {}).items()]
+    return ", ".join(sets) or "–"
+
+
+def _discarded_section(rows: list[dict], total: int) -> str:
+    """Every discarded proposal: what it tried and why it was discarded (the morning's
+    main question: what did the night rule out?)."""
+    parts = [f"<h2>Discarded <span class=\"count\">{total}</span></h2>"]
+    if not rows:
+        parts.append("<p class=\"muted\" id=\"discarded-none\">No proposal was discarded.</p>")
+        return "".join(parts)
+    parts.append("<table id=\"discarded\"><thead><tr><th class=\"num\">trial</th><th>what was tried</th>"
+                 "<th>change</th><th class=\"num\">Δ vs incumbent</th><th class=\"num\">runs</th>"
+                 "<th>why it was discarded</th></tr></thead><tbody>")
+    for t in rows:
+        effect = t["effect"]
+        delta = _f(t.get("delta"), "+.4f")
+        if effect.diff_se is not None and t.get("delta") is not None:
+            delta += f" ± {effect.diff_se:.4f}"
+        parts.append(f"<tr data-trial=\"{t['number']}\"><td class=\"num\">{t['number']}</td>"
+                     f"<td>{_e(t.get('description') or '')}</td><td><code>{_e(tried(t))}</code></td>"
+                     f"<td class=\"num {_sign(t.get('delta')) if effect.distinguishable else ''}\">{_e(delta)}</td>"
+                     f"<td class=\"num\">{effect.n}</td>"
+                     f"<td>{_e(t.get('reason') or '')}</td></tr>")
+    parts.append("</tbody></table>")
+    if total > len(rows):
+        parts.append(f"<p class=\"muted\">First {len(rows)} of {total}; `autoloop log --status discard` lists all.</p>")
     return "".join(parts)
 
 
@@ -562,17 +488,32 @@ def _ablation_section(ablations: list[dict]) -> str:
 
 
 def _noise_section(noise: dict) -> str:
-    """The run's measured noise and its drift events (nothing for a run from before
-    noise-aware decisions)."""
+    """The run's measured noise, its drift checks (what each found, a failed one named as
+    failed), and the pairs of runs left out for a different machine speed."""
     described = describe_noise(noise.get("noise"))
-    drift = noise.get("drift") or []
-    if not described and not drift:
+    drift, checks = noise.get("drift") or [], noise.get("checks") or []
+    confounded, fresh = noise.get("confounded") or [], noise.get("fresh_checks") or 0
+    if not described and not drift and not checks and not confounded and not fresh:
         return ""
     parts = ["<h2>Noise and drift</h2>"]
     if described:
         rule = f" Decision rule: {noise['decision_rule']}." if noise.get("decision_rule") else ""
         parts.append(f"<p id=\"noise\">Measured noise: {_e(described)}.{_e(rule)} A difference within about two "
                      "paired standard deviations of zero is not distinguishable from the incumbent.</p>")
+    done = [c for c in checks if c["status"] in (Status.KEEP.value, Status.DISCARD.value)]
+    failed = [c for c in checks if c["status"] in (Status.CRASH.value, Status.TIMEOUT.value, Status.INVALID.value,
+                                                   Status.INTERRUPTED.value)]
+    summary = []
+    if checks or fresh:
+        summary.append(f"{len(done) + fresh} drift check{'s' if len(done) + fresh != 1 else ''} measured the incumbent "
+                       "again" + (f" ({fresh} of them next to a candidate, before the run's first keep)" if fresh else ""))
+    for c in failed:
+        verb = {"crash": "crashed", "timeout": "timed out", "invalid": "was invalid",
+                "interrupted": "was interrupted"}[c["status"]]
+        summary.append(f"the drift check of trial {c['number']} {verb} ({c.get('reason') or 'no reason recorded'}): "
+                       "drift was not measured then")
+    if summary:
+        parts.append(f"<p id=\"drift-checks\">{_e('; '.join(summary))}.</p>")
     if drift:
         parts.append("<table id=\"drift\"><thead><tr><th class=\"num\">trial</th><th>drift</th><th>when (UTC)</th>"
                      "</tr></thead><tbody>")
@@ -580,8 +521,18 @@ def _noise_section(noise: dict) -> str:
             parts.append(f"<tr><td class=\"num\">{_e(e.get('trial'))}</td><td>{_e(e['message'])}</td>"
                          f"<td>{_e((e.get('created_at') or '')[:16].replace('T', ' '))}</td></tr>")
         parts.append("</tbody></table>")
+    elif done or fresh:
+        parts.append("<p class=\"muted\" id=\"no-drift\">No drift detected by the drift checks that ran.</p>")
     else:
-        parts.append("<p class=\"muted\">No drift detected.</p>")
+        parts.append("<p class=\"muted\" id=\"no-drift\">No drift check has measured the incumbent again yet: drift "
+                     "is unknown.</p>")
+    if confounded:
+        parts.append(f"<h3>Pairs at different machine speeds <span class=\"count\">{len(confounded)}</span></h3>"
+                     "<table id=\"confounded\"><thead><tr><th class=\"num\">trial</th><th>what happened</th>"
+                     "</tr></thead><tbody>")
+        for e in confounded[-MAX_TABLE_ROWS:]:
+            parts.append(f"<tr><td class=\"num\">{_e(e.get('trial'))}</td><td>{_e(e['message'])}</td></tr>")
+        parts.append("</tbody></table>")
     return "".join(parts)
 
 
@@ -595,12 +546,31 @@ def _sign(value) -> str:
     return "better" if value < 0 else "worse"
 
 
-def _idea_outcome(idea: dict, run: dict) -> str:
+def _text_waiting(run: dict) -> str | None:
+    """Why a pending text-only idea waits under this run's settings (None: something reads text)."""
+    import dataclasses
+
+    from autoloop.config import Config
+    from autoloop.proposers.seeding import waiting_reason
+
+    known = {f.name for f in dataclasses.fields(Config)}
+    try:
+        config = dataclasses.replace(Config(), **{k: v for k, v in (run.get("config") or {}).items() if k in known})
+    except (TypeError, ValueError):
+        return None
+    return waiting_reason(config, [])
+
+
+def _idea_outcome(idea: dict, run: dict, waiting: str | None = None) -> str:
     if idea.get("trial") is None:
-        return "<span class=\"muted\">not tried yet</span>" if idea["status"] == "pending" else "<span class=\"muted\">–</span>"
+        if idea["status"] != "pending":
+            return "<span class=\"muted\">–</span>"
+        if waiting:
+            return f"<span class=\"waiting\">waiting: {_e(waiting)}</span>"
+        return "<span class=\"muted\">not tried yet</span>"
     where = f"trial {idea['trial']}" if idea.get("trial_run") == run["tag"] else f"run {idea['trial_run']} trial {idea['trial']}"
     status = idea.get("trial_status") or ""
-    delta = f" ({idea['trial_delta']:+.6f})" if idea.get("trial_delta") is not None else ""
+    delta = f" ({idea['trial_delta']:+.4f})" if idea.get("trial_delta") is not None else ""
     return f"{_e(where)}: <span class=\"status {_e(status)}\">{_e(status)}</span>{_e(delta)}"
 
 
@@ -625,10 +595,14 @@ code { font-family:ui-monospace, SFMono-Regular, Menlo, monospace; font-size:13p
 .stat .label { color:var(--muted); font-size:13px; }
 .stat .value { font-size:22px; font-weight:600; font-variant-numeric:tabular-nums; }
 .stat .note { color:var(--muted); font-size:12px; }
-.stat[data-key="relative_gain"] .value { color:var(--good); }
+.stat[data-key="relative_gain"][data-state="confirmed"] .value { color:var(--good); }
 .stat[data-key="baseline_to_best"] { grid-column:span 2; }
 .stat .value { white-space:nowrap; }
-img.chart { width:100%; height:auto; border:1px solid var(--line); border-radius:6px; }
+div.chart { border:1px solid var(--line); border-radius:6px; padding:6px 4px 0; }
+div.chart svg { display:block; width:100%; height:auto; }
+.stat[data-state="not confirmed"] .value, .stat[data-state="partly"] .value { color:var(--bad); }
+.stat[data-state="measured"] .value, .stat[data-state="stale"] .value, .stat[data-state="none"] .value { color:var(--fg); }
+.waiting { color:#9a6700; }
 table { border-collapse:collapse; width:100%; font-size:14px; }
 th, td { text-align:left; padding:5px 8px; border-bottom:1px solid var(--line); vertical-align:top; }
 thead th { background:var(--soft); font-weight:600; }
@@ -648,27 +622,21 @@ div.tree { overflow-x:auto; border:1px solid var(--line); border-radius:6px; }
 
 
 def build_report(store, run: dict, out_dir: Path) -> Report:
-    """Write report.html and the chart PNGs into `out_dir`; return their paths."""
-    _new_figure()  # fail with the one-line error before anything is written
+    """Write report.html (its charts inline) into `out_dir`; return its path."""
     data = report_data(store, run)
     _label_kept(data)
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
-        raise AutoloopError(f"{out_dir} is a file: give --out a folder for report.html and its charts")
+        raise AutoloopError(f"{out_dir} is a file: give --out a folder for report.html")
     out_dir.mkdir(parents=True, exist_ok=True)
-    progress = progress_chart(data, out_dir / PROGRESS_PNG)
-    curves = curves_chart(data, out_dir / CURVES_PNG)
-    if curves is None and (out_dir / CURVES_PNG).exists():
-        (out_dir / CURVES_PNG).unlink()  # a stale chart from an earlier report would mislead
-    page = render_html(data, progress, curves)
+    for stale in ("progress.png", "loss_curves.png"):  # written by older versions; the page no longer uses them
+        (out_dir / stale).unlink(missing_ok=True)
+    page = render_html(data)
     target = out_dir / REPORT_HTML
     tmp = target.with_name(target.name + ".tmp")
     tmp.write_text(page, encoding="utf-8")
     os.replace(tmp, target)
-    images = {"progress": progress}
-    if curves is not None:
-        images["loss_curves"] = curves
-    return Report(html_path=target, images=images, data=data)
+    return Report(html_path=target, data=data)
 
 
 def _label_kept(data: dict) -> None:

@@ -4,7 +4,9 @@ and returns a string or a list of lines; nothing here writes.
 
 Marks in the log: `~` a near miss (discarded, within the noise of the incumbent), `≈` not
 distinguishable from the incumbent, `*` an unverified (printed-only) metric, `?` a keep
-without verification; each table prints the legend of the marks it uses.
+without verification, `✓` a confirmed keep (an adopted one has none), `stop@40%` a clear
+loser stopped early at that share of its budget; each table prints the legend of the
+marks it uses.
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ def format_log(run: dict, rows: list[dict], *, total: int | None = None) -> str:
             delta += "≈"
         # A mean of several runs reads `2.5431 ± 0.0040 (3)`; a single run as before.
         metric = format_estimate(r.get("metric"), r.get("metric_sd"), r.get("n_runs"))
+        if r.get("stopped_at") is not None and r.get("metric") is None:
+            metric = f"stop@{r['stopped_at']:.0%}"
         if r.get("metric") is not None and r.get("metric_source") == "reported":
             metric += "*"
         elif r.get("status") == "keep" and r.get("metric_source") == "harness":
@@ -53,8 +57,9 @@ def format_log(run: dict, rows: list[dict], *, total: int | None = None) -> str:
     lines = [f"{'#':>4} {'kind':<9} {'status':<11} {'val_bpb':>{width}} {'delta':>9} {'min':>6}  description / reason"]
     for r, (metric, delta) in zip(rows, cells):
         minutes = f"{r['minutes']:.1f}" if r.get("minutes") is not None else "-"
+        status = r["status"] + (" ✓" if r.get("status") == "keep" and r.get("tier") == "confirmed" else "")
         lines.append(
-            f"{r['number']:>4} {r['kind']:<9} {r['status']:<11} {metric:>{width}} {delta:>9} {minutes:>6}  "
+            f"{r['number']:>4} {r['kind']:<9} {status:<11} {metric:>{width}} {delta:>9} {minutes:>6}  "
             f"{_cut(r.get('description'), 60)}"
         )
         if r.get("reason"):
@@ -65,6 +70,11 @@ def format_log(run: dict, rows: list[dict], *, total: int | None = None) -> str:
             lines.append(f"{'':>{41 + width}}  ⚑ {names(r['flags'])}")
     if any((r.get("n_runs") or 0) > 1 for r in rows):
         lines.append("val_bpb of several runs: mean ± standard error (runs)")
+    if any(r.get("tier") in ("adopted", "confirmed") for r in rows):
+        lines.append("keep ✓ confirmed: the sequential test against the run's noise says so; a keep without ✓ is "
+                     "adopted: the branch moved on the paired mean, not confirmed")
+    if any(r.get("stopped_at") is not None for r in rows):
+        lines.append("stop@N%: a clear loser, stopped early at N% of its budget (discarded, no val_bpb)")
     if any(r.get("near_miss") for r in rows):
         lines.append("~ near miss: discarded, but within the noise of the incumbent")
     if any(r.get("distinguishable") is False and not r.get("near_miss") for r in rows):
@@ -122,6 +132,10 @@ def format_trial(d: dict, *, with_diff: bool = True) -> str:
         field("val_bpb", _num(d.get("metric")) + source)
     field("best before", _num(d.get("best_before")))
     field("delta", _num(d.get("delta"), "+.6f"))
+    field("tier", TIER_TEXT.get(d.get("tier"), d.get("tier")) if d.get("status") == "keep" else None)
+    if d.get("stopped_at") is not None:
+        field("stopped early", f"at {d['stopped_at']:.0%} of the budget: a clear loser against the incumbent's "
+                               "curve at the same seed (no val_bpb: a stopped run never counts)")
     field("keep margin", d.get("keep_margin"))
     field("held-out bpb", _num(d.get("heldout_metric")) if d.get("heldout_metric") is not None else None)
     if d.get("verify_seconds") is not None:
@@ -157,8 +171,10 @@ def format_trial(d: dict, *, with_diff: bool = True) -> str:
     field("parameters", d.get("num_params"))
     field("MFU", _num(d.get("mfu_percent"), ".1f", " %") if d.get("mfu_percent") is not None else None)
     field("peak memory", _num(d.get("peak_memory_mb"), ".0f", " MB") if d.get("peak_memory_mb") is not None else None)
+    # compile_seconds is the harness clock's untimed warm-up (compilation when torch.compile
+    # is on, the first steps either way): named for what it is, beside the compile flag.
     timings = [f"{name} {d[key]:.1f} s" for name, key in (
-        ("training", "training_seconds"), ("compile", "compile_seconds"), ("eval", "eval_seconds"),
+        ("training", "training_seconds"), ("untimed warm-up", "compile_seconds"), ("eval", "eval_seconds"),
         ("total", "total_seconds"), ("wall", "wall_seconds")) if d.get(key) is not None]
     field("time", ", ".join(timings))
     field("started", d.get("started_at"))
@@ -170,7 +186,9 @@ def format_trial(d: dict, *, with_diff: bool = True) -> str:
     shown = {"val_bpb", "training_seconds", "total_seconds", "compile_seconds", "eval_seconds", "num_steps",
              "total_tokens", "num_params", "mfu_percent", "peak_memory_mb", "seed"}
     for key, value in result.items():
-        if key not in shown and value is not None:
+        if key == "compiled" and isinstance(value, bool):
+            field("torch.compile", "on" if value else "off")
+        elif key not in shown and value is not None:
             field(key, value)
 
     if with_diff:
@@ -200,7 +218,7 @@ def _measurement_lines(measurements: list[dict], number: int) -> list[str]:
         return ["measurements", "  (none recorded)"]
     lines = [f"measurements ({len(measurements)})",
              f"  {'seed':>6} {'role':<10} {'trial':>5} {'val_bpb':>9} {'held-out':>9} {'steps':>6} "
-             f"{'train s':>8} {'wall s':>7}  status"]
+             f"{'train s':>8} {'wall s':>7} {'speed':>6}  status"]
     for m in measurements[:MAX_SHOWN_MEASUREMENTS]:
         owner = m.get("owner")
         status = m.get("status") or "-"
@@ -213,11 +231,14 @@ def _measurement_lines(measurements: list[dict], number: int) -> list[str]:
         lines.append(
             f"  {_num(m.get('seed')):>6} {m.get('role') or '-':<10} {owner if owner != number else '':>5} "
             f"{_num(m.get('metric')):>9} {_num(m.get('heldout_metric')):>9} {_num(m.get('num_steps')):>6} "
-            f"{_num(m.get('training_seconds'), '.1f'):>8} {_num(m.get('wall_seconds'), '.1f'):>7}  {status}")
+            f"{_num(m.get('training_seconds'), '.1f'):>8} {_num(m.get('wall_seconds'), '.1f'):>7} "
+            f"{_num(m.get('machine_speed'), '.2f'):>6}  {status}")
     if len(measurements) > MAX_SHOWN_MEASUREMENTS:
         lines.append(f"  ... {len(measurements) - MAX_SHOWN_MEASUREMENTS} more (`autoloop show N --json` has all)")
     if any(m.get("owner") not in (None, number) for m in measurements):
         lines.append("  (trial: another trial's code, e.g. the incumbent re-measured for this comparison)")
+    if any(m.get("machine_speed") is not None for m in measurements):
+        lines.append("  (speed: the machine's speed probe around the run; runs at different speeds are not paired)")
     return lines
 
 
@@ -296,13 +317,45 @@ def _flag_lines(d: dict) -> list[str]:
     return ["flags"] + [f"  {f.get('flag')}" + (f": {f['message']}" if f.get("message") else "") for f in flags]
 
 
+TIER_TEXT = {
+    "adopted": "adopted (the branch moved on the paired mean; not confirmed by the sequential test)",
+    "confirmed": "confirmed (the sequential test against the run's measured noise says so)",
+    "baseline": "baseline (the reference every gain is measured against)",
+}
+
+
+def format_headline(h: dict) -> list[str]:
+    """The re-measured figures (autoloop.loop.reserve.headline_of) as `best` prints them."""
+    se = f" ± {h['value_se']:.6f}" if h.get("value_se") is not None else ""
+    low, high = h.get("interval") or (None, None)
+    interval = f", 95% interval {low:+.6f} to {high:+.6f}" if low is not None and high is not None else ""
+    rel = f" ({h['relative_gain'] * 100:.2f}% better)" if h.get("relative_gain") is not None else ""
+    if h.get("source") == "baseline":
+        return [f"  val_bpb   {h['value']:.6f}{se}: the baseline's own {h['n']} runs (nothing was kept; never selected)"]
+    return [f"  val_bpb   {h['value']:.6f}{se}: re-measured at {h['n']} fresh seed{'s' if h['n'] != 1 else ''} "
+            "no decision used",
+            f"  gain      {h['gain']:+.6f} over the baseline {format_metric(h.get('baseline_metric'))} "
+            f"(trial {h.get('baseline_trial')}){rel}{interval}"]
+
+
 def format_best(b: dict) -> str:
     lines = [f"best of run '{b['run']}': trial {b['best_trial']} at {b['best_commit']}"]
     if b.get("description"):
         lines.append(f"  {b['description']}")
     source = f" ({b['metric_source']})" if b.get("metric_source") else ""
-    lines.append(f"  val_bpb   {format_estimate(b['metric'], b.get('metric_sd'), b.get('n_runs'))}{source}")
-    if b.get("baseline_metric") is not None:
+    selection = f"{format_estimate(b['metric'], b.get('metric_sd'), b.get('n_runs'))}{source}"
+    if b.get("tier") in TIER_TEXT:
+        lines.append(f"  tier      {TIER_TEXT[b['tier']]}")
+    if b.get("reserve"):
+        lines.extend(format_headline(b["reserve"]))
+        if b["reserve"].get("source") != "baseline":
+            lines.append(f"  selected  at {selection}: the mean the decisions saw (a lucky draw: not the figure to report)")
+        if b["reserve"].get("heldout") is not None:
+            lines.append(f"  held-out  {format_metric(b['reserve']['heldout'])} at the fresh seeds")
+    else:
+        lines.append(f"  val_bpb   {selection}: the selection mean, not re-measured at fresh seeds "
+                     "(it looks better than it is)")
+    if b.get("baseline_metric") is not None and not b.get("reserve"):
         gain = f", {b['relative_gain'] * 100:.2f}% better" if b.get("relative_gain") is not None else ""
         lines.append(f"  baseline  {format_metric(b['baseline_metric'])} (trial {b['baseline_trial']}): "
                      f"{b['delta']:+.6f}{gain}")
@@ -311,7 +364,8 @@ def format_best(b: dict) -> str:
                      f"(baseline {format_metric(b.get('baseline_heldout_metric'))})")
     else:
         lines.append("  held-out  - (not verified)")
-    lines.append(f"  {b['kept']} kept change(s) in {b['trials']} trials on {b['branch']}; "
+    confirmed = f" ({b['confirmed']} confirmed)" if b.get("confirmed") is not None else ""
+    lines.append(f"  {b['kept']} kept change(s){confirmed} in {b['trials']} trials on {b['branch']}; "
                  "`autoloop finalize` makes a clean branch of them")
     return "\n".join(lines)
 
@@ -323,9 +377,14 @@ def format_status(info: dict) -> str:
         lines.append(f"paused: {info['pause_reason']}")
     if info["best_metric"] is not None:
         metric = format_estimate(info["best_metric"], info.get("best_metric_sd"), info.get("best_n_runs"))
-        lines.append(f"best: val_bpb {metric} (trial {info['best_trial']}, {str(info['best_commit'])[:12]})")
+        tier = f", {info['best_tier']}" if info.get("best_tier") in ("adopted", "confirmed") else ""
+        lines.append(f"best: val_bpb {metric} (trial {info['best_trial']}{tier}, {str(info['best_commit'])[:12]})")
         if info.get("best_metric_source") not in (None, "verified"):
             lines[-1] += f" - unverified ({info['best_metric_source']})"
+        if info.get("reserve") and info["reserve"].get("source") != "baseline":
+            h = info["reserve"]
+            lines.append(f"re-measured: val_bpb {h['value']:.6f} at {h['n']} fresh seeds, {h['gain']:+.6f} over "
+                         "the baseline")
     if info.get("overfitting"):
         lines.append(info["overfitting"])
     lines.extend(format_noise(info))
@@ -410,4 +469,18 @@ def format_ideas(store, rows: list[dict]) -> str:
         elif idea.get("patch"):
             edit = " [patch]"
         lines.append(f"{idea['id']:>4} {idea['priority']:>4} {idea['status']:<8} {trial:>5}  {_cut(idea['text'], 70)}{edit}")
+        if idea.get("waiting"):
+            lines.append(f"{'':>25}↳ waiting: {idea['waiting']}")
     return "\n".join(lines)
+
+
+def run_words(trial: dict, seed: int | None, role: str | None, owner: dict | None) -> str:
+    """' | candidate at seed 1338', ' | the incumbent (trial 1) at seed 1339, to pair with it':
+    which run of a trial this is ('' when the caller does not say)."""
+    if seed is None and role is None:
+        return ""
+    where = f" at seed {seed}" if seed is not None else ""
+    if owner is not None and owner.get("id") != trial.get("id"):
+        return f" | the incumbent (trial {owner['number']}){where}, to pair with it"
+    what = {"drift": "the incumbent again", "rerun": "the incumbent again"}
+    return f" | {what.get(role or '', role or 'run')}{where}"

@@ -4,7 +4,6 @@ The package holds the page and what it reads; nothing here writes the db but the
 steering actions, which go through the CLI's own code (`autoloop.proposers.seeding.seed_idea`,
 `Store.request_stop`).
 
-* `files`: reading what trial code could have written (no links, no FIFOs, capped).
 * `readonly`: experiments.db opened read-only as a WAL reader (never blocks the controller).
 * `queries`: the page's data, built on `autoloop.review.queries` and capped for 10,000 trials.
 * `app`: the Starlette application and its security rules.

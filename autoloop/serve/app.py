@@ -55,7 +55,8 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from autoloop.errors import AutoloopError
-from autoloop.serve import files, queries
+from autoloop.serve import queries
+from autoloop.trust import untrusted as files
 from autoloop.serve.readonly import ReadOnlyStore
 
 STATIC = Path(__file__).resolve().parent / "static"
@@ -178,7 +179,7 @@ class ServeState:
                     paths = []
                 watched = (version, paths)
                 self._watch[tag or ""] = watched
-            live = [files.stamp(p) for p in watched[1]]
+            live = [queries.stamp(p) for p in watched[1]]
         return {"db": version, "live": hash(tuple(live)) & 0xFFFFFFFF if live else 0}
 
 

@@ -13,7 +13,7 @@ trials:
   `MAX_MESSAGE`, `CURVE_POINTS`), each cut said in the payload.
 
 What the page shows from a running trial comes from its progress file, read by
-`autoloop.serve.files` (no links, regular files only, capped) and only inside the
+`autoloop.trust.untrusted` (no links, regular files only, capped) and only inside the
 project's `.autoloop/` folder. The seed of the run in flight is not in the db until the
 run ends; it follows from the controller's seed rule (a trial's k-th run uses the k-th
 seed of the run, `Controller.seeds`), and for an incumbent re-measured for a comparison
@@ -34,7 +34,27 @@ from pathlib import Path
 from typing import Any
 
 from autoloop.errors import AutoloopError
-from autoloop.serve import files
+from autoloop.trust import untrusted as files
+
+
+def thin(points: list, limit: int) -> list:
+    """At most `limit` points, evenly spaced, the first and the last kept."""
+    if limit < 2 or len(points) <= limit:
+        return list(points)
+    step = (len(points) - 1) / (limit - 1)
+    return [points[round(i * step)] for i in range(limit)]
+
+
+def stamp(path) -> tuple[int, int] | None:
+    """(size, mtime in ns) of a file without following a link: what changed-detection
+    compares; None when absent."""
+    import os
+
+    try:
+        info = os.lstat(path)
+    except (OSError, ValueError):
+        return None
+    return info.st_size, info.st_mtime_ns
 from autoloop.review.tree import layout, tree_rows
 
 MAX_PAGE = 200
@@ -295,7 +315,7 @@ def progress_path(trial_or_measurement: dict, repo: Path) -> Path | None:
 
 def _curve(records: list[dict]) -> list[list]:
     points = [[r["step"], r["loss"]] for r in records if "step" in r and "loss" in r]
-    return files.thin(points, CURVE_POINTS)
+    return thin(points, CURVE_POINTS)
 
 
 def _run_seed(store, run: dict, trial: dict) -> tuple[int | None, dict | None]:
@@ -345,7 +365,7 @@ def _reference_curve(store, incumbent: dict, seed: int | None, repo: Path) -> di
                 return {"trial": incumbent["number"], "seed": seed, "points": points, "source": "progress"}
     stored = _select(store, "SELECT step, loss FROM curves WHERE trial_id = ? AND loss IS NOT NULL ORDER BY step, id",
                      (incumbent["id"],))
-    points = files.thin([[p["step"], p["loss"]] for p in stored], CURVE_POINTS)
+    points = thin([[p["step"], p["loss"]] for p in stored], CURVE_POINTS)
     if points:
         return {"trial": incumbent["number"], "seed": None, "points": points, "source": "curves"}
     return None
@@ -427,7 +447,7 @@ def trial_page(store, run: dict, number: int, repo: Path) -> dict:
     diff = detail.get("diff") or ""
     diff_cut = len(diff) > MAX_DIFF_CHARS
     trial = store.get_trial(run["id"], number)
-    curve = files.thin([[p["step"], p["loss"]] for p in store.curve(trial["id"]) if p.get("loss") is not None],
+    curve = thin([[p["step"], p["loss"]] for p in store.curve(trial["id"]) if p.get("loss") is not None],
                        CURVE_POINTS)
     incumbent = _incumbent(store, run, trial)
     # The stored curve is of the trial's last run: the incumbent's at that run's seed beside it.

@@ -28,21 +28,44 @@ Rules, in order:
         - The untimed warm-up steps may draw what that many steps need: warm-up steps x
           the batches per step measured in the timed phase (median over ticks) + 1 for
           the loader's prefetch. More means training in the untimed warm-up.
-        - The last step is granted whatever time it took, but no step, the last included
-          (with what was drawn after the last tick), may draw more than STEP_BATCH_FACTOR
-          x the median step's batches + 1: that would be data hoarded to train on later.
+        - No step, the last included (with what was drawn after the last tick), may draw
+          more than STEP_BATCH_FACTOR x the median step's batches + 1: that would be data
+          hoarded to train on later.
         - From the end of that window to the process's exit (when the caller gives it):
           at most max(TAIL_FRACTION x budget, TAIL_MIN_SECONDS) for saving the results.
     * step mode. The clock may be told at most max_steps steps; the tokens served may
       exceed the tokens the trial reports by at most one step's worth (the prefetched
       batch); the steps reported must be the steps the clock was told. So a trial that
       trains 50 steps and reports 5 is caught, with both figures.
+    * both modes, the tail (training the feed does not see: extra optimizer steps on batches
+      already drawn). With at least MIN_TIMED_STEPS timed steps:
+        - the last step may take at most LAST_STEP_FACTOR x the median timed step +
+          max(MIN_TOLERANCE_SECONDS, LAST_STEP_SLACK x budget) (in step mode the slack is
+          MIN_TOLERANCE_SECONDS): an honest step on a loaded machine is rarely twice the
+          median; a step that hides dozens of extra updates is many times it;
+        - the checkpoint, as the controller's side watched it appear and change in the run's
+          output folder (`summary["checkpoint"]`, its clock), must reach its final state
+          within max(TAIL_STEPS x the median step, TAIL_MIN_CHECKPOINT_SECONDS) + its size at
+          SAVE_BYTES_PER_SECOND + CHECKPOINT_POLL_SECONDS after the last batch or tick.
+          train.py saves it right after its last step (milliseconds on a CPU, under a
+          second for a GPU model); training on hoarded batches first is seconds or more.
+      Each of the two counts only when the training process also used more CPU than that
+      much time of honest steps takes (`tick_cpu`: the feed reads the process's CPU time
+      at every tick from /proc; `cpu_sample`: the same, read several times a second until
+      the process exits): a busy machine stretches a step's wall time, not its CPU time;
+      extra updates stretch both. Not always: threads that spin while they wait burn CPU
+      doing nothing. Beside two CPU burners on a 2-core VM, torch's OpenMP threads with GNU's
+      default spin count had phases of a dozen steps at 8x the median, each charged as much
+      CPU as wall time (autoloop/measure/openmp.py, which sets a spin count that ends
+      them). Whatever else spins, a run these two rules fail is measured again at the same
+      seed before the trial fails (`load_sensitive`): an attack fails both runs, a stall
+      rarely strikes twice.
 Start-up (spawn -> the trial's first request) is measured, reported, and not a rule: the
 window starts at the feed's own warm-up tick, so no start-up allowance can hide training.
 
-Out of reach of these rules: training on data already drawn (extra optimizer steps on the
-same batch) in step mode, inside a last step that is slow on purpose, or in the tail
-allowance after the last tick; the runner's kill deadline bounds those.
+Out of reach of these rules: in step mode, extra work inside every step (a step that does
+ten updates on its batch is a step ten times as slow, which step mode does not price; time
+mode does); within the bounds above, a few steps' worth of extra updates.
 """
 
 from __future__ import annotations
@@ -62,6 +85,15 @@ STEP_BATCH_FACTOR = 2  # a step may draw this many times the median step's batch
 # trial that hoards batches, stops ticking and trains on after.
 TAIL_FRACTION = 0.5
 TAIL_MIN_SECONDS = 60.0
+MIN_TIMED_STEPS = 3  # fewer timed steps give no median to judge the last one by
+LAST_STEP_FACTOR = 4.0
+LAST_STEP_SLACK = 0.01  # of the budget (time mode)
+TAIL_STEPS = 3
+TAIL_MIN_CHECKPOINT_SECONDS = 1.0
+SAVE_BYTES_PER_SECOND = 100e6  # a slow disk; page cache is ten times faster
+CHECKPOINT_POLL_SECONDS = 0.5  # how often the output folder is looked at (0.2 s), with room
+CPU_SLACK_SECONDS = 0.1  # /proc counts CPU in clock ticks (10 ms), read at each tick
+TAIL_MIN_CPU_SECONDS = 2.0  # after the last step: the result, the checkpoint, the interpreter's exit
 
 
 def _number(result: dict, key: str) -> float | None:
@@ -78,7 +110,7 @@ def _r(x: float | None, digits: int = 3) -> float | None:
 def _ticks(summary: dict) -> tuple[list[float], list[int], list[list]]:
     times = [float(t) for t in summary.get("tick_times") or []]
     batches = [int(b) for b in summary.get("tick_batches") or []]
-    last = [[float(t), int(b)] for t, b in summary.get("last_ticks") or []]
+    last = [[float(tick[0]), int(tick[1])] for tick in summary.get("last_ticks") or []]
     if not last and times:
         last = [[t, b] for t, b in zip(times[-3:], batches[-3:])]
     return times, batches, last
@@ -170,10 +202,29 @@ def check_budget(summary: dict, result: dict | None, *, time_budget: float | Non
                 "its training cannot be checked against the budget", figures)
 
     if step_mode:
-        return _step_rules(figures, summary, max_steps, batches, tokens, n_ticks, reported_steps, reported_tokens), figures
-    return _time_rules(figures, float(time_budget), warmup_steps, batches, n_ticks, times, tick_batches, last_ticks,
-                       summary.get("first_batch"), last_batch, exited, last_step, bps, tolerance,
-                       min_tolerance_seconds), figures
+        problem = _step_rules(figures, summary, max_steps, batches, tokens, n_ticks, reported_steps, reported_tokens)
+    else:
+        problem = _time_rules(figures, float(time_budget), warmup_steps, batches, n_ticks, times, tick_batches,
+                              last_ticks, summary.get("first_batch"), last_batch, exited, last_step, bps, tolerance,
+                              min_tolerance_seconds)
+    if problem is None and batches:
+        problem = _tail_rules(figures, summary, time_budget if not step_mode else None, warmup_steps, n_ticks,
+                              last_step, last_batch, last_ticks)
+        if problem is not None:
+            figures["rule"] = TAIL_RULE
+    return problem, figures
+
+
+# The tail rules' verdicts rest on CPU time, which threads that spin while they wait
+# inflate without doing any work (module docstring). A run they fail is measured once
+# more at the same seed (autoloop.measure.measurer): a trial that trains where the budget
+# does not look does it every time; a stall does not.
+TAIL_RULE = "tail"
+
+
+def load_sensitive(figures: dict | None) -> bool:
+    """True when a budget verdict came from a rule a busy host can trip (`TAIL_RULE`)."""
+    return bool(figures) and figures.get("rule") == TAIL_RULE
 
 
 def _step_rules(figures, summary, max_steps, batches, tokens, n_ticks, reported_steps, reported_tokens) -> str | None:
@@ -259,4 +310,68 @@ def _time_rules(figures, budget, warmup, batches, n_ticks, times, tick_batches, 
         if tail > tail_allowed:
             return (f"ran {tail:.0f} s after its last training batch and step, more than the {tail_allowed:.0f} s "
                     "allowed for saving its results: it trained on without the harness clock")
+    return None
+
+
+def _cpu_figures(summary: dict, warmup: int) -> tuple[float | None, float | None, float | None]:
+    """(median CPU seconds of a timed step, CPU seconds of the last step, CPU at the last
+    tick), from the feed's readings of the training process at each tick; None where the
+    platform gave none."""
+    cpu = summary.get("tick_cpu") or []
+    diffs = [b - a for a, b in zip(cpu[max(warmup - 1, 0):], cpu[max(warmup, 1):]) if a is not None and b is not None]
+    median = float(statistics.median(diffs)) if diffs else None
+    last = [t[2] if len(t) > 2 else None for t in summary.get("last_ticks") or []]
+    last_step = last[-1] - last[-2] if len(last) >= 2 and None not in last[-2:] else None
+    return median, last_step, last[-1] if last else None
+
+
+def _tail_rules(figures, summary, time_budget, warmup, n_ticks, last_step, last_batch, last_ticks) -> str | None:
+    """Training the feed does not see: a last step far longer than the others, or a
+    checkpoint that reached its final state long after the last batch and tick. A step (or
+    a tail) is judged long only when it took more CPU as well as more time: a busy machine
+    makes a step slow, not busier (the feed reads the training process's CPU time itself)."""
+    median = figures.get("median_step_seconds")
+    if n_ticks - warmup < MIN_TIMED_STEPS:
+        # Too few timed steps for their own median (a short budget on a busy machine): the
+        # warm-up steps count too (on a GPU they compile, which only makes the median longer).
+        times = summary.get("tick_times") or []
+        steps = [b - a for a, b in zip(times, times[1:-1])]
+        median = float(statistics.median(steps)) if len(steps) >= 2 else None
+        warmup = 1
+    if not median:
+        return None
+    median_cpu, last_cpu, cpu_at_last_tick = _cpu_figures(summary, warmup)
+    figures["median_step_cpu_seconds"] = _r(median_cpu)
+    figures["last_step_cpu_seconds"] = _r(last_cpu)
+    slack = max(MIN_TOLERANCE_SECONDS, LAST_STEP_SLACK * time_budget) if time_budget else MIN_TOLERANCE_SECONDS
+    last_allowed = LAST_STEP_FACTOR * median + slack
+    figures["last_step_allowed_seconds"] = _r(last_allowed)
+    if last_step > last_allowed:
+        busier = last_cpu is None or median_cpu is None or last_cpu > LAST_STEP_FACTOR * median_cpu + CPU_SLACK_SECONDS
+        if busier:
+            cpu = f", {last_cpu:.2f} s of CPU against a median {median_cpu:.3f} s" if last_cpu is not None \
+                and median_cpu is not None else ""
+            return (f"its last step took {last_step:.2f} s, {last_step / median:.0f} x its median step ({median:.3f} s; "
+                    f"allowed {last_allowed:.2f} s){cpu}: it trained inside a step the budget does not see")
+    checkpoint = summary.get("checkpoint") or {}
+    changed = checkpoint.get("last_change")
+    if changed is None:
+        return None
+    window_end = max(float(last_batch) if last_batch is not None else 0.0, last_ticks[-1][0] if last_ticks else 0.0)
+    size = float(checkpoint.get("bytes") or 0)
+    save = size / SAVE_BYTES_PER_SECOND
+    allowed = max(TAIL_STEPS * median, TAIL_MIN_CHECKPOINT_SECONDS) + save + CHECKPOINT_POLL_SECONDS
+    after = float(changed) - window_end
+    figures["checkpoint_after_seconds"] = _r(after)
+    figures["checkpoint_allowed_seconds"] = _r(allowed)
+    exit_cpu = summary.get("cpu_sample")
+    tail_cpu = exit_cpu - cpu_at_last_tick if exit_cpu is not None and cpu_at_last_tick is not None else None
+    cpu_allowed = max(TAIL_STEPS * (median_cpu or 0.0), TAIL_MIN_CPU_SECONDS) + save
+    figures["tail_cpu_seconds"] = _r(tail_cpu)
+    figures["tail_cpu_allowed_seconds"] = _r(cpu_allowed)
+    if after > allowed and (tail_cpu is None or tail_cpu > cpu_allowed):
+        cpu = f", using {tail_cpu:.1f} s of CPU (allowed {cpu_allowed:.1f} s)" if tail_cpu is not None else ""
+        return (f"its checkpoint was last written {after:.1f} s after its last step and batch (allowed {allowed:.1f} s: "
+                f"{TAIL_STEPS} steps of {median:.3f} s, or {TAIL_MIN_CHECKPOINT_SECONDS:g} s, and the save){cpu}: it "
+                "trained after the harness clock stopped")
     return None

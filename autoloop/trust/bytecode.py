@@ -35,13 +35,13 @@ _warmed: set[tuple[str, str, str, str]] = set()
 
 
 def warmed() -> list[tuple[str, str, str, str]]:
-    """The prefixes filled in this process, sorted: what a worker process inherits."""
+    """The prefixes this process has filled (for a worker process to inherit)."""
     return sorted(_warmed)
 
 
-def mark_warmed(key: tuple[str, str, str, str]) -> None:
-    """A prefix the parent process filled (a worker's inheritance): not warmed again here."""
-    _warmed.add(key)
+def mark_warmed(keys) -> None:
+    """Prefixes a parent process filled already (see autoloop.measure.worker's WARMED_ENV)."""
+    _warmed.update(keys)
 
 
 def pycache_dir(kind: str, cache_root: Path | str) -> Path:

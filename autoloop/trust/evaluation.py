@@ -1,63 +1,44 @@
-"""Evaluation outside training: the controller's side of `python -m autoloop.harness.evaluate`.
+"""The controller's side of a split evaluation: two processes, one channel, one verdict.
 
-Under the controller a trial's training process never evaluates (AUTOLOOP_EVAL=external);
-its metric comes from a separate process that rebuilds the model from the trial's
-train.py (copied from its commit) and checkpoint and evaluates it with the harness
-(autoloop.harness.evaluate: it seals the harness and the torch functions it scores with
-before the trial's code is imported). `evaluate_checkpoint` runs that process through
-the runner (own process group, deadline, log file), sandboxed when given a sandbox:
-it reads the source copy, the checkpoint, the data and its bytecode cache, and writes
-only `out_dir`.
+`evaluate_checkpoint` measures a trained run's checkpoint (autoloop.harness.evaluate has the
+scorer's half, autoloop.harness.model_server the model's, autoloop.harness.channel the
+protocol). It is the only place that starts them, and it owns every channel they use:
 
-The bytecode prefixes the evaluator reads are autoloop.trust.bytecode's; the rules on the
-figures it returns (held-out guard, identical val/held-out) are autoloop.decide.heldout's.
+* the **model process** runs the trial's code: sandboxed with no data file and no writable
+  folder (what it writes in its private /tmp dies with it), its working folder the
+  commit's files copied into a fresh folder, its checkpoint an inherited read-only
+  descriptor opened here without following links (autoloop.trust.untrusted), never a path;
+* the **scorer** runs harness code only: it sees the data read-only, writes nothing, runs
+  from a folder of ours with autoloop's own import root first on its path (a module the
+  trial's files could shadow is never on it), and writes its verdict into a pipe whose
+  reading end only this process holds;
+* both are connected by a socket pair and a shared memory region created here, log
+  through pipes drained here into `eval.log` in a fresh folder this function creates
+  (redacted; never read back), start in process groups of their own, die with their
+  parent, and are killed at the deadline, on abort and when the scorer is done.
+
+So nothing the trial's code could have written (its run folder, a link planted there, a
+cache) is followed, bound, executed or trusted here, and the number comes from a process
+that never ran its code.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
+import socket
+import sys
+import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from autoloop.decide.heldout import suspicious_identity
-from autoloop.measure.runner import run_training
-from autoloop.trust.bytecode import pycache_dir, pycache_env, warm_eval_cache
-
-VERDICT_FILE = "eval.json"
 EVAL_LOG = "eval.log"
-
-
-# ---------------------------------------------------------------------------------------
-# Watching the evaluator's bytecode prefix
-# ---------------------------------------------------------------------------------------
-
-
-def tree_signature(root: Path) -> dict[str, str]:
-    """size, mtime and inode of every file under `root` (~7 ms for torch's 1000 .pyc files)."""
-    signature: dict[str, str] = {}
-    if not root.is_dir():
-        return signature
-    for folder, _dirs, files in os.walk(root):
-        for name in files:
-            path = Path(folder) / name
-            try:
-                stat = path.lstat()
-            except OSError:
-                continue
-            signature[path.relative_to(root).as_posix()] = f"{stat.st_size}:{stat.st_mtime_ns}:{stat.st_ino}"
-    return signature
-
-
-def _signature_changes(before: dict[str, str], after: dict[str, str]) -> list[str]:
-    return [name for name in sorted(set(before) | set(after)) if before.get(name) != after.get(name)]
-
-
-# ---------------------------------------------------------------------------------------
-# Running the evaluation
-# ---------------------------------------------------------------------------------------
+VERDICT_FILE = "verdict.json"
+MAX_VERDICT_BYTES = 1 << 20
 
 
 @dataclass
@@ -66,9 +47,8 @@ class EvalResult:
 
     ok: the verdict passed. reason: one line when not. status: "ok", "failed" (a verdict
     that failed: the trial's fault), "timeout", "crash" (no verdict), "aborted", or
-    "data" (the worker says the dataset is broken: not the trial's fault).
-    fields: the verdict JSON as written by the worker (stage, seconds, replaced, ...).
-    """
+    "data" (the scorer says the dataset is broken: not the trial's fault).
+    fields: the verdict JSON (stage, seconds, causality, ...)."""
 
     ok: bool
     reason: str | None
@@ -76,129 +56,244 @@ class EvalResult:
     val_bpb: float | None = None
     heldout_bpb: float | None = None
     causality: dict | None = None
-    seconds: float = 0.0  # wall seconds of the evaluation process, spawn to exit
+    seconds: float = 0.0  # wall seconds, spawn to the scorer's exit
     fields: dict = field(default_factory=dict)
     log_path: Path | None = None
-    verdict_path: Path | None = None
 
 
-def evaluation_command(*, python: str, train_py: Path, checkpoint: Path, out: Path, data_dir: Path, device: str,
-                       splits: tuple[str, ...] | list[str], causality: bool, seed: int,
-                       reported: float | None) -> list[str]:
-    command = [
-        python, "-m", "autoloop.harness.evaluate", "--train-py", str(train_py), "--checkpoint", str(checkpoint),
-        "--out", str(out), "--data-dir", str(data_dir), "--device", device, "--splits", ",".join(splits),
-        "--seed", str(seed),
-    ]
-    if causality:
-        command.append("--causality")
-    if reported is not None:
-        command += ["--reported", repr(float(reported))]
-    return command
+def trusted_import_root(cache: Path | None = None) -> Path:
+    """A folder holding only `autoloop` (a link to the package this process runs): the first
+    entry of every trusted child's import path, so that the child imports this harness and
+    no module a project folder or a trial's files could hold under a familiar name."""
+    import hashlib
+
+    import autoloop
+
+    package = Path(autoloop.__file__).resolve().parent
+    if cache is None:
+        from autoloop.harness.contract import cache_root
+
+        cache = cache_root()
+    root = Path(cache) / "pylib" / hashlib.sha256(str(package).encode()).hexdigest()[:12]
+    link = root / "autoloop"
+    if not (link.is_symlink() and Path(os.readlink(link)) == package):
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = root / f".autoloop.{os.getpid()}.{threading.get_ident()}"
+        tmp.unlink(missing_ok=True)
+        os.symlink(package, tmp)
+        os.replace(tmp, link)
+    return root
+
+
+def trusted_python_path(env: dict[str, Any], cache: Path | None = None) -> str:
+    """PYTHONPATH for a trusted child: autoloop's own root first, then the user's."""
+    rest = [p for p in str(env.get("PYTHONPATH") or os.environ.get("PYTHONPATH") or "").split(os.pathsep) if p]
+    return os.pathsep.join([str(trusted_import_root(cache)), *rest])
+
+
+class _Child:
+    """A process in its own group, logging through a pipe of ours, dying with us."""
+
+    def __init__(self, argv: list[str], *, cwd: Path, env: dict[str, str], log_path: Path, prefix: str,
+                 pass_fds: tuple[int, ...], sandbox, readonly: list[Path], hidden: list[Path]):
+        import subprocess
+
+        from autoloop.measure.runner import LogPipe, die_with_parent
+
+        if sandbox is not None:  # kinds "none" and "off" leave the command as it is
+            argv, env = sandbox.wrap(argv, env=env, cwd=cwd, writable=[], readonly=readonly, hidden=hidden)
+        if sandbox is None or sandbox.kind != "bwrap":
+            argv = die_with_parent(argv)
+        self.log = LogPipe(log_path, prefix=prefix)
+        try:
+            self.proc = subprocess.Popen(argv, cwd=str(cwd), env=env, stdin=subprocess.DEVNULL, stdout=self.log.write_fd,
+                                         stderr=subprocess.STDOUT, start_new_session=True, pass_fds=pass_fds)
+        except OSError:
+            self.log.close()
+            raise
+        self.log.start()
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def close(self) -> None:
+        self.kill()
+        self.proc.wait()
+        self.log.close()
 
 
 def evaluate_checkpoint(
     *,
     python: str,
-    repo_dir: Path,
+    project_dir: Path,
     source_dir: Path,
-    checkpoint: Path,
+    script: str,
+    checkpoint_base: Path,
+    checkpoint: str,
     data_dir: Path,
     device: str,
-    splits: tuple[str, ...] | list[str] = ("val",),
-    causality: bool = False,
     out_dir: Path,
+    splits: tuple[str, ...] | list[str] = ("val",),
     sandbox=None,
     deadline_seconds: float,
     on_start: Callable[[int, int, int | None], None] | None = None,
-    script: str = "train.py",
-    seed: int = 0,
-    reported: float | None = None,
-    cache_root: Path | None = None,
     should_abort: Callable[[], bool] | None = None,
-    db_path: Path | None = None,
     env: dict[str, Any] | None = None,
-    verdict_file: str = VERDICT_FILE,
-    log_file: str = EVAL_LOG,
+    hidden: list[Path] | tuple[Path, ...] = (),
+    pycache: dict[str, str | None] | None = None,
+    cache: Path | None = None,
+    probe_batches: int | None = None,
 ) -> EvalResult:
-    """Evaluate `checkpoint` with the model of `source_dir/script` in a separate process.
+    """Evaluate `checkpoint_base/checkpoint` (the trial's output, opened without following
+    links) with the model of `source_dir/script`, by the harness, in two processes.
 
-    `source_dir`: the trial's editable files copied from its commit
-    (autoloop.measure.worker.write_sources); the worker runs from there so the trial's imports of its own
-    siblings resolve to the copy. `sandbox`: an object with `.wrap(argv, *, env, cwd,
-    writable, readonly, hidden) -> (argv, env)` (autoloop.measure.sandbox), or None to run
-    unsandboxed. Writes `out_dir/eval.json` (the verdict) and `out_dir/eval.log` (names:
-    `verdict_file`, `log_file`).
-    `reported`: the trial's own val_bpb, when it has one to hold it to (verification).
-    `cache_root`: the controller's cache (bytecode prefixes); default the harness's.
-    """
-    repo_dir, source_dir, checkpoint, data_dir, out_dir = map(Path, (repo_dir, source_dir, checkpoint, data_dir, out_dir))
-    out_dir.mkdir(parents=True, exist_ok=True)
-    if cache_root is None:
-        from autoloop.harness.contract import cache_root as harness_cache_root
+    `out_dir`: a folder this call creates for the evaluation's log and verdict (it must not
+    exist: nothing an earlier stage wrote is reused). `hidden`: what neither process may see
+    (the project's .git, .autoloop, the db, secret files); the model process also does not
+    see `data_dir`. `env`: extra environment for both (the slot's CUDA_VISIBLE_DEVICES).
+    `pycache`: the bytecode settings (read-only prefix, no writing) for both."""
+    from autoloop.harness.channel import make_region
+    from autoloop.measure.runner import process_start_time
+    from autoloop.measure.sandbox import allowed_environment
+    from autoloop.trust.untrusted import UntrustedFile, open_beneath
 
-        cache_root = harness_cache_root()
-    verdict_path = out_dir / verdict_file
-    log_path = out_dir / log_file
-    verdict_path.unlink(missing_ok=True)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=False)
+    log_path = out_dir / EVAL_LOG
     device = "cpu" if device == "cpu" else "cuda"
     splits = tuple(splits)
+    if (Path(source_dir) / "autoloop").exists():
+        return EvalResult(False, "the trial's files include a folder named autoloop/, which would be imported instead "
+                                 "of the installed harness: an editable file may not be named autoloop/...",
+                          "failed", log_path=log_path)
+    try:
+        checkpoint_fd = open_beneath(checkpoint_base, checkpoint)
+    except FileNotFoundError:
+        return EvalResult(False, "the run saved no checkpoint, so its model cannot be evaluated: save it to "
+                                 "$AUTOLOOP_CHECKPOINT with autoloop.harness.save_checkpoint", "failed", log_path=log_path)
+    except UntrustedFile as exc:
+        return EvalResult(False, f"the checkpoint cannot be read safely: {exc}", "failed", log_path=log_path)
 
-    if (source_dir / "autoloop").exists():
-        # The worker runs from source_dir and `python -m` puts it first on sys.path.
-        return EvalResult(ok=False, status="failed", reason=(
-            f"the trial's files include {source_dir / 'autoloop'}, which would be imported instead of the installed "
-            "harness: an editable file may not be named autoloop/..."))
-    warm_eval_cache(python, cache_root)
-    prefix = pycache_dir("eval", cache_root)
-    command = evaluation_command(python=python, train_py=source_dir / script, checkpoint=checkpoint, out=verdict_path,
-                                 data_dir=data_dir, device=device, splits=splits, causality=causality, seed=seed,
-                                 reported=reported)
-    child_env: dict[str, Any] = {
-        # The contract variables are the training run's: nothing here may overwrite its
-        # result or checkpoint, and the evaluator never runs "external" itself.
-        "AUTOLOOP_RESULT": None, "AUTOLOOP_CHECKPOINT": None, "AUTOLOOP_PROGRESS": None, "AUTOLOOP_EVAL": None,
-        "AUTOLOOP_DATA_DIR": str(data_dir), **pycache_env("eval", cache_root), **(env or {}),
-    }
-    if sandbox is not None:
-        db = Path(db_path) if db_path is not None else repo_dir / "experiments.db"
-        hidden = [repo_dir / ".git", repo_dir / ".autoloop", db, db.with_name(db.name + "-wal"),
-                  db.with_name(db.name + "-shm")]
-        command, child_env = sandbox.wrap(command, env=child_env, cwd=source_dir, writable=[out_dir],
-                                          readonly=[source_dir, checkpoint, data_dir, prefix], hidden=hidden)
-    before = tree_signature(prefix)
-    ran = run_training(command, cwd=source_dir, env=child_env, log_path=log_path, deadline_seconds=deadline_seconds,
-                       on_start=on_start, should_abort=should_abort)
-    written = _signature_changes(before, tree_signature(prefix))
+    base_env = allowed_environment({**(env or {}), **(pycache or {}), "PYTHONDONTWRITEBYTECODE": "1"})
+    for name in ("AUTOLOOP_RESULT", "AUTOLOOP_CHECKPOINT", "AUTOLOOP_PROGRESS", "AUTOLOOP_EVAL", "AUTOLOOP_FEED",
+                 "AUTOLOOP_DATA_DIR", "AUTOLOOP_COMPILE_CACHE"):
+        base_env.pop(name, None)
+    base_env["PYTHONPATH"] = trusted_python_path(base_env, cache)
+    prefix = Path((pycache or {}).get("PYTHONPYCACHEPREFIX") or out_dir)
+    region = make_region()
+    model_end, scorer_end = socket.socketpair()
+    verdict_read, verdict_write = os.pipe()
+    model = scorer = None
+    started = time.monotonic()
+    try:
+        model = _Child(
+            [python, "-m", "autoloop.harness.model_server", "--train-py", str(Path(source_dir) / script),
+             "--device", device, "--checkpoint-fd", str(checkpoint_fd), "--channel-fd", str(model_end.fileno()),
+             "--region-fd", str(region)],
+            cwd=Path(source_dir), env=dict(base_env), log_path=log_path, prefix="[model] ",
+            pass_fds=(checkpoint_fd, model_end.fileno(), region), sandbox=sandbox,
+            readonly=[Path(source_dir), prefix], hidden=[*hidden, Path(data_dir), *_dataset_roots(data_dir)],
+        )
+        if on_start is not None:
+            on_start(model.pid, model.pid, process_start_time(model.pid))
+        command = [python, "-m", "autoloop.harness.evaluate", "--data-dir", str(data_dir), "--device", device,
+                   "--splits", ",".join(splits), "--channel-fd", str(scorer_end.fileno()), "--region-fd", str(region),
+                   "--verdict-fd", str(verdict_write)]
+        if probe_batches is not None:
+            command += ["--probe-batches", str(probe_batches)]
+        scorer = _Child(command, cwd=out_dir, env=dict(base_env), log_path=log_path, prefix="[scorer] ",
+                        pass_fds=(scorer_end.fileno(), region, verdict_write), sandbox=sandbox,
+                        readonly=[Path(data_dir), out_dir, prefix], hidden=list(hidden))
+    except OSError as exc:
+        for child in (model, scorer):
+            if child is not None:
+                child.close()
+        return EvalResult(False, f"the evaluation could not start ({exc})", "crash", log_path=log_path)
+    finally:
+        for fd in (checkpoint_fd, region, verdict_write):
+            os.close(fd)
+        model_end.close()
+        scorer_end.close()
+
+    verdict_text: list[bytes] = []
+    reader = threading.Thread(target=_read_capped, args=(verdict_read, verdict_text), daemon=True)
+    reader.start()
+    stopped = None
+    try:
+        deadline = started + deadline_seconds
+        while scorer.proc.poll() is None:
+            if time.monotonic() >= deadline:
+                stopped = "timeout"
+                break
+            if should_abort is not None and should_abort():
+                stopped = "aborted"
+                break
+            time.sleep(0.05)
+    finally:
+        scorer.close()
+        model.close()
+        reader.join(5)
+    seconds = time.monotonic() - started
 
     def result(ok: bool, reason: str | None, status: str, verdict: dict | None = None) -> EvalResult:
         verdict = verdict or {}
-        return EvalResult(ok=ok, reason=reason, status=status, val_bpb=verdict.get("val_bpb"),
-                          heldout_bpb=verdict.get("heldout_bpb"), causality=verdict.get("causality"),
-                          seconds=ran.wall_seconds, fields=verdict, log_path=log_path, verdict_path=verdict_path)
+        return EvalResult(ok, reason, status, val_bpb=_number(verdict.get("val_bpb")),
+                          heldout_bpb=_number(verdict.get("heldout_bpb")), causality=verdict.get("causality"),
+                          seconds=seconds, fields=verdict, log_path=log_path)
 
-    if ran.status == "aborted":
+    if stopped == "aborted":
         return result(False, "the evaluation was interrupted", "aborted")
-    if ran.status == "timeout":
+    if stopped == "timeout":
         return result(False, f"the evaluation did not finish within {deadline_seconds:.0f} s (see {log_path})", "timeout")
-    if written:
-        listed = ", ".join(written[:5]) + (f" and {len(written) - 5} more" if len(written) > 5 else "")
-        return result(False, f"the evaluation of the trial's code wrote to the evaluator's bytecode cache {prefix}: "
-                             f"{listed}", "failed")
-    if ran.returncode == 2 and not verdict_path.exists():
-        return result(False, f"the evaluation found the dataset broken: {ran.reason}", "data")
+    code = scorer.proc.returncode
+    if code == 2:
+        return result(False, f"the evaluation found the dataset broken (see {log_path})", "data")
     try:
-        if ran.returncode != 0:
-            raise ValueError("the worker failed")
-        verdict = json.loads(verdict_path.read_text())
+        verdict = json.loads(b"".join(verdict_text).decode("utf-8", "replace"))
         if not isinstance(verdict, dict):
             raise ValueError("not an object")
-    except (OSError, ValueError):
-        why = ran.reason or f"exit {ran.returncode}"
-        return result(False, f"the evaluation crashed ({why}; see {log_path})", "crash")
+    except ValueError:
+        return result(False, f"the evaluation crashed (exit {code}; see {log_path})", "crash")
+    (out_dir / VERDICT_FILE).write_text(json.dumps(verdict, indent=1))
     if not verdict.get("ok"):
         return result(False, verdict.get("reason") or "the evaluation failed without a reason", "failed", verdict)
-    identical = suspicious_identity(verdict.get("val_bpb"), verdict.get("heldout_bpb"))
-    if identical:  # the worker checks this too; a verdict file is only as good as its writer
-        return result(False, identical, "failed", verdict)
     return result(True, None, "ok", verdict)
+
+
+def _read_capped(fd: int, out: list[bytes]) -> None:
+    total = 0
+    try:
+        while total <= MAX_VERDICT_BYTES:
+            block = os.read(fd, 65536)
+            if not block:
+                break
+            out.append(block)
+            total += len(block)
+    finally:
+        os.close(fd)
+
+
+def _number(value: Any) -> float | None:
+    import math
+
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return None
+    return float(value)
+
+
+def _dataset_roots(data_dir: Path) -> list[Path]:
+    """Where prepared datasets live (all of them, not only this run's), hidden from the model."""
+    from autoloop.harness.contract import cache_root
+
+    roots = [cache_root() / "data"]
+    parent = Path(data_dir).resolve().parent
+    if parent != Path("/") and parent.name == "data":
+        roots.append(parent)
+    return [p for p in roots if p.exists()]

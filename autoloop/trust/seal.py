@@ -1,41 +1,44 @@
-"""A seal on what decides a run, so a trial that writes to experiments.db changes nothing.
+"""The db seal: a training run that writes to experiments.db changes nothing that decides.
 
-Training code runs as the same user as the controller; unsandboxed (or with a sandbox
-that cannot hide the database) it can open experiments.db and, say, set the incumbent's
-metric to 99 so that the next, far worse trial is "an improvement". The controller seals
-the rows that decide right before a training run and checks them right after:
+Unsandboxed (under bubblewrap the db is not there for a trial to open), training code runs
+as the controller's user and can open experiments.db and, say, set the incumbent's metric
+to 99 so that the next, far worse trial is "an improvement". The seal holds what decides
+against that, and it works with several trials in flight:
 
-    seal = StoreSeal.capture(store, run_id)
-    ... training ...
-    problem = seal.check(store)          # None, or "trial 1 metric 2.65 -> 99.0; ..."
-    if problem:
-        seal.restore(store)              # the sealed values back, in one transaction
-        ... the trial is invalid: f"the trial wrote to experiments.db: {problem}"
+* `OwnWrites` is a mirror of the decisive fields (SEALED) of every row of the run that the
+  controller's Store wrote: it is told of each write as the Store makes it, from whichever
+  thread (autoloop.store.Store.watch_own_writes), and it starts from the db as it was when
+  the run's first seal was taken. So it holds what the db would hold if nobody else wrote.
+* `StoreSeal.capture()` before a training run notes SQLite's `data_version` (which changes
+  only when *another connection* commits: `autoloop seed`, `autoloop stop`, a live page
+  seeding an idea, or a trial writing the file); `check()` after the run compares the
+  decisive fields of the db with the mirror, but only when data_version moved (one PRAGMA
+  otherwise). The controller's own writes meanwhile, from another trial's thread included,
+  are in the mirror, so they are never a difference: nothing honest is blamed.
+* `restore()` writes the mirror's values back over a difference, deletes measurements and
+  marks trials that no controller wrote, and re-inserts rows a foreign writer deleted
+  (full copies are kept): the controller's own rows, another thread's measurement among
+  them, are never undone.
 
-What is sealed: the run's best_commit and noise figures; for every trial of the run that
-has finished (any status but running), status, metric, metric_source, heldout_metric,
-metric_sd, n_runs and trial_commit; every measurement of the run's trials (metric, seed,
-heldout_metric, role, status, for_trial_id, verified), and which rows exist. A trial that
-is running (the one training now, or a candidate between its measurements) may still be
-updated by the controller, so only its measurements are sealed. New finished trials and
-new measurements that appear between capture and check are tampering too (the controller
-writes neither while a training process runs). `restore` puts sealed values back,
-re-inserts deleted rows from the full copies taken at capture, deletes added
-measurements and marks added trials invalid.
+Who is to blame is the caller's business (autoloop.measure.measurer): with one trial training it
+is that trial; with several it cannot be told, and the run pauses instead of failing an
+honest one.
 
-The seal costs one read of the run's trials and measurements (~1 ms per hundred rows).
+Sealed: the run's best_commit and noise figures; every trial's status, metric,
+metric_source, heldout_metric, metric_sd, n_runs, trial_commit; every measurement's trial,
+seed, metric, heldout_metric, role, status, for_trial_id, verified.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
 TRIAL_FIELDS = ("status", "metric", "metric_source", "heldout_metric", "metric_sd", "n_runs", "trial_commit")
 MEASUREMENT_FIELDS = ("trial_id", "seed", "metric", "heldout_metric", "role", "status", "for_trial_id", "verified")
 RUN_FIELDS = ("best_commit", "noise_sd", "noise_pair_sd", "noise_df")
+SEALED = {"runs": RUN_FIELDS, "trials": TRIAL_FIELDS, "measurements": MEASUREMENT_FIELDS}
 MAX_LISTED = 6
 
 
@@ -43,130 +46,130 @@ def _show(value: Any) -> str:
     return repr(value) if isinstance(value, float) else str(value)
 
 
-def _columns(store, table: str) -> list[str]:
-    return [row["name"] for row in store._query(f"PRAGMA table_info({table})")]
+def _read(store, run_id: int) -> dict[str, dict[int, dict]]:
+    """The run's rows as they are in the db now (full rows)."""
+    runs = store.query("SELECT * FROM runs WHERE id = ?", (run_id,))
+    trials = store.query("SELECT * FROM trials WHERE run_id = ? ORDER BY id", (run_id,))
+    measurements = store.query(
+        "SELECT m.* FROM measurements m JOIN trials t ON t.id = m.trial_id WHERE t.run_id = ? ORDER BY m.id", (run_id,))
+    return {"runs": {r["id"]: r for r in runs}, "trials": {r["id"]: r for r in trials},
+            "measurements": {r["id"]: r for r in measurements}}
+
+
+class OwnWrites:
+    """What the db holds by the controller's own writes: full rows of the run, updated with
+    every write the Store makes (it is the Store's mirror, one per Store)."""
+
+    def __init__(self, store, run_id: int):
+        self.run_id = run_id
+        self.lock = threading.Lock()
+        self.rows = _read(store, run_id)  # the trusted start: before any trial of this invocation ran
+        self.trial_ids = set(self.rows["trials"])
+        store.watch_own_writes(self)
+
+    def wrote(self, table: str, row_id: int, encoded: dict[str, Any], inserted: bool = False) -> None:
+        if table not in SEALED:
+            return
+        with self.lock:
+            if table == "trials":
+                if inserted and encoded.get("run_id") != self.run_id:
+                    return
+                if row_id not in self.trial_ids and not inserted:
+                    return
+                self.trial_ids.add(row_id)
+            elif table == "measurements":
+                if encoded.get("trial_id", self.rows["measurements"].get(row_id, {}).get("trial_id")) \
+                        not in self.trial_ids:
+                    return
+            elif row_id != self.run_id:
+                return
+            row = self.rows[table].setdefault(row_id, {"id": row_id})
+            row.update(encoded)
+
+    def snapshot(self) -> dict[str, dict[int, dict]]:
+        with self.lock:
+            return {table: {k: dict(v) for k, v in rows.items()} for table, rows in self.rows.items()}
+
+
+def own_writes(store, run_id: int) -> OwnWrites:
+    """The Store's mirror for `run_id`, made once (the first seal of the invocation)."""
+    mirror = store.mirror
+    if mirror is None or mirror.run_id != run_id:
+        mirror = OwnWrites(store, run_id)
+    return mirror
 
 
 @dataclass
 class StoreSeal:
     run_id: int
-    run: dict[str, Any]
-    trials: dict[int, dict[str, Any]]  # trial id -> full row (finished trials)
-    measurements: dict[int, dict[str, Any]]  # measurement id -> full row
-    running: set[int]  # ids of trials running at capture (their own fields are not sealed)
-    digest: str = ""
-    numbers: dict[int, int] = field(default_factory=dict)  # trial id -> trial number, for messages
-
-    # ------------------------------------------------------------------ reading
-
-    @staticmethod
-    def _read(store, run_id: int) -> tuple[dict, dict, dict, set, dict]:
-        runs = store._query("SELECT * FROM runs WHERE id = ?", (run_id,))
-        if not runs:
-            raise KeyError(f"no run with id {run_id}")
-        trials = store._query("SELECT * FROM trials WHERE run_id = ? ORDER BY id", (run_id,))
-        measurements = store._query(
-            "SELECT m.* FROM measurements m JOIN trials t ON t.id = m.trial_id WHERE t.run_id = ? ORDER BY m.id",
-            (run_id,),
-        )
-        finished = {row["id"]: row for row in trials if row["status"] != "running"}
-        running = {row["id"] for row in trials if row["status"] == "running"}
-        numbers = {row["id"]: row["number"] for row in trials}
-        return runs[0], finished, {row["id"]: row for row in measurements}, running, numbers
-
-    @staticmethod
-    def _digest(run: dict, trials: dict, measurements: dict) -> str:
-        decisive = {
-            "run": {k: run.get(k) for k in RUN_FIELDS},
-            "trials": {str(i): {k: row.get(k) for k in TRIAL_FIELDS} for i, row in trials.items()},
-            "measurements": {str(i): {k: row.get(k) for k in MEASUREMENT_FIELDS} for i, row in measurements.items()},
-        }
-        return hashlib.sha256(json.dumps(decisive, sort_keys=True, default=str).encode()).hexdigest()
+    mirror: OwnWrites
+    data_version: int
+    found: list[str] = field(default_factory=list)
 
     @classmethod
     def capture(cls, store, run_id: int) -> StoreSeal:
-        """Seal what decides run `run_id`: a digest plus a full copy of the rows."""
-        run, trials, measurements, running, numbers = cls._read(store, run_id)
-        return cls(run_id=run_id, run=run, trials=trials, measurements=measurements, running=running,
-                   digest=cls._digest(run, trials, measurements), numbers=numbers)
-
-    # ------------------------------------------------------------------ checking
+        mirror = own_writes(store, run_id)
+        return cls(run_id=run_id, mirror=mirror, data_version=store.data_version())
 
     def _differences(self, store) -> list[str]:
-        run, trials, measurements, _running, numbers = self._read(store, self.run_id)
-        if self._digest(run, trials, measurements) == self.digest and set(trials) == set(self.trials):
-            return []
-        numbers = {**numbers, **self.numbers}
+        if store.data_version() == self.data_version:
+            return []  # no other connection committed anything
+        now = _read(store, self.run_id)
+        ours = self.mirror.snapshot()
+        number = {tid: row.get("number") for tid, row in {**now["trials"], **ours["trials"]}.items()}
         found = []
-        for key in RUN_FIELDS:
-            if run.get(key) != self.run.get(key):
-                found.append(f"run {key} {_show(self.run.get(key))} -> {_show(run.get(key))}")
-        for trial_id, sealed in self.trials.items():
-            now = trials.get(trial_id)
-            if now is None:  # deleted, or set back to running (then no longer "finished")
-                status = store._query("SELECT status FROM trials WHERE id = ?", (trial_id,))
-                found.append(f"trial {sealed['number']} " + (
-                    f"status {sealed['status']} -> {status[0]['status']}" if status else "deleted"))
-                continue
-            for key in TRIAL_FIELDS:
-                if now.get(key) != sealed.get(key):
-                    found.append(f"trial {sealed['number']} {key} {_show(sealed.get(key))} -> {_show(now.get(key))}")
-        for trial_id in sorted(set(trials) - set(self.trials) - self.running):
-            found.append(f"trial {trials[trial_id]['number']} added as {trials[trial_id]['status']}")
-        for mid, sealed in self.measurements.items():
-            now = measurements.get(mid)
-            label = f"measurement {mid} (trial {numbers.get(sealed['trial_id'], '?')})"
-            if now is None:
-                found.append(f"{label} deleted")
-                continue
-            for key in MEASUREMENT_FIELDS:
-                if now.get(key) != sealed.get(key):
-                    found.append(f"{label} {key} {_show(sealed.get(key))} -> {_show(now.get(key))}")
-        for mid in sorted(set(measurements) - set(self.measurements)):
-            found.append(f"measurement {mid} (trial {numbers.get(measurements[mid]['trial_id'], '?')}) added")
+        for table, fields in SEALED.items():
+            for row_id, mine in ours[table].items():
+                theirs = now[table].get(row_id)
+                label = {"runs": "run", "trials": f"trial {number.get(row_id)}",
+                         "measurements": f"measurement {row_id} (trial {number.get(mine.get('trial_id'), '?')})"}[table]
+                if theirs is None:
+                    found.append(f"{label} deleted")
+                    continue
+                for key in fields:
+                    if key in mine and theirs.get(key) != mine.get(key):
+                        found.append(f"{label} {key} {_show(mine.get(key))} -> {_show(theirs.get(key))}")
+            for row_id in sorted(set(now[table]) - set(ours[table])):
+                if table == "measurements":
+                    found.append(f"measurement {row_id} (trial {number.get(now[table][row_id].get('trial_id'), '?')}) added")
+                elif table == "trials":
+                    found.append(f"trial {now[table][row_id].get('number')} added as {now[table][row_id].get('status')}")
         return found
 
     def check(self, store) -> str | None:
-        """What changed since capture, e.g. "trial 1 metric 2.65 -> 99.0", or None."""
-        found = self._differences(store)
-        if not found:
+        """What another process changed since capture, e.g. "trial 1 metric 2.65 -> 99.0", or None."""
+        self.found = self._differences(store)
+        if not self.found:
             return None
-        listed = "; ".join(found[:MAX_LISTED])
-        return listed + (f"; and {len(found) - MAX_LISTED} more" if len(found) > MAX_LISTED else "")
-
-    # ------------------------------------------------------------------ restoring
+        listed = "; ".join(self.found[:MAX_LISTED])
+        return listed + (f"; and {len(self.found) - MAX_LISTED} more" if len(self.found) > MAX_LISTED else "")
 
     def restore(self, store) -> None:
-        """Put every sealed row back as it was at capture, in one transaction."""
-        trial_columns = set(_columns(store, "trials"))
-        measurement_columns = set(_columns(store, "measurements"))
+        """The controller's own values back over whatever another process changed, in one transaction."""
+        ours = self.mirror.snapshot()
+        now = _read(store, self.run_id)
         with store.transaction():
             conn = store.conn
-            conn.execute(f"UPDATE runs SET {', '.join(f'{k} = ?' for k in RUN_FIELDS)} WHERE id = ?",
-                         (*(self.run.get(k) for k in RUN_FIELDS), self.run_id))
-            for trial_id, row in self.trials.items():
-                exists = conn.execute("SELECT 1 FROM trials WHERE id = ?", (trial_id,)).fetchone()
-                if exists:
-                    conn.execute(f"UPDATE trials SET {', '.join(f'{k} = ?' for k in TRIAL_FIELDS)} WHERE id = ?",
-                                 (*(row.get(k) for k in TRIAL_FIELDS), trial_id))
-                else:
-                    names = [k for k in row if k in trial_columns]
-                    conn.execute(f"INSERT INTO trials ({', '.join(names)}) VALUES ({', '.join('?' for _ in names)})",
-                                 tuple(row[k] for k in names))
-            present = {r[0] for r in conn.execute(
-                "SELECT m.id FROM measurements m JOIN trials t ON t.id = m.trial_id WHERE t.run_id = ?", (self.run_id,))}
-            for mid in present - set(self.measurements):
-                conn.execute("DELETE FROM measurements WHERE id = ?", (mid,))
-            for mid, row in self.measurements.items():
-                if mid in present:
-                    conn.execute(f"UPDATE measurements SET {', '.join(f'{k} = ?' for k in MEASUREMENT_FIELDS)} "
-                                 "WHERE id = ?", (*(row.get(k) for k in MEASUREMENT_FIELDS), mid))
-                else:
-                    names = [k for k in row if k in measurement_columns]
-                    conn.execute(f"INSERT INTO measurements ({', '.join(names)}) "
-                                 f"VALUES ({', '.join('?' for _ in names)})", tuple(row[k] for k in names))
-            sealed_ids = set(self.trials) | self.running
-            for (trial_id,) in conn.execute("SELECT id FROM trials WHERE run_id = ?", (self.run_id,)).fetchall():
-                if trial_id not in sealed_ids:
-                    conn.execute("UPDATE trials SET status = 'invalid', reason = ? WHERE id = ?",
-                                 ("row written to experiments.db by another process while a trial ran", trial_id))
+            for table, fields in SEALED.items():
+                columns = {row["name"] for row in store.query(f"PRAGMA table_info({table})")}
+                for row_id, mine in ours[table].items():
+                    keep = {k: v for k, v in mine.items() if k in columns}
+                    if row_id in now[table]:
+                        sealed = {k: keep[k] for k in fields if k in keep}
+                        if sealed:
+                            conn.execute(f"UPDATE {table} SET {', '.join(f'{k} = ?' for k in sealed)} WHERE id = ?",
+                                         (*sealed.values(), row_id))
+                    elif table != "runs":
+                        names = list(keep)
+                        conn.execute(f"INSERT INTO {table} ({', '.join(names)}) VALUES ({', '.join('?' for _ in names)})",
+                                     tuple(keep[k] for k in names))
+                for row_id in set(now[table]) - set(ours[table]):
+                    if table == "measurements":
+                        conn.execute("DELETE FROM measurements WHERE id = ?", (row_id,))
+                    elif table == "trials":
+                        reason = "row written to experiments.db by another process while a trial ran"
+                        conn.execute("UPDATE trials SET status = 'invalid', reason = ? WHERE id = ?", (reason, row_id))
+                        # Neutralised, it stays (its number is taken) and decides nothing: ours now.
+                        self.mirror.wrote("trials", row_id, {**now[table][row_id], "status": "invalid",
+                                                             "reason": reason}, inserted=True)
+        self.data_version = store.data_version()

@@ -3,7 +3,10 @@
 val_bpb is a known function of the constants below (minimum 1.0 at LR = 0.01,
 WIDTH = 64), so a test knows which proposals improve. MODE makes it misbehave the way
 real scripts do: crash, hang, NaN, no metric, summary-only output, a child process that
-ignores SIGTERM (stubborn_child), or a checkpoint save on a full disk (enospc).
+ignores SIGTERM (stubborn_child), or a checkpoint save on a full disk (enospc). STEPWISE
+makes it train for real in shape: STEPS steps (AUTOLOOP_MAX_STEPS when set) over SLEEP
+seconds, a progress line per step and a loss curve whose distance from the unmodified
+script's grows with its final val_bpb's (the early-stop tests).
 """
 
 import json
@@ -20,8 +23,12 @@ MODE = "ok"  # ok | crash | hang | nan | nometric | reported | stubborn_child | 
 NOISE = 0.0  # sd of a per-seed draw added to val_bpb (seed noise, as in real training)
 SALT = 0  # which random stream the seed draws from: a change re-draws the noise (an init-only change)
 OFFSET_FILE = ""  # a file holding a number added to val_bpb (a machine that drifts)
+SPEED_FILE = ""  # a file holding the machine's speed (1: as usual); a faster machine trains more steps in the budget
 RECORD_WORKER = False  # put CUDA_VISIBLE_DEVICES and the working folder into the result (executor tests)
 PIDFILE = ""  # write {"pid", "ppid"} here at the start (a test that kills the worker running it)
+STEPWISE = False  # write a loss curve step by step (see the docstring)
+STEPS = 20  # steps of a STEPWISE run without AUTOLOOP_MAX_STEPS
+STEP_NOISE = 0.002  # sd of each curve point's own draw (by seed, SALT and step)
 
 
 def val_bpb() -> float:
@@ -33,7 +40,35 @@ def val_bpb() -> float:
     if OFFSET_FILE and os.path.exists(OFFSET_FILE):
         with open(OFFSET_FILE) as handle:
             value += float(handle.read().strip() or 0)
+    if SPEED_FILE and os.path.exists(SPEED_FILE):
+        with open(SPEED_FILE) as handle:  # twice the speed: twice the steps, 0.1 bpb lower
+            value -= 0.1 * math.log2(float(handle.read().strip() or 1))
     return value
+
+
+def loss_at(step: int, steps: int, final: float) -> float:
+    """The training loss at `step`: the same descent for every variant, plus a part that
+    grows with progress towards the final val_bpb's distance from the optimum (1.0)."""
+    import random
+
+    p = step / steps
+    draw = random.Random((int(os.environ.get("AUTOLOOP_SEED", "0")) * 1000003 + SALT) * 7919 + step).gauss(0.0, 1.0)
+    return 3.0 - 1.5 * p + (final - 1.0) * p + STEP_NOISE * draw
+
+
+def train_curve(progress: str | None, final: float) -> list:
+    """STEPWISE: the steps, one progress line each, SLEEP seconds in all; returns the curve."""
+    steps = int(os.environ.get("AUTOLOOP_MAX_STEPS") or STEPS)
+    curve = []
+    for step in range(1, steps + 1):
+        time.sleep(SLEEP / steps)
+        point = {"step": step, "seconds": SLEEP * step / steps, "loss": loss_at(step, steps, final), "lr": 1.0}
+        curve.append(point)
+        if progress:
+            with open(progress, "a") as handle:
+                handle.write(json.dumps({**point, "progress": step / steps, "training_seconds": point["seconds"]})
+                             + "\n")
+    return curve
 
 
 def main() -> None:
@@ -66,13 +101,15 @@ def main() -> None:
     if MODE == "fail":
         print("FAIL: loss is nan", flush=True)
         sys.exit(1)
-    time.sleep(SLEEP)
     metric = float("nan") if MODE == "nan" else val_bpb()
+    curve = train_curve(progress, metric) if STEPWISE else None
+    if not STEPWISE:
+        time.sleep(SLEEP)
     result = {
         "val_bpb": metric, "training_seconds": SLEEP, "total_seconds": time.time() - start,
         "compile_seconds": 0.0, "eval_seconds": 0.0, "num_steps": 10, "total_tokens": 1000,
         "num_params": 1000, "mfu_percent": None, "peak_memory_mb": 1.0, "device": "cpu", "seed": 0,
-        "curve": [{"step": 1, "seconds": 0.0, "loss": 3.0, "lr": LR, "grad_norm": 1.0}],
+        "curve": curve or [{"step": 1, "seconds": 0.0, "loss": 3.0, "lr": LR, "grad_norm": 1.0}],
     }
     if RECORD_WORKER:
         result["worker"] = {"CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES"), "cwd": os.getcwd(),

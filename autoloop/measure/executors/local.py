@@ -82,7 +82,9 @@ class LocalSlot:
     # ------------------------------------------------------------------ the worktree
 
     def _git(self, *args: str, cwd: Path | None = None) -> str:
-        done = subprocess.run(["git", *args], cwd=str(cwd or self.c.repo.toplevel), capture_output=True, text=True)
+        from autoloop.gitops import GIT
+
+        done = subprocess.run([*GIT, *args], cwd=str(cwd or self.c.repo.toplevel), capture_output=True, text=True)
         if done.returncode != 0:
             raise AutoloopError(f"git {' '.join(args[:2])} failed for worker {self.name}: "
                                 f"{(done.stderr or done.stdout).strip().splitlines()[-1:]}")
@@ -104,84 +106,160 @@ class LocalSlot:
     # ------------------------------------------------------------------ one job
 
     def run(self, job, run_dir: Path, on_start=None, should_abort=None) -> JobResult:
-        run_dir = Path(run_dir)
-        job_file, result_file = run_dir / "job.json", run_dir / "job-result.json"
-        for stale in (result_file, run_dir / "pids.json", run_dir / "ABORT"):
-            stale.unlink(missing_ok=True)
+        """Run `job` in a worker process of its own. The worker tells its process starts and
+        its result through a pipe only this slot reads (`autoloop.measure.worker.ControlChannel`),
+        and hears "abort" on its stdin: nothing travels through a file in the run folder, where
+        an unsandboxed training could write. The worker runs from the run folder with
+        autoloop's own import root first on its path (autoloop.trust.evaluation), so no file of
+        the worktree is imported by trusted code."""
         import dataclasses
 
+        from autoloop.measure.runner import kill_process_group, process_start_time
+        from autoloop.measure.worker import WARMED_ENV
+        from autoloop.trust import bytecode
+        from autoloop.trust.evaluation import trusted_python_path
+
+        run_dir = Path(run_dir)
+        job_file = run_dir / "job.json"
         job = dataclasses.replace(job, project_dir=str(self.project_dir), run_dir=str(run_dir),
                                   env={**(job.env or {}), **self.device_env})
         job_file.write_text(job.to_json())
         env = dict(os.environ)
         env.update(self.device_env)
-        from autoloop.trust import bytecode
-        from autoloop.measure.worker import WARMED_ENV
-
         env[WARMED_ENV] = json.dumps(bytecode.warmed())
-        from autoloop.measure.runner import process_start_time
-
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "autoloop.measure.worker", str(job_file), str(result_file)],
-            cwd=str(self.project_dir), env=env, stdin=subprocess.DEVNULL,
-            stdout=open(run_dir / "worker.log", "ab"), stderr=subprocess.STDOUT, start_new_session=True,
-        )
+        env["PYTHONPATH"] = trusted_python_path(env, Path(job.cache_root) if job.cache_root else None)
+        control_read, control_write = os.pipe()
+        with open(run_dir / "worker.log", "ab") as log:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "autoloop.measure.worker", str(job_file), "--control-fd", str(control_write)],
+                cwd=str(run_dir), env=env, stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True, pass_fds=(control_write,),
+            )
+        os.close(control_write)
         store, run_id = self.c.store, self.c.run_row["id"]
         record = store.add_process(run_id, "worker", pid=proc.pid, pgid=proc.pid,
                                    pid_start_time=process_start_time(proc.pid), path=str(self.worktree))
-        seen_pids = None
+        channel = _Control(control_read)
+        started = None  # (pid, pgid, start_time) of the worker's current child, from the channel only
         abort_at = None
         try:
-            while proc.poll() is None:
-                seen_pids = self._forward_pids(run_dir, seen_pids, on_start)
+            while True:
+                for message in channel.read(POLL_SECONDS):
+                    if "started" in message:
+                        started = _started(message["started"])
+                        if started is not None and on_start is not None:
+                            on_start(*started)
+                if channel.closed:  # the worker closes its end only by exiting
+                    try:
+                        proc.wait(timeout=ABORT_GRACE_SECONDS)
+                    except subprocess.TimeoutExpired:
+                        _kill_group(proc.pid)
+                        proc.wait()
+                    break
+                if proc.poll() is not None:
+                    channel.drain()
+                    break
                 if abort_at is None and should_abort is not None and should_abort():
-                    (run_dir / "ABORT").touch()
+                    try:
+                        proc.stdin.write(b"abort\n")
+                        proc.stdin.flush()
+                    except OSError:
+                        pass
                     abort_at = time.monotonic()
                 if abort_at is not None and time.monotonic() - abort_at > ABORT_GRACE_SECONDS:
                     _kill_group(proc.pid)
-                time.sleep(POLL_SECONDS)
-            self._forward_pids(run_dir, seen_pids, on_start)
         except BaseException:
             _kill_group(proc.pid)
             proc.wait()
             raise
         finally:
-            store.end_process(record)
-        if result_file.exists():
+            channel.close()
             try:
-                result = JobResult.from_json(result_file.read_text())
+                proc.stdin.close()
+            except OSError:
+                pass
+            store.end_process(record)
+        if channel.result is not None:
+            try:
+                result = JobResult.from_dict(channel.result)
             except (ValueError, TypeError, KeyError) as exc:
-                return _lost(self, f"its result file is unreadable ({exc})")
+                return _lost(self, f"its result is unreadable ({exc})")
             result.worker = self.name
             result.device = result.device or self.device
             return result
         if abort_at is not None:
             return JobResult(status="aborted", reason="interrupted by the user", worker=self.name, device=self.device)
-        if seen_pids is not None and seen_pids[1]:
-            # Its training must not outlive it (unsandboxed, training has a session of its own).
-            from autoloop.measure.runner import kill_process_group
-
-            kill_process_group(int(seen_pids[1]), expected_pid=seen_pids[0], expected_start_time=seen_pids[2])
+        if started is not None:
+            # Its training must not outlive it (it dies with its parent anyway: this is the
+            # belt to those braces). Only the group the worker itself reported, and only if
+            # its leader is the process that was started then.
+            kill_process_group(started[1], expected_pid=started[0], expected_start_time=started[2])
         code = proc.returncode
         how = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
         tail = _tail(run_dir / "worker.log")
         return _lost(self, how + (f": {tail}" if tail else ""))
 
-    def _forward_pids(self, run_dir: Path, seen, on_start):
-        """Tell the controller each training or evaluation process the worker starts, so
-        the trial row names the group that recovery must end."""
-        path = run_dir / "pids.json"
-        try:
-            pids = json.loads(path.read_text())
-        except (OSError, ValueError):
-            return seen
-        key = (pids.get("pid"), pids.get("pgid"), pids.get("start_time"))
-        if key != seen and on_start is not None and pids.get("pid"):
-            on_start(int(pids["pid"]), int(pids.get("pgid") or pids["pid"]), pids.get("start_time"))
-        return key
-
     def close(self) -> None:
         """The worktree stays (a resumed run reuses it); `git worktree prune` forgets it once deleted."""
+
+
+class _Control:
+    """The slot's end of a worker's control pipe: JSON lines, read as they come."""
+
+    MAX_LINE = 16 << 20
+
+    def __init__(self, fd: int):
+        self.fd = fd
+        self.buffer = b""
+        self.closed = False
+        self.result: dict | None = None
+
+    def read(self, timeout: float) -> list[dict]:
+        import select
+
+        if self.closed:
+            return []
+        ready, _, _ = select.select([self.fd], [], [], timeout)
+        if not ready:
+            return []
+        block = os.read(self.fd, 1 << 16)
+        if not block:
+            self.closed = True
+        self.buffer += block
+        messages = []
+        while b"\n" in self.buffer:
+            line, self.buffer = self.buffer.split(b"\n", 1)
+            try:
+                message = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(message, dict):
+                if isinstance(message.get("result"), dict):
+                    self.result = message["result"]
+                messages.append(message)
+        if len(self.buffer) > self.MAX_LINE:
+            self.buffer = b""
+        return messages
+
+    def drain(self) -> None:
+        """What the pipe still holds after the worker exited."""
+        while not self.closed:
+            if not self.read(0.5):
+                if not self.closed:
+                    break
+
+    def close(self) -> None:
+        try:
+            os.close(self.fd)
+        except OSError:
+            pass
+
+
+def _started(value) -> tuple[int, int, int | None] | None:
+    if not isinstance(value, list) or len(value) != 3 or not all(isinstance(v, int) or v is None for v in value):
+        return None
+    pid, pgid, start = value
+    return (pid, pgid, start) if pid and pgid and pid > 1 and pgid > 1 else None
 
 
 def _lost(slot: LocalSlot, how: str) -> JobResult:

@@ -73,7 +73,7 @@ CANCEL_GRACE_SECONDS = 15.0
 START_TIMEOUT_SECONDS = 120.0
 # The most of a streamed file (progress.jsonl, train.log) sent per poll.
 STREAM_CHUNK_BYTES = 1 << 20
-STREAMED_FILES = ("progress.jsonl", "train.log")
+STREAMED_FILES = ("out/progress.jsonl", "train.log")
 # Top-level folders of a run folder that are not sent back: the meta-only view of the
 # dataset (the controller has the dataset) and the source snapshot (the controller has git).
 SKIPPED_DIRS = ("data", "source")
@@ -455,13 +455,20 @@ class _JobActor:
             run_dir = self._run_dir
         chunks = {}
         if run_dir is not None:
+            from autoloop.trust.untrusted import UntrustedFile, open_beneath
+
             for name in STREAMED_FILES:
+                try:  # the progress file is the trial's: never through a link, never a FIFO
+                    fd = open_beneath(run_dir, name)
+                except (OSError, UntrustedFile):
+                    continue
                 try:
-                    with open(run_dir / name, "rb") as handle:
-                        handle.seek(offsets.get(name, 0))
-                        data = handle.read(STREAM_CHUNK_BYTES)
+                    os.lseek(fd, offsets.get(name, 0), os.SEEK_SET)
+                    data = os.read(fd, STREAM_CHUNK_BYTES)
                 except OSError:
                     continue
+                finally:
+                    os.close(fd)
                 if data:
                     chunks[name] = data
         return {"started": bool(processes), "processes": processes, "chunks": chunks}
@@ -545,15 +552,16 @@ class _JobActor:
         # interpreter, harness and cache); what training must not see is on the controller.
         env = {k: v for k, v in (getattr(job, "env", None) or {}).items() if k != "CUDA_VISIBLE_DEVICES"}
         changes: dict[str, Any] = {
-            "data_dir": str(data_dir), "harness_dir": None, "integrity_cache_root": None, "integrity_python": None,
-            "cache_root": None, "compile_cache": None, "python": None, "hidden": [], "db_path": None,
+            "data_dir": str(data_dir), "harness_dir": None, "pycache_root": None, "integrity_python": None,
+            "cache_root": None, "compile_seed": None, "python": None, "hidden": [], "db_path": None,
             "project_dir": str(project), "run_dir": str(run_dir), "env": env,
         }
         if payload.get("checkpoint") is not None:
-            checkpoint = run_dir / "checkpoint.pt"
+            checkpoint = run_dir / "out" / "checkpoint.pt"
+            checkpoint.parent.mkdir(parents=True, exist_ok=True)
             checkpoint.write_bytes(payload["checkpoint"])
             st = checkpoint.stat()
-            shipped["checkpoint.pt"] = (st.st_size, st.st_mtime_ns)
+            shipped["out/checkpoint.pt"] = (st.st_size, st.st_mtime_ns)
             changes["checkpoint"] = str(checkpoint)
         job = _with_fields(job, **changes)
         from autoloop.measure.worker import run_job
@@ -748,6 +756,7 @@ class RaySlot:
         for name, data in chunks.items():
             # The first chunk replaces what a run folder held before (a run the controller did
             # not live to record); a file the node never writes (a verify job's) is left alone.
+            (run_dir / name).parent.mkdir(parents=True, exist_ok=True)
             with open(run_dir / name, "ab" if offsets.get(name) else "wb") as handle:
                 handle.write(data)
             offsets[name] = offsets.get(name, 0) + len(data)

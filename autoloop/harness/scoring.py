@@ -1,0 +1,182 @@
+"""The scorer's plan: which batches the model process gets, in which order, and the checks.
+
+A split evaluation (autoloop.harness.evaluate) scores the fixed evaluation windows of each
+split (metric.evaluation_windows, in batches of the harness's batch size: the same
+batches as `evaluate_bpb`, so the number is the same) and, mixed in among them, causality
+*probes*. A probe batch has the same shape as a scored batch and is made of the same
+evaluation windows, each changed after a random cut: the tokens after position `cut` are
+replaced by the same positions of another evaluation window (real text, not noise). The
+model's outputs at positions 0..cut must not change, since its inputs there did not:
+
+* a model that looks ahead (at the next token, or anywhere after the cut) changes them;
+* so does one that mixes the sequences of a batch (a probe's companions differ from the
+  scored batch's), or whose outputs are not a function of its inputs;
+* a few windows of each probe batch are not changed at all: all their positions must match.
+
+Everything happens in one random order drawn from the operating system's randomness, so
+the model process, which never learns which batch is which, cannot behave differently for
+the probes: it sees windows of the evaluation text, at the evaluation's batch shape, in an
+order it cannot predict. (The seed is recorded in the verdict afterwards.)
+
+What is compared, per position: the log-probabilities of a few *witness* tokens — the
+window's own next token, the probe's next token, and a fixed random set — under each
+output (logit minus log-sum-exp over the vocabulary). A leak raises the probability of the
+token it peeked at, which is always a witness; comparing witnesses instead of whole rows
+keeps the memory per probe small at any vocabulary.
+
+What this cannot see: a model that remembers the windows it was shown and replays its
+earlier outputs when a window's prefix comes again (see docs/verification.md).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+# Probe batches per evaluation: at least this many, more at GPU scale (a share of the
+# scored batches), and at least one of every batch shape the scored batches have.
+MIN_PROBE_BATCHES = 2
+PROBE_SHARE = 0.02
+UNCHANGED_PER_PROBE = 2  # windows of a probe batch left as they are (batch independence, determinism)
+RANDOM_WITNESSES = 8
+
+
+@dataclass
+class ProbeRow:
+    """One window of a probe batch: scored window `source` of `split`, changed after `cut`."""
+
+    split: str
+    source: int  # index of the evaluation window it was made from
+    cut: int  # positions 0..cut must give the scored window's outputs (T-1: unchanged)
+    witnesses: np.ndarray  # (cut + 1, k) token ids whose log-probabilities are compared
+    base: np.ndarray | None = None  # (cut + 1, k) from the scored window
+    probe: np.ndarray | None = None  # (cut + 1, k) from the probe
+
+
+@dataclass
+class Batch:
+    kind: str  # "scored" | "probe"
+    tokens: np.ndarray  # (B, T) model inputs
+    split: str | None = None
+    targets: np.ndarray | None = None  # scored: (B, T)
+    first: int = 0  # scored: index of its first window in the split
+    rows: list[ProbeRow] = field(default_factory=list)  # probe: one per window, in order
+
+
+@dataclass
+class Plan:
+    batches: list[Batch]  # in the order they are sent
+    probes: list[ProbeRow]
+    by_source: dict[tuple[str, int], list[ProbeRow]]  # the probe rows each scored window serves
+    seed: int
+
+
+def _probe_batches(n_scored: int) -> int:
+    return max(MIN_PROBE_BATCHES, math.ceil(PROBE_SHARE * n_scored))
+
+
+def make_plan(windows: dict[str, np.ndarray], batch_size: int, vocab_size: int, seed: int, *,
+              probe_batches: int | None = None) -> Plan:
+    """The scored batches of every split and the probe batches, shuffled together.
+
+    `windows[split]` is a (N, T + 1) array of token ids (metric.evaluation_windows)."""
+    rng = np.random.Generator(np.random.PCG64(seed))
+    batches: list[Batch] = []
+    shapes: dict[int, list[str]] = {}
+    for split, w in windows.items():
+        for first in range(0, len(w), batch_size):
+            chunk = w[first : first + batch_size]
+            batches.append(Batch("scored", chunk[:, :-1], split=split, targets=chunk[:, 1:], first=first))
+            shapes.setdefault(len(chunk), []).append(split)
+    n_scored = len(batches)
+    wanted = probe_batches if probe_batches is not None else _probe_batches(n_scored)
+    sizes = [max(shapes)] * max(wanted - (len(shapes) - 1), 1) + [s for s in shapes if s != max(shapes)]
+    fixed = rng.choice(vocab_size, size=min(RANDOM_WITNESSES, vocab_size), replace=False)
+    probes: list[ProbeRow] = []
+    by_source: dict[tuple[str, int], list[ProbeRow]] = {}
+    splits = list(windows)
+    for size in sizes:
+        rows, tokens = [], []
+        for k in range(size):
+            split = splits[int(rng.integers(len(splits)))]
+            w = windows[split]
+            length = w.shape[1] - 1
+            source = int(rng.integers(len(w)))
+            x = w[source, :-1]
+            y = w[source, 1:]
+            if k < UNCHANGED_PER_PROBE or len(w) < 2 or length < 2:
+                cut, probe_x = length - 1, x.copy()
+            else:
+                cut = int(rng.integers(0, length - 1))
+                donor = int(rng.integers(len(w) - 1))
+                donor += donor >= source
+                probe_x = np.concatenate([x[: cut + 1], w[donor, cut + 1 : length]])
+            # Witnesses at position p: the window's next token, the probe's next token, the fixed set.
+            probe_next = np.append(probe_x[1:], y[-1])
+            ids = np.concatenate([y[: cut + 1, None], probe_next[: cut + 1, None],
+                                  np.broadcast_to(fixed, (cut + 1, len(fixed)))], axis=1)
+            row = ProbeRow(split, source, cut, ids.astype(np.int64))
+            rows.append(row)
+            tokens.append(probe_x)
+            probes.append(row)
+            by_source.setdefault((split, source), []).append(row)
+        batches.append(Batch("probe", np.stack(tokens), rows=rows))
+    order = rng.permutation(len(batches))
+    return Plan([batches[i] for i in order], probes, by_source, seed)
+
+
+def witness_log_probs(rows: torch.Tensor, ids: np.ndarray, vocab_size: int) -> np.ndarray:
+    """log-probabilities of `ids` (P, k) under the output rows (P, width), float64 on the host."""
+    logits = rows[:, :vocab_size].float()
+    lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+    picked = torch.gather(logits, 1, torch.as_tensor(ids, device=logits.device))
+    return (picked - lse).double().cpu().numpy()
+
+
+@dataclass
+class Causality:
+    """What the probes found: the largest change where nothing may change."""
+
+    tolerance: float
+    compared: int = 0
+    max_leak: float = 0.0
+    worst: dict | None = None
+    cuts: list[int] = field(default_factory=list)
+
+    def record(self, row: ProbeRow) -> None:
+        if row.base is None or row.probe is None:
+            return
+        diff = float(np.max(np.abs(row.base - row.probe))) if row.base.size else 0.0
+        if not math.isfinite(diff):
+            diff = math.inf
+        self.compared += 1
+        self.cuts.append(row.cut)
+        if diff > self.max_leak:
+            self.max_leak = diff
+            position = int(np.argmax(np.max(np.abs(row.base - row.probe), axis=1))) if row.base.size else 0
+            self.worst = {"split": row.split, "window": row.source, "cut": row.cut, "position": position,
+                          "change": diff}
+
+    @property
+    def ok(self) -> bool:
+        return self.max_leak <= self.tolerance
+
+    def reason(self, length: int) -> str | None:
+        if self.ok:
+            return None
+        w = self.worst or {}
+        if w.get("cut") == length - 1:
+            return (f"the model's outputs for an unchanged window changed with the other windows of its batch (by up "
+                    f"to {self.max_leak:.3g} at position {w.get('position')}, tolerance {self.tolerance:g}): it mixes "
+                    "the sequences of a batch, or its outputs are not a function of its inputs")
+        return (f"leaks future tokens: changing the tokens after position {w.get('cut')} of an evaluation window "
+                f"changed the outputs at position {w.get('position')} by up to {self.max_leak:.3g} (tolerance "
+                f"{self.tolerance:g})")
+
+    def as_dict(self, seed: int, length: int) -> dict:
+        return {"ok": self.ok, "reason": self.reason(length), "tolerance": self.tolerance, "probes": self.compared,
+                "max_leak": self.max_leak, "worst": self.worst, "cuts": sorted(self.cuts)[:64],
+                "schedule_seed": seed}

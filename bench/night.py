@@ -1,0 +1,210 @@
+"""One real CPU night under the strict rule and under the default, at equal compute, then
+both final bests re-measured at fresh seeds on val and held-out.
+
+    python bench/night.py                                   # 40 runs a night at 60 steps: ~100 runs in all
+    python bench/night.py --runs 12 --steps 20              # a small night: ~35 runs in all
+    python bench/night.py --rules two-tier strict confirmed-only --keep /tmp/night
+
+Size: 2 x --runs training runs, plus the reserve (the best and the baseline at --reserve
+fresh seeds, for each rule: up to 4 x --reserve runs). On 2 idle CPU cores a 60-step run
+takes ~25 s of training and ~15-25 s of evaluation, verification and start-up, so the
+default is ~100 runs, about 1.5 hours; on a machine shared with other work several times
+that (a 4-run, 8-step smoke night took 20 minutes here under a load of 8).
+
+Each rule gets a fresh git repository with this checkout's train.py and runs the
+built-in search proposer (`proposers = ["search"]`) in step mode (deterministic runs:
+the same commit at the same seed gives the same val_bpb), through the public controller
+API: `Controller(resolve(repo, {...}), repo).run()`, one trial per call, until the night
+has spent `--runs` training runs (every measurement of the run counts, an early-stopped
+one by the fraction of the steps it ran). The first rule's night sets the count; every
+later rule runs to exactly the same count where its trials allow (strict: one run each).
+Drift checks are off (they would spend runs on neither rule's proposals); `check` is off.
+
+Then the reserve (autoloop/decide/remeasure.py): the final best and the baseline, each at
+`--reserve` fresh seeds that no decision used, measured with verification (val and
+held-out), through the run's own controller (`Controller.measure_commit`).
+
+Printed per rule: runs spent, trials, kept, the reported gain (what `autoloop best`
+shows today: the baseline's mean minus the best's selection mean), the re-measured gain
+on val and on held-out (fresh seeds, paired with the baseline, ± standard error), and
+reported / re-measured. Targets (issue 19): the default's re-measured gain >= strict's;
+the default's reported gain within 2 standard errors of its re-measured one.
+
+The default's night stops clear losers early (autoloop.loop.stops): a stopped run is a
+measurement with status "stopped", counted by the fraction of the budget it ran
+(`trials.stopped_at`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from autoloop.config import resolve  # noqa: E402
+from autoloop.loop.controller import Controller  # noqa: E402
+from autoloop.decide.remeasure import headline, reserve_seeds  # noqa: E402
+from autoloop.store import Store  # noqa: E402
+
+GIT_ENV = {"GIT_AUTHOR_NAME": "bench", "GIT_AUTHOR_EMAIL": "bench@example.com",
+           "GIT_COMMITTER_NAME": "bench", "GIT_COMMITTER_EMAIL": "bench@example.com"}
+
+
+def make_repo(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "train.py").write_text((ROOT / "train.py").read_text())
+    (path / ".gitignore").write_text(".autoloop/\nexperiments.db*\n__pycache__/\n")
+    env = {**os.environ, **GIT_ENV}
+    for args in (["init", "-q", "-b", "main"], ["add", "-A"], ["commit", "-q", "-m", "init"]):
+        subprocess.run(["git", *args], cwd=path, check=True, env=env)
+    return path
+
+
+def flags(rule: str, steps: int, seed: int) -> dict:
+    # One trial per call (the night is counted in runs), so the loop's own end-of-night
+    # reserve is off: reserve() below measures it once, for both sides. The early stop is
+    # the default's, not strict's (autoresearch never stops a run).
+    return {"tag": "night", "max_steps": steps, "time_budget": 600, "grace_seconds": 600, "seed": seed,
+            "proposers": "search", "decision_rule": rule, "drift_every": 0, "check": False, "max_trials": 1,
+            "reserve_seeds": 0, "early_stop": rule != "strict"}
+
+
+def runs_spent(store: Store, run_id: int, steps: int) -> float:
+    """Training runs the night spent: every measurement, an early-stopped one (fewer steps
+    than the budget) by its fraction."""
+    total = 0.0
+    for trial in store.trials(run_id):
+        for m in store.measurements(trial["id"]):
+            if m.get("status") == "stopped":  # stopped early: the fraction of the budget it ran
+                total += trial.get("stopped_at") or 1.0
+                continue
+            n = m.get("num_steps")
+            total += min(1.0, n / steps) if n else 1.0
+    return total
+
+
+def night(repo: Path, rule: str, steps: int, seed: int, target: float, say) -> dict:
+    """Trials until `target` runs are spent (or the proposer runs dry)."""
+    config = resolve(repo, flags(rule, steps, seed))
+    spent, trials, started = 0.0, 0, time.monotonic()
+    while spent < target - 1e-9:
+        summary = Controller(config, repo).run()
+        trials += summary.trials_run
+        store = Store(repo / "experiments.db")
+        try:
+            run = store.get_run("night")
+            spent = runs_spent(store, run["id"], steps)
+        finally:
+            store.close()
+        say(f"  {rule}: {trials} trials, {spent:.2f} runs ({time.monotonic() - started:.0f} s)")
+        if summary.trials_run == 0:
+            say(f"  {rule}: no trial ran ({summary.stop_reason}); the night ends here")
+            break
+    return {"trials": trials, "runs": spent, "seconds": time.monotonic() - started}
+
+
+def reserve(repo: Path, rule: str, steps: int, seed: int, k: int, say) -> dict:
+    """The final best and the baseline at k fresh seeds, val and held-out; the figures."""
+    config = resolve(repo, {**flags(rule, steps, seed), "max_trials": None})
+    controller = Controller(config, repo)
+    controller.open()
+    try:
+        store, run_id = controller.store, controller.run_row["id"]
+        rows = store.trials(run_id)
+        base = next(t for t in rows if t["kind"] == "baseline")
+        best = store.best_trial(run_id)
+        kept = sum(1 for t in rows if t["status"] == "keep" and t["kind"] != "baseline")
+        same = best["id"] == base["id"]
+        # The night's noise before the reserve: the best's selected decision run would
+        # inflate the spread of a group that also holds its reserve runs.
+        noise = controller.update_noise()
+        val = {"best": {}, "baseline": {}}
+        held = {"best": {}, "baseline": {}}
+        for s in reserve_seeds(config.seed, k):
+            for side, trial in (("best", best),) + ((("baseline", base),) if not same else ()):
+                m = controller.measure_commit(trial["trial_commit"], s, owner=trial, role="reserve", verify=True)
+                if not m.ok:
+                    raise SystemExit(f"{rule}: the {side} failed at reserve seed {s}: {m.reason}")
+                val[side][s], held[side][s] = m.metric, m.heldout
+                say(f"  {rule}: reserve seed {s}, {side}: val {m.metric:.5f}, held-out {m.heldout:.5f}")
+        if same:
+            val["baseline"], held["baseline"] = val["best"], held["best"]
+        seeds = reserve_seeds(config.seed, k)
+        hv = headline(val["best"], val["baseline"], noise, seeds=seeds, same_commit=same)
+        hh = headline(held["best"], held["baseline"], None, seeds=seeds, same_commit=same)
+        reported = (base["metric"] - best["metric"]) if not same else 0.0
+        return {"rule": rule, "kept": kept, "best_trial": best["number"], "reported_gain": reported,
+                "val": hv.to_json(), "heldout": hh.to_json(),
+                "best_selection_metric": best["metric"], "baseline_selection_metric": base["metric"]}
+    finally:
+        controller.close()
+
+
+def report(rows: list[dict]) -> str:
+    lines = [f"{'rule':<16} {'runs':>6} {'trials':>6} {'kept':>4} {'reported gain':>13} "
+             f"{'re-measured val':>19} {'held-out':>19} {'reported/val':>12} {'(rep-val)/se':>12}"]
+    for r in rows:
+        v, h = r["val"], r["heldout"]
+        ratio = r["reported_gain"] / v["gain"] if v["gain"] else float("nan")
+        z = (r["reported_gain"] - v["gain"]) / v["gain_se"] if v.get("gain_se") else float("nan")
+        lines.append(f"{r['rule']:<16} {r['runs']:>6.2f} {r['trials']:>6} {r['kept']:>4} {r['reported_gain']:>+13.5f} "
+                     f"{v['gain']:>+9.5f} ± {v['gain_se'] or 0:.5f} {h['gain']:>+9.5f} ± {h['gain_se'] or 0:.5f} "
+                     f"{ratio:>12.2f} {z:>+12.2f}")
+    by = {r["rule"]: r for r in rows}
+    if "strict" in by and len(rows) > 1:
+        default = next(r for r in rows if r["rule"] != "strict")
+        lines.append("")
+        lines.append(f"target: {default['rule']}'s re-measured gain >= strict's: "
+                     f"{default['val']['gain']:+.5f} vs {by['strict']['val']['gain']:+.5f} -> "
+                     f"{'met' if default['val']['gain'] >= by['strict']['val']['gain'] else 'NOT MET'}")
+        z = abs(default["reported_gain"] - default["val"]["gain"]) / (default["val"]["gain_se"] or float("inf"))
+        lines.append(f"target: {default['rule']}'s reported gain within 2 se of its re-measured one: "
+                     f"{z:.2f} se -> {'met' if z <= 2 else 'NOT MET'}")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--runs", type=float, default=40, help="Training runs a night (the equal compute).")
+    ap.add_argument("--steps", type=int, default=60, help="Training steps per run (step mode).")
+    ap.add_argument("--reserve", type=int, default=4, help="Fresh seeds the final bests are re-measured at.")
+    ap.add_argument("--seed", type=int, default=1337, help="The runs' base seed.")
+    ap.add_argument("--rules", nargs="+", default=["two-tier", "strict"],
+                    help="Decision rules, the default first (its night sets the run count).")
+    ap.add_argument("--keep", type=Path, help="Work in this folder and keep it (default: a temporary one).")
+    ap.add_argument("--json", type=Path, help="Also write the figures here.")
+    args = ap.parse_args()
+
+    def say(text: str) -> None:
+        print(text, flush=True)
+
+    work = args.keep or Path(tempfile.mkdtemp(prefix="night-"))
+    work.mkdir(parents=True, exist_ok=True)
+    rows, target = [], args.runs
+    for rule in args.rules:
+        repo = make_repo(work / rule)
+        say(f"{rule}: night of {target:g} runs at {args.steps} steps in {repo}")
+        spent = night(repo, rule, args.steps, args.seed, target, say)
+        if not rows:
+            target = spent["runs"]  # the later rules match the first night's exact count
+        row = reserve(repo, rule, args.steps, args.seed, args.reserve, say)
+        rows.append({**row, **spent})
+    print()
+    print(report(rows))
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+    if not args.keep:
+        print(f"(work folder {work} left for inspection; delete it when done)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

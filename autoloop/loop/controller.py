@@ -31,7 +31,6 @@ What several trials share is owned here, each with a lock named for what it guar
 from __future__ import annotations
 
 import dataclasses
-import os
 import signal
 import sys
 import threading

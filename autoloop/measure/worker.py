@@ -138,8 +138,6 @@ def _snapshot(job: MeasureJob):
 def write_sources(job: MeasureJob, source_dir: Path) -> Path:
     """The commit's editable files into `source_dir` (what the evaluator imports: never the
     working tree); returns the script's copy."""
-    import shutil
-
     if not job.script:
         from autoloop.errors import AutoloopError
 

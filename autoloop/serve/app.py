@@ -50,13 +50,12 @@ from urllib.parse import parse_qs
 import anyio
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import FileResponse, JSONResponse, RedirectResponse, Response
+from starlette.responses import FileResponse, RedirectResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from autoloop.errors import AutoloopError
 from autoloop.serve import queries
-from autoloop.trust import untrusted as files
 from autoloop.serve.readonly import ReadOnlyStore
 
 STATIC = Path(__file__).resolve().parent / "static"

@@ -28,7 +28,6 @@ import json
 import os
 import signal
 import socket
-import sys
 import threading
 import time
 from collections.abc import Callable

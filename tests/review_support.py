@@ -239,3 +239,23 @@ def build_old_db(repo: Path) -> None:
                 store.add_measurement(t["id"], metric, seed=1)
     finally:
         store.close()
+
+
+def noisy_report(repo: Path, copy: Path, out: Path, change=None) -> Path:
+    """The report of the noisy run in `repo`, rendered from a copy of it (`copy`) after
+    `change(conn)` edited the copy's db; returns the report.html written under `out`."""
+    from typer.testing import CliRunner
+
+    from autoloop.cli import app
+
+    shutil.copytree(repo, copy)
+    if change is not None:
+        conn = sqlite3.connect(copy / "experiments.db")
+        try:
+            change(conn)
+            conn.commit()
+        finally:
+            conn.close()
+    result = CliRunner().invoke(app, ["report", "--repo", str(copy), "--tag", NOISY_TAG, "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    return out / "report.html"

@@ -19,15 +19,12 @@ card's colour contradicts what its note says. What is checked:
 
 from __future__ import annotations
 
-import sqlite3
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
 
-from autoloop.cli import app
 from browser_support import Browser, chromium
-from review_support import NOISY_TAG, build_noisy_db
+from review_support import build_noisy_db, noisy_report
 
 # Slow as the live page's browser test is: a Chromium start takes seconds on a busy machine.
 pytestmark = [pytest.mark.slow,
@@ -72,20 +69,7 @@ def noisy(tmp_path_factory) -> Path:
 
 def report(repo: Path, out: Path, change=None) -> Path:
     """The noisy run's report, after `change(conn)` edited its db (a copy of it)."""
-    import shutil
-
-    copy = out.with_name(out.name + "-repo")
-    shutil.copytree(repo, copy)
-    if change is not None:
-        conn = sqlite3.connect(copy / "experiments.db")
-        try:
-            change(conn)
-            conn.commit()
-        finally:
-            conn.close()
-    result = CliRunner().invoke(app, ["report", "--repo", str(copy), "--tag", NOISY_TAG, "--out", str(out)])
-    assert result.exit_code == 0, result.output
-    return out / "report.html"
+    return noisy_report(repo, out.with_name(out.name + "-repo"), out, change)
 
 
 @pytest.fixture(scope="module")

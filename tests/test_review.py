@@ -8,7 +8,6 @@ private copy of it.
 
 from __future__ import annotations
 
-import base64
 import io
 import json
 import os
@@ -26,7 +25,7 @@ from typer.testing import CliRunner
 from autoloop.cli import app
 from review_support import (
     DRIFT_MESSAGE, EXPECTED, GIT_ENV, NOISE, NOISE_MESSAGE, NOISY_TAG, TAG, WRITER, build_noisy_db, build_old_db,
-    build_run, copy_repo, db_rows, git,
+    build_run, copy_repo, db_rows, git, noisy_report,
 )
 
 runner = CliRunner()
@@ -946,21 +945,7 @@ def test_report_shows_intervals_noise_drift_and_the_ablation(noisy, tmp_path):
 
 def _noisy_report(noisy, tmp_path, name: str, change=None) -> str:
     """The noisy run's report, after `change(conn)` edited a copy of its db."""
-    import shutil
-
-    copy = tmp_path / name
-    shutil.copytree(noisy, copy)
-    if change is not None:
-        conn = sqlite3.connect(copy / "experiments.db")
-        try:
-            change(conn)
-            conn.commit()
-        finally:
-            conn.close()
-    out = tmp_path / f"{name}-report"
-    result = runner.invoke(app, ["report", "--repo", str(copy), "--tag", NOISY_TAG, "--out", str(out)])
-    assert result.exit_code == 0, result.output
-    return (out / "report.html").read_text()
+    return noisy_report(noisy, tmp_path / name, tmp_path / f"{name}-report", change).read_text()
 
 
 def _gain_card(page: str) -> str:

@@ -15,7 +15,6 @@ import math
 import random
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -27,6 +26,7 @@ from autoloop.decide.remeasure import RESERVE_OFFSET
 from autoloop.decide.rule import DecisionConfig, keep_bound
 from autoloop.errors import AutoloopError
 from autoloop.loop.controller import Controller
+from test_decision_loop import run_loop as decision_loop_run
 from autoloop.measure.job import MeasureJob
 from autoloop.measure.worker import run_job
 from autoloop.proposers.seeding import seed_idea
@@ -51,12 +51,9 @@ def fake_val(seed: int, lr: float = 0.02, width: int = 64, noise: float = 0.0, s
 
 
 def run_loop(repo, **flags):
-    flags.setdefault("tag", "t")
-    flags.setdefault("time_budget", 5)
-    flags.setdefault("grace_seconds", 20)
-    flags.setdefault("proposers", "ideas")
-    flags.setdefault("drift_every", 0)
-    return Controller(resolve(repo, flags), repo, verifier=None).run()
+    """test_decision_loop's loop, on the default (two-tier) rule unless told otherwise."""
+    flags.setdefault("decision_rule", "two-tier")
+    return decision_loop_run(repo, **flags)
 
 
 def seed(repo, text, *sets):

@@ -16,7 +16,7 @@ Part 2 runs the real Controller over a training command that returns at once (as
 bench/loop_overhead.py does), `--loop-trials` trials per round, in rounds closed / open
 / closed / open: "open" is `autoloop serve` on the project plus a page client in its own
 process that holds the event stream and, on every change, fetches what the run page
-fetches (summary, progress, the trial table, live, events, ideas; the tree every 5th
+fetches (its views in one request, those it has unchanged left out; the tree every 5th
 change), as fast as the page would. `--browser` uses headless Chromium on the real page
 instead (it then also competes for this machine's CPU, as a page opened on the GPU box
 itself would). It prints the median per-trial cycle of each round. Target: the open
@@ -124,9 +124,11 @@ def time_queries(repo: Path, repeat: int) -> None:
 
 
 def page_client(base: str, tag: str, stop, fetched) -> None:
-    """What the run page does: hold the event stream, and on each change fetch its data."""
+    """What the run page does: hold the event stream, and on each change fetch its views
+    in one request that leaves out those it already has (the tree page every 5th change,
+    as if a second viewer had it open)."""
     host, port = base.rsplit("//", 1)[1].split(":")
-    paths = ["summary", "progress", "trials?offset=0&limit=50", "live", "events", "ideas"]
+    hashes: dict[str, str] = {}
     while not stop.is_set():
         try:
             sock = socket.create_connection((host, int(port)), timeout=2)
@@ -149,13 +151,18 @@ def page_client(base: str, tag: str, stop, fetched) -> None:
                     continue
                 buffer = b""
                 changes += 1
-                for path in paths + (["tree"] if changes % 5 == 0 else []):
+                have = ",".join(f"{k}:{v}" for k, v in hashes.items())
+                paths = [f"page?offset=0&limit=50&have={have}"] + (["tree"] if changes % 5 == 0 else [])
+                for path in paths:
                     try:
                         with urllib.request.urlopen(f"{base}/api/runs/{tag}/{path}", timeout=10) as reply:
-                            reply.read()
+                            body = json.loads(reply.read())
                         fetched.value += 1
-                    except OSError:
-                        pass
+                    except (OSError, ValueError):
+                        continue
+                    for name, part in (body.get("parts") or {}).items():
+                        if "hash" in part:
+                            hashes[name] = part["hash"]
         finally:
             sock.close()
 

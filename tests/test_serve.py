@@ -140,6 +140,54 @@ def test_a_new_trial_shows_on_the_data_endpoints_within_two_seconds(night, serve
     assert trial["number"] in {n["number"] for n in tree["nodes"]}
 
 
+def test_the_run_page_comes_in_one_request_that_leaves_out_what_the_page_has(night, server):
+    """The run page's views in one reply, each with a fingerprint; a view the page already
+    has (`have=name:fingerprint`) comes without its data until it changes, and each view's
+    data is what its own endpoint answers."""
+    status, _, first = server.get("/api/runs/live/page?offset=0&limit=5")
+    assert status == 200
+    parts = first["parts"]
+    assert set(parts) == {"summary", "progress", "trials", "live", "events", "ideas", "runs"}
+    for name in ("summary", "progress", "live", "events", "ideas"):
+        assert parts[name]["data"] == server.get(f"/api/runs/live/{name}")[2], name
+    assert parts["trials"]["data"] == server.get("/api/runs/live/trials?offset=0&limit=5")[2]
+    assert parts["runs"]["data"] == server.get("/api/runs")[2]["runs"]
+    have = ",".join(f"{name}:{part['hash']}" for name, part in parts.items())
+    _, _, again = server.get(f"/api/runs/live/page?offset=0&limit=5&have={have}")
+    assert {name: "data" in part for name, part in again["parts"].items()} == dict.fromkeys(parts, False)
+    assert {name: part["hash"] for name, part in again["parts"].items()} == {n: p["hash"] for n, p in parts.items()}
+    trial = night.trial("one more for the bundle", "discard", night.best["metric"] + 0.02)
+
+    def changed():
+        _, _, reply = server.get(f"/api/runs/live/page?offset=0&limit=5&have={have}")
+        return reply if "data" in reply["parts"]["trials"] else None
+
+    _wait(changed, 2.0)
+    reply = changed()
+    assert reply["parts"]["trials"]["data"]["rows"][0]["number"] == trial["number"]
+    assert reply["parts"]["progress"]["data"]["number"][-1] == trial["number"]
+    assert "data" not in reply["parts"]["ideas"]  # the queue did not change
+    _, _, only = server.get("/api/runs/live/page?parts=live,ideas")
+    assert set(only["parts"]) == {"live", "ideas"}
+
+
+def test_the_run_page_names_a_part_it_does_not_know_and_a_run_that_is_not_there(server):
+    status, _, reply = server.get("/api/runs/live/page?parts=summary,secrets")
+    assert status == 400 and reply["error"].startswith("unknown part 'secrets': the parts are summary, progress")
+    status, _, reply = server.get("/api/runs/nope/page")
+    assert status == 404 and "no run tagged 'nope'" in reply["error"]
+    status, _, reply = server.get("/api/runs/live/page?offset=x")
+    assert status == 200 and reply["parts"]["trials"]["error"] == "offset and limit must be whole numbers"
+
+
+def test_nice_lowers_the_servers_cpu_priority_below_the_runs(night, server):
+    mine = os.getpriority(os.PRIO_PROCESS, 0)
+    assert os.getpriority(os.PRIO_PROCESS, server.process.pid) == mine  # by default, as the run's
+    with Server(night.repo, "--nice", "7") as guest:
+        assert os.getpriority(os.PRIO_PROCESS, guest.process.pid) == min(19, mine + 7)
+        assert guest.get("/api/runs/live/summary")[0] == 200
+
+
 def test_the_running_trial_shows_its_live_curve_beside_the_incumbent_at_the_same_seed(night, server):
     running = night.start("watch me train", worker="gpu1", steps=30)
     try:

@@ -4,6 +4,7 @@ with the token, and runs uvicorn; the rules are in `autoloop.serve.app`."""
 from __future__ import annotations
 
 import ipaddress
+import os
 import secrets
 import socket
 import sys
@@ -15,6 +16,11 @@ import typer
 from autoloop.errors import AutoloopError
 
 DEFAULT_PORT = 8765
+# `--nice`: the page as a guest on a machine whose cores the run keeps busy (a CPU-only box):
+# the controller and its training runs then get a contended core first, and the page's
+# answers wait. Not the default: on a GPU box the cores are mostly idle and a niced page
+# only answers later (a seed's git checks run niced too).
+DEFAULT_NICENESS = 0
 
 
 def is_loopback(host: str) -> bool:
@@ -45,6 +51,7 @@ def serve(
     db: Annotated[Optional[str], typer.Option("--db", help="The trial database, relative to the repository; experiments.db by default.")] = None,
     host: Annotated[str, typer.Option(help="The address to listen on. 127.0.0.1 (this machine only) by default; any other address (e.g. 0.0.0.0) makes every request need the printed token.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=0, max=65535, help="The port to listen on (0: any free one; the link printed says which).")] = DEFAULT_PORT,
+    nice: Annotated[int, typer.Option(min=0, max=19, help="Lower the server's CPU priority by this much (Unix nice), so that a run that keeps every core busy gets them first; 0 keeps it.")] = DEFAULT_NICENESS,
 ):
     """Serve a live page of the runs in experiments.db: the headline, progress chart, running trials with their loss curves, the experiment tree, each trial, and steering (seed an idea, stop the run)."""
     try:
@@ -56,6 +63,8 @@ def serve(
     from autoloop.config import resolve
     from autoloop.serve.app import ServeState, create_app
 
+    if nice and hasattr(os, "nice"):
+        os.nice(nice)
     config = resolve(repo, {"db": db})
     db_path = Path(config.db) if Path(config.db).is_absolute() else Path(repo) / config.db
     public = not is_loopback(host)

@@ -37,6 +37,7 @@ what it shows. So an open page costs the controller nothing it waits on.
 from __future__ import annotations
 
 import gzip
+import hashlib
 import hmac
 import json
 import os
@@ -296,11 +297,23 @@ async def _deny(send, status: int, message: str) -> None:
 # ---------------------------------------------------------------------------- routes
 
 
-def _json(payload, status: int = 200, request: Request | None = None) -> Response:
+def encode(payload) -> str:
+    """The JSON text the server sends for `payload`."""
     try:  # the common case, fast: nothing to clean
-        text = json.dumps(payload, allow_nan=False, separators=(",", ":"), default=str)
+        return json.dumps(payload, allow_nan=False, separators=(",", ":"), default=str)
     except ValueError:  # a NaN or an infinity (JSON has neither): null instead
-        text = json.dumps(queries.clean(payload), allow_nan=False, separators=(",", ":"), default=str)
+        return json.dumps(queries.clean(payload), allow_nan=False, separators=(",", ":"), default=str)
+
+
+def fingerprint(text: str) -> str:
+    return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+
+
+def _json(payload, status: int = 200, request: Request | None = None) -> Response:
+    return _json_text(encode(payload), status, request)
+
+
+def _json_text(text: str, status: int = 200, request: Request | None = None) -> Response:
     body = text.encode()
     headers = {"cache-control": "no-store"}
     # The tree and the progress chart of 10,000 trials are a few hundred KB: a phone on
@@ -318,17 +331,24 @@ def _error(message: str, status: int = 400) -> Response:
 def create_app(state: ServeState) -> Guard:
     """The ASGI application for `state` (wrapped in its Guard)."""
 
-    def read(compute_name: str, request: Request, compute, *, key_extra=(), stamp=None) -> Response:
-        tag = request.path_params.get("tag")
-        try:
-            def run_compute(store):
-                return compute(store, queries.pick_run(store, tag))
-            value = state.cached((compute_name, tag, *key_extra), run_compute, stamp=stamp)
-        except NoDatabase as exc:
+    def answer(compute_name: str, tag: str | None, compute, *, key_extra=(), stamp=None) -> tuple[str, str]:
+        """(JSON text, its fingerprint) of one view, computed and encoded once per change."""
+        def run_compute(store):
+            text = encode(compute(store, queries.pick_run(store, tag)))
+            return text, fingerprint(text)
+        return state.cached((compute_name, tag, *key_extra), run_compute, stamp=stamp)
+
+    def failed(exc: Exception) -> Response:
+        if isinstance(exc, NoDatabase):
             return _error(str(exc), 503)
-        except AutoloopError as exc:
-            return _error(str(exc), 404 if "no run tagged" in str(exc) or "has no trial" in str(exc) else 400)
-        return _json(value, request=request)
+        return _error(str(exc), 404 if "no run tagged" in str(exc) or "has no trial" in str(exc) else 400)
+
+    def read(compute_name: str, request: Request, compute, *, key_extra=(), stamp=None) -> Response:
+        try:
+            text, _ = answer(compute_name, request.path_params.get("tag"), compute, key_extra=key_extra, stamp=stamp)
+        except (NoDatabase, AutoloopError) as exc:
+            return failed(exc)
+        return _json_text(text, request=request)
 
     def index(request: Request):
         if request.scope["state"]["auth"]["query"]:
@@ -350,33 +370,68 @@ def create_app(state: ServeState) -> Guard:
             return _json({"runs": [], "missing": str(exc)})
         return _json({"runs": value})
 
-    def summary(request: Request):
-        return read("summary", request, lambda s, r: queries.summary(s, r, state.controller()),
-                    stamp=int(time.monotonic() // CONTROLLER_CACHE_SECONDS))
+    # The run page's views: (compute, key_extra, stamp) for a request.
+    def summary_view(request: Request):
+        return (lambda s, r: queries.summary(s, r, state.controller())), (), int(time.monotonic() // CONTROLLER_CACHE_SECONDS)
 
-    def progress(request: Request):
-        return read("progress", request, queries.progress)
-
-    def trials(request: Request):
+    def trials_view(request: Request):
         q = request.query_params
         try:
             offset, limit = int(q.get("offset", 0)), int(q.get("limit", queries.DEFAULT_PAGE))
         except ValueError:
-            return _error("offset and limit must be whole numbers")
+            raise AutoloopError("offset and limit must be whole numbers") from None
         status, kind, parent = q.get("status") or None, q.get("kind") or None, q.get("parent") or None
-        return read("trials", request, lambda s, r: queries.trials_page(
-            s, r, offset=offset, limit=limit, status=status, kind=kind, parent=parent),
-            key_extra=(offset, limit, status, kind, parent))
+        return (lambda s, r: queries.trials_page(s, r, offset=offset, limit=limit, status=status, kind=kind,
+                                                 parent=parent)), (offset, limit, status, kind, parent), None
 
-    def live(request: Request):
+    def live_view(request: Request):
+        return (lambda s, r: queries.live(s, r, state.repo)), (), state.stamp(request.path_params.get("tag"))["live"]
+
+    run_page_views = {
+        "summary": summary_view,
+        "progress": lambda request: (queries.progress, (), None),
+        "trials": trials_view,
+        "live": live_view,
+        "events": lambda request: (queries.events, (), None),
+        "ideas": lambda request: (queries.ideas, (), None),
+        "runs": lambda request: ((lambda s, r: queries.runs_list(s)), (), None),  # the run picker's list
+    }
+
+    def view(name: str):
+        def endpoint(request: Request):
+            try:
+                compute, key_extra, stamp = run_page_views[name](request)
+            except AutoloopError as exc:
+                return _error(str(exc))
+            return read(name, request, compute, key_extra=key_extra, stamp=stamp)
+        return endpoint
+
+    def page(request: Request):
+        """Every view of the run page in one reply (or those `parts` names), each with its
+        fingerprint; a view whose fingerprint the page already has (`have=name:fingerprint,...`)
+        comes without its data. One request a change instead of one per view, and nothing
+        re-encoded or re-sent that did not change."""
         tag = request.path_params.get("tag")
-        return read("live", request, lambda s, r: queries.live(s, r, state.repo), stamp=state.stamp(tag)["live"])
-
-    def events(request: Request):
-        return read("events", request, queries.events)
-
-    def ideas(request: Request):
-        return read("ideas", request, queries.ideas)
+        wanted = [p for p in (request.query_params.get("parts") or ",".join(run_page_views)).split(",") if p]
+        unknown = [p for p in wanted if p not in run_page_views]
+        if unknown:
+            return _error(f"unknown part '{unknown[0]}': the parts are {', '.join(run_page_views)}")
+        have = dict(item.partition(":")[::2] for item in (request.query_params.get("have") or "").split(",") if item)
+        out = []
+        for name in wanted:
+            try:
+                compute, key_extra, stamp = run_page_views[name](request)
+                text, digest = answer(name, tag, compute, key_extra=key_extra, stamp=stamp)
+            except NoDatabase as exc:
+                return failed(exc)
+            except AutoloopError as exc:
+                if "no run tagged" in str(exc):
+                    return failed(exc)
+                out.append(f'"{name}":' + encode({"error": str(exc)}))
+                continue
+            same = have.get(name) == digest
+            out.append(f'"{name}":{{"hash":"{digest}"' + ("}" if same else f',"data":{text}}}'))
+        return _json_text('{"parts":{' + ",".join(out) + "}}", request=request)
 
     def tree(request: Request):
         return read("tree", request, queries.tree)
@@ -448,13 +503,9 @@ def create_app(state: ServeState) -> Guard:
         Route("/", index, methods=["GET", "HEAD"]),
         Route("/api/session", session),
         Route("/api/runs", runs),
-        Route("/api/runs/{tag}/summary", summary),
-        Route("/api/runs/{tag}/progress", progress),
-        Route("/api/runs/{tag}/trials", trials),
+        *[Route(f"/api/runs/{{tag}}/{name}", view(name)) for name in run_page_views if name != "runs"],
+        Route("/api/runs/{tag}/page", page),
         Route("/api/runs/{tag}/trials/{number}", trial),
-        Route("/api/runs/{tag}/live", live),
-        Route("/api/runs/{tag}/events", events),
-        Route("/api/runs/{tag}/ideas", ideas),
         Route("/api/runs/{tag}/tree", tree),
         Route("/api/runs/{tag}/stop", stop, methods=["POST"]),
         Route("/api/seed", seed, methods=["POST"]),

@@ -1,7 +1,8 @@
 // autoloop serve: the live page. Every element is built with DOM calls and every text
 // from a trial or a model goes in through textContent (the page runs under Trusted Types
 // with no policy: an innerHTML assignment would throw). Updates: the server's event
-// stream says "changed"; the page then fetches what it shows.
+// stream says "changed"; the page then fetches what it shows, the run page's views in one
+// request (/api/runs/TAG/page) that leaves out every view whose fingerprint it already has.
 "use strict";
 (function () {
   const SVGNS = "http://www.w3.org/2000/svg";
@@ -14,7 +15,7 @@
   const dot = document.getElementById("live-dot");
   const state = { tag: null, view: "run", number: null, offset: 0, limit: 50, status: "", parent: "",
     session: { can_write: false }, runs: [], last: {}, es: null, es_tag: undefined, charts: {}, busy: {}, again: {},
-    summary: null, lastEvent: 0 };
+    summary: null, lastEvent: 0, hashes: {} };
 
   // Count what would mean the page is broken or under attack; the browser test reads these.
   document.addEventListener("securitypolicyviolation", () => bump("cspViolations"));
@@ -125,6 +126,7 @@
     const changedRun = where.tag !== state.tag;
     Object.assign(state, where);
     if (changedRun) { state.offset = 0; state.status = ""; state.summary = null; }
+    state.hashes = {};  // a new view draws every part afresh
     if (where.view === "run" && where.parent) state.offset = 0;
     destroyCharts();
     renderTabs();
@@ -133,7 +135,7 @@
     else renderTrialPage();
     connect(state.tag);
     refresh(true, true);
-    loadRuns();
+    if (state.view !== "run") loadRuns();
   }
 
   function renderTabs() {
@@ -148,6 +150,10 @@
       state.runs = data.runs || [];
       state.missing = data.missing || null;
     } catch (e) { state.runs = []; }
+    return showRuns(state.runs);
+  }
+  function showRuns(runs) {
+    state.runs = runs;
     fill(select, state.runs.map((r) => h("option", { value: r.tag, selected: r.tag === state.tag },
       r.tag + " (" + r.status + ", " + r.trials + " trials)")));
     return state.runs;
@@ -188,15 +194,8 @@
   function refresh(db, live) {
     if (!state.tag) return;
     if (state.view === "run") {
-      if (db) {
-        once("summary", loadSummary);
-        once("progress", loadProgress);
-        once("events", loadEvents);
-        once("ideas", loadIdeas);
-        once("trials", loadTrials);
-        loadRuns();
-      }
-      if (db || live) once("live", loadLive);
+      if (db) once("page", () => loadParts(RUN_PARTS));
+      else if (live) once("live", () => loadParts(["live"]));
     } else if (state.view === "tree") {
       if (db) once("tree", loadTree);
     } else if (db || live) once("trial", loadTrial);
@@ -310,6 +309,35 @@
 
   // ------------------------------------------------------------------ the run page
 
+  // The run page's views, drawn in this order (the chart reads the summary's figures).
+  const RUN_PARTS = ["runs", "summary", "progress", "live", "events", "ideas", "trials"];
+  const SHOW = { runs: (d) => showRuns(d), summary: (d) => showSummary(d), progress: (d) => showProgress(d),
+    live: (d) => showLive(d), events: (d) => showEvents(d), ideas: (d) => showIdeas(d), trials: (d) => showTrials(d) };
+  function trialParams() {
+    const params = new URLSearchParams({ offset: state.offset, limit: state.limit });
+    if (state.status) params.set("status", state.status);
+    if (state.parent) params.set("parent", state.parent);
+    return params;
+  }
+  async function loadParts(parts) {
+    const params = trialParams();
+    const asked = params.toString();
+    params.set("parts", parts.join(","));
+    const have = parts.filter((p) => state.hashes[p]).map((p) => p + ":" + state.hashes[p]);
+    if (have.length) params.set("have", have.join(","));
+    const reply = await api(runApi("page") + "?" + params.toString());
+    for (const name of RUN_PARTS) {
+      const part = reply.parts[name];
+      if (!part) continue;
+      // A table page asked for before the pager moved is not the page shown now.
+      if (name === "trials" && trialParams().toString() !== asked) continue;
+      if (part.error) { state.hashes[name] = null; showError(name, new Error(part.error)); continue; }
+      if (part.data === undefined) continue;  // unchanged: what is drawn is current
+      try { SHOW[name](part.data); state.hashes[name] = part.hash; }
+      catch (e) { state.hashes[name] = null; showError(name, e); }
+    }
+  }
+
   function renderRunPage() {
     fill(main,
       h("div", { id: "page-error" }),
@@ -335,10 +363,8 @@
       h("div", { class: "value", title: String(value) }, value), note ? h("div", { class: "note" }, note) : null);
   }
 
-  async function loadSummary() {
-    const [summary, session] = await Promise.all([api(runApi("summary")), api("/api/session")]);
+  function showSummary(summary) {
     state.summary = summary;
-    state.session = session;
     const head = summary.headline, best = summary.best;
     const status = summary.status;
     const controller = summary.controller;
@@ -387,16 +413,13 @@
     } catch (e) { fill(msg, "error: " + e.message); msg.className = "msg err"; button.disabled = false; }
   }
 
-  async function loadProgress() {
-    const p = await api(runApi("progress"));
-    if (!state.summary) { try { state.summary = await api(runApi("summary")); } catch (e) { /* shown elsewhere */ } }
+  function showProgress(p) {
     progressChart(byId("progress"), p, state.summary);
     if (p.left_out) byId("progress").append(h("p", { class: "muted" }, "The first " + p.left_out + " trials are left out of the chart."));
     fill(byId("err-progress"));
   }
 
-  async function loadLive() {
-    const data = await api(runApi("live"));
+  function showLive(data) {
     const el = byId("live");
     const running = data.running || [];
     for (const name of Object.keys(state.charts)) if (name.startsWith("live-") && !running.some((r) => "live-" + r.number === name)) {
@@ -427,8 +450,7 @@
     fill(byId("err-live"));
   }
 
-  async function loadEvents() {
-    const events = await api(runApi("events"));
+  function showEvents(events) {
     const el = byId("events");
     if (!events.length) { fill(el, h("p", { class: "muted" }, "No events: no pause, drift, overfitting or lost worker so far.")); return; }
     fill(el, h("ul", { class: "events" }, events.map((e) => h("li", { data: { event: e.id } },
@@ -437,8 +459,7 @@
     fill(byId("err-events"));
   }
 
-  async function loadIdeas() {
-    const data = await api(runApi("ideas"));
+  function showIdeas(data) {
     fill(byId("ideas-count"), data.pending ? data.pending + " waiting" : "");
     const rows = data.queue.map((i) => h("tr", { data: { idea: i.id } }, h("td", { class: "num" }, String(i.priority)),
       h("td", { class: "desc" }, i.text), h("td", {}, h("code", {},
@@ -487,11 +508,8 @@
     fill(el, form);
   }
 
-  async function loadTrials() {
-    const params = new URLSearchParams({ offset: state.offset, limit: state.limit });
-    if (state.status) params.set("status", state.status);
-    if (state.parent) params.set("parent", state.parent);
-    const page = await api(runApi("trials") + "?" + params.toString());
+  function loadTrials() { state.hashes.trials = null; return loadParts(["trials"]); }
+  function showTrials(page) {
     fill(byId("trials-count"), page.total + (state.status || state.parent ? " matching" : ""));
     const statusPick = h("select", { "aria-label": "status", onchange: (e) => { state.status = e.target.value; state.offset = 0; once("trials", loadTrials); } },
       h("option", { value: "" }, "every status"), STATUSES.map((st) => h("option", { value: st, selected: st === state.status }, st)));

@@ -13,14 +13,15 @@ page makes, uncached (`--repeat` times each): median and worst, in ms, and the s
 the JSON it sends.
 
 Part 2 runs the real Controller over a training command that returns at once (as
-bench/loop_overhead.py does), `--loop-trials` trials per round, in rounds closed / open
-/ closed / open: "open" is `autoloop serve` on the project plus a page client in its own
+bench/loop_overhead.py does), `--loop-trials` trials per round, in `--rounds` pairs of
+rounds (closed-open, then open-closed, ...): "open" is `autoloop serve` on the project plus a page client in its own
 process that holds the event stream and, on every change, fetches what the run page
 fetches (its views in one request, those it has unchanged left out; the tree every 5th
 change), as fast as the page would. `--browser` uses headless Chromium on the real page
 instead (it then also competes for this machine's CPU, as a page opened on the GPU box
-itself would). It prints the median per-trial cycle of each round. Target: the open
-rounds within the spread of the closed ones.
+itself would). It prints the median per-trial cycle of each round, and open minus
+closed paired by round (mean ± standard error). Target: no measurable difference, i.e.
+that difference within 2 standard errors of zero.
 """
 
 from __future__ import annotations
@@ -208,8 +209,12 @@ def loop_round(root: Path, name: str, trials: int, page: str | None) -> dict:
         return trial
 
     ctl.execute = execute
+    watched = {"server": server.process.pid if server else None, "client": client.pid if client else None}
+    before = {k: cpu_seconds(pid) for k, pid in watched.items() if pid}  # start-up (imports) left out
+    cpu = {}
     try:
         ctl.run()
+        cpu = {k: cpu_seconds(watched[k]) - v for k, v in before.items() if v is not None}
     finally:
         stop.set()
         if client is not None:
@@ -219,7 +224,17 @@ def loop_round(root: Path, name: str, trials: int, page: str | None) -> dict:
         if server is not None:
             server.close()
     return {"name": name, "page": page or "closed", "median": statistics.median(cycles[5:]),
-            "p90": sorted(cycles[5:])[int(0.9 * (len(cycles) - 6))], "fetches": fetched.value}
+            "p90": sorted(cycles[5:])[int(0.9 * (len(cycles) - 6))], "fetches": fetched.value,
+            "cpu_per_trial": {k: v / trials for k, v in cpu.items() if v is not None}}
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds a process has used so far (Linux /proc), else None."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def main() -> None:
@@ -227,6 +242,7 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=10_000, help="trials in the query benchmark's db")
     parser.add_argument("--repeat", type=int, default=30, help="runs of each query")
     parser.add_argument("--loop-trials", type=int, default=150, help="trials per round of the loop benchmark")
+    parser.add_argument("--rounds", type=int, default=3, help="pairs of rounds (page closed, then open)")
     parser.add_argument("--browser", action="store_true", help="open the page in headless Chromium instead of the client")
     parser.add_argument("--skip-queries", action="store_true")
     parser.add_argument("--skip-loop", action="store_true")
@@ -240,19 +256,33 @@ def main() -> None:
         if not args.skip_loop:
             page = "browser" if args.browser else "client"
             rounds = []
-            for i, mode in enumerate((None, page, None, page)):
+            # Pairs in the order closed-open, open-closed, ...: a machine that slows down or
+            # speeds up steadily (another job starting) then shifts both sides alike.
+            order = [mode for i in range(args.rounds) for mode in ((None, page) if i % 2 == 0 else (page, None))]
+            for i, mode in enumerate(order):
                 rounds.append(loop_round(root, f"r{i}", args.loop_trials, mode))
                 r = rounds[-1]
                 print(f"  round {i + 1}: page {r['page']:<8} median cycle {r['median'] * 1000:7.1f} ms, "
-                      f"p90 {r['p90'] * 1000:7.1f} ms" + (f", {r['fetches']} page fetches" if r["fetches"] else ""))
+                      f"p90 {r['p90'] * 1000:7.1f} ms" + (f", {r['fetches']} page fetches" if r["fetches"] else "")
+                      + "".join(f", {k} CPU {v * 1000:.1f} ms a trial" for k, v in r["cpu_per_trial"].items()),
+                      flush=True)
             closed = [r["median"] for r in rounds if r["page"] == "closed"]
             opened = [r["median"] for r in rounds if r["page"] != "closed"]
+            mean, se = paired_difference(closed, opened)  # the i-th closed and open rounds are one pair
             print(f"\ncontroller per-trial cycle ({args.loop_trials} trials a round, first 5 left out): "
                   f"page closed {statistics.mean(closed) * 1000:.1f} ms (rounds {', '.join(f'{c * 1000:.1f}' for c in closed)}), "
-                  f"page open {statistics.mean(opened) * 1000:.1f} ms (rounds {', '.join(f'{c * 1000:.1f}' for c in opened)}); "
-                  f"difference {(statistics.mean(opened) - statistics.mean(closed)) * 1000:+.1f} ms, "
-                  f"spread of the closed rounds {abs(closed[0] - closed[1]) * 1000:.1f} ms")
+                  f"page open {statistics.mean(opened) * 1000:.1f} ms (rounds {', '.join(f'{c * 1000:.1f}' for c in opened)})")
+            print(f"open - closed, paired by round: {mean * 1000:+.1f} ± {se * 1000:.1f} ms (mean ± se of {len(closed)} "
+                  f"pairs): {'no measurable difference (|mean| < 2 se)' if abs(mean) < 2 * se else 'a measurable difference (|mean| >= 2 se)'}")
 
+
+def paired_difference(closed: list[float], opened: list[float]) -> tuple[float, float]:
+    """Mean and standard error of (open - closed) over the rounds' pairs (the i-th of each),
+    so that what drifts between pairs (another job, a warming disk) cancels."""
+    diffs = [o - c for c, o in zip(closed, opened)]
+    if len(diffs) < 2:
+        return (diffs[0] if diffs else 0.0), float("inf")
+    return statistics.mean(diffs), statistics.stdev(diffs) / len(diffs) ** 0.5
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import queue
 import re
@@ -579,6 +580,22 @@ def test_a_browser_shows_new_trials_without_a_reload(night, server, tmp_path):
     for png in (run_png, tree_png):
         assert png.stat().st_size > 10_000 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     print(f"screenshots in {out}")
+
+
+def test_the_overhead_bench_pairs_rounds_and_gives_the_mean_and_its_standard_error():
+    """bench/serve_scale.py's verdict on known inputs: a constant +0.1 s is measured exactly;
+    differences of +0.1, -0.1, +0.1, -0.1 average to 0, with a standard deviation of
+    0.2/sqrt(3) and so a standard error of half that."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("serve_scale", Path(__file__).resolve().parents[1] / "bench" / "serve_scale.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    mean, se = bench.paired_difference([1.0, 2.0, 3.0], [1.1, 2.1, 3.1])
+    assert mean == pytest.approx(0.1) and se == pytest.approx(0.0, abs=1e-12)
+    mean, se = bench.paired_difference([1.0, 2.0, 3.0, 4.0], [1.1, 1.9, 3.1, 3.9])
+    assert mean == pytest.approx(0.0, abs=1e-12) and se == pytest.approx(0.2 / math.sqrt(3) / 2)
+    assert bench.paired_difference([1.0], [1.5]) == (0.5, float("inf"))  # one pair tells nothing of the noise
 
 
 def test_replies_are_json_without_nan_and_big_ones_are_gzipped_for_a_browser():

@@ -17,7 +17,6 @@ import sqlite3
 import subprocess
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest

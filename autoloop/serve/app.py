@@ -31,7 +31,9 @@ Reads never block the controller (`autoloop.serve.readonly`): one read-only conn
 short queries, and every payload cached until `PRAGMA data_version` says another
 connection committed. The live stream (server-sent events) checks that number and the
 running trials' progress files twice a second and says "changed"; the page then fetches
-what it shows. So an open page costs the controller nothing it waits on.
+what it shows, the run page in one request (`/api/runs/TAG/page`) that leaves out every
+view whose fingerprint it already has. So an open page costs the controller nothing it
+waits on, and one request's CPU a change.
 """
 
 from __future__ import annotations

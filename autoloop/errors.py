@@ -9,6 +9,10 @@ class AutoloopError(Exception):
     """A problem the user can fix; str(error) is one line naming the problem and the fix."""
 
 
+class NotFound(AutoloopError):
+    """A run or a trial the user named is not in the database (the page answers 404)."""
+
+
 # A full disk is nobody's proposal's fault: it is recognised wherever it surfaces (an
 # OSError from our own writes, a message in a training log or in git's or SQLite's
 # errors) so that it is reported as what it is and pauses the run.

@@ -59,7 +59,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from autoloop.errors import AutoloopError
+from autoloop.errors import AutoloopError, NotFound
 from autoloop.trust.redact import redact
 
 
@@ -764,7 +764,7 @@ class Store:
             run = self.get_run(tag)
             if run is None:
                 known = ", ".join(r["tag"] for r in self.runs()) or "none"
-                raise AutoloopError(f"no run tagged '{tag}' in {self.path} (runs: {known}): check --tag and --db")
+                raise NotFound(f"no run tagged '{tag}' in {self.path} (runs: {known}): check --tag and --db")
             self.update_run(run["id"], stop_requested=1)
             return self._run_by_id(run["id"])
 

@@ -21,7 +21,7 @@ from autoloop.loop.faults import POINTS
 from autoloop.measure.runner import process_group_alive
 from autoloop.store import Store
 
-from test_controller import assert_consistent, run_loop, seed, trials
+from test_controller import assert_consistent, run_loop, seed
 
 
 # The loop's mechanics (git, db, processes, recovery), one training run per trial.

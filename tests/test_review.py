@@ -906,7 +906,7 @@ def test_status_shows_the_noise_estimate_and_drift(noisy):
 
 
 def test_report_shows_intervals_noise_drift_and_the_ablation(noisy, tmp_path):
-    from autoloop.review.report import Z95
+    from autoloop.review.charts import Z95
     from autoloop.review.queries import best_trial
     from autoloop.store import Store
 

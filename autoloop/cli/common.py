@@ -13,7 +13,7 @@ from pathlib import Path
 
 import typer
 
-from autoloop.errors import AutoloopError
+from autoloop.errors import AutoloopError, NotFound
 
 
 def handles_errors(command):
@@ -59,7 +59,7 @@ def pick_run(store, tag: str | None) -> dict:
         run = store.get_run(tag)
         if run is None:
             known = ", ".join(r["tag"] for r in runs) or "none"
-            raise AutoloopError(f"no run tagged '{tag}' in {store.path} (runs: {known}): check --tag")
+            raise NotFound(f"no run tagged '{tag}' in {store.path} (runs: {known}): check --tag")
         return run
     if not runs:
         raise AutoloopError(f"{store.path} has no runs yet: start one with `autoloop run`")

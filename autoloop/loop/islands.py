@@ -145,11 +145,19 @@ class Islands:
 
 
 def rebased(c, trial: dict, onto: str) -> tuple[dict[str, str], str | None]:
-    """The trial's edit (parent -> trial commit) merged onto `onto` (GitRepo.rebased_files)."""
+    """The trial's edit (parent -> trial commit) merged onto `onto` (GitRepo.rebased_files),
+    else why it cannot be tried there: no commit, a conflict, or `onto` has it already."""
     parent, mine = trial.get("parent_commit"), trial.get("trial_commit")
     if not parent or not mine:
         return {}, "it has no commit"
-    return c.repo.rebased_files(parent, mine, onto)
+    files, problem = c.repo.rebased_files(parent, mine, onto)
+    if not problem:
+        current = c.repo.file_reader(onto)
+        if all(text == current(path) for path, text in files.items()):
+            # Another worker's trial made the same change and was kept first: the new best
+            # holds it already, and an empty edit is nobody's invalid trial.
+            problem = "the current best already has its change"
+    return files, problem
 
 
 class Requeue:
@@ -195,11 +203,6 @@ class Requeue:
             trial = c.store.trial_by_id(entry[0])
             parent = c.islands.parent_for(lineage)
             files, problem = rebased(c, trial, parent)
-            current = c.repo.file_reader(parent)
-            if not problem and all(text == current(path) for path, text in files.items()):
-                # Another worker's trial made the same change and was kept first: the new
-                # best holds it already, and an empty edit is nobody's invalid trial.
-                problem = "the current best already has its change"
             if problem:
                 c.event("rebase", f"trial {trial['number']} is not tried again: {problem}", trial_id=trial["id"])
                 continue

@@ -49,7 +49,6 @@ from autoloop.errors import AutoloopError
 from autoloop.measure.job import JobResult, MeasureJob
 from autoloop.measure.run_folder import RunFolder
 from autoloop.measure.runner import RunOutcome
-from autoloop.measure.worker import EVAL_DEADLINE_FLOOR_SECONDS, RESULT_FIELDS  # noqa: F401  (re-exported)
 from autoloop.store import Status
 
 # A measurement's status: ok | crash | timeout | invalid | aborted (the user stopped it) |

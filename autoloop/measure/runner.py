@@ -48,7 +48,6 @@ pgid and start time the controller stored when the trial started.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re

@@ -38,7 +38,7 @@ import io
 import json
 from pathlib import Path
 
-from autoloop.errors import AutoloopError
+from autoloop.errors import AutoloopError, NotFound
 from autoloop.review.queries import require_trials, select
 from autoloop.store import JSON_COLUMNS, Kind, MetricSource, Status
 
@@ -215,7 +215,7 @@ def load_trials(db_path: str | Path, run: str | None = None):
         if run is not None:
             ids = [i for i, tag in runs.items() if tag == run]
             if not ids:
-                raise AutoloopError(f"no run tagged '{run}' in {path} (runs: {', '.join(runs.values()) or 'none'}): check the tag")
+                raise NotFound(f"no run tagged '{run}' in {path} (runs: {', '.join(runs.values()) or 'none'}): check the tag")
             where, params = " WHERE run_id = ?", (ids[0],)
         rows = select(store, f"SELECT * FROM trials{where} ORDER BY run_id, number", params)
         columns = [c["name"] for c in select(store, "PRAGMA table_info(trials)")]

@@ -41,7 +41,6 @@ Definitions shared by `autoloop log`, `best`, `report` and `export`:
 
 from __future__ import annotations
 
-import json
 import re
 import time
 from datetime import datetime
@@ -50,7 +49,7 @@ from typing import Any, Iterable
 
 from autoloop.measure.run_folder import RunFolder
 from autoloop.decide.effects import ablation_effect, decision_of, trial_effect
-from autoloop.errors import AutoloopError
+from autoloop.errors import AutoloopError, NotFound
 from autoloop.store import Kind, Status
 
 LOG_FIELDS = ("number", "kind", "status", "reason", "metric", "metric_source", "delta", "best_before",
@@ -75,10 +74,11 @@ _PROCESS_FIELDS = ("pgid", "pid", "pid_start_time", "heartbeat_at")
 # ---------------------------------------------------------------------------- queries
 
 
-def select(store, sql: str, params: Iterable[Any] = ()) -> list[dict[str, Any]]:
+def select(store, sql: str, params: Iterable[Any] = (), *, table: str | None = None) -> list[dict[str, Any]]:
     """Run a read-only query on the store and fetch every row now (see the Store's
-    concurrency rules: no read transaction may outlive the call)."""
-    return store.query(sql, params)
+    concurrency rules: no read transaction may outlive the call). With `table`, that
+    table's JSON columns come back decoded (`Store.rows`), as every write stored them."""
+    return store.rows(table, sql, params) if table else store.query(sql, params)
 
 
 def parse_choices(value: str | Iterable[str] | None, vocabulary, what: str) -> list[str] | None:
@@ -137,12 +137,11 @@ def log_rows(store, run: dict, *, last: int | None = None, status=None, kind=Non
     if last is not None:
         sql = f"SELECT * FROM ({sql} ORDER BY number DESC LIMIT ?)"
         params.append(last)
-    rows = select(store, sql + " ORDER BY number", params)
+    rows = select(store, sql + " ORDER BY number", params, table="trials")
     fields = LOG_FIELDS + LOG_UNCERTAINTY + (LOG_JSON_EXTRA if extra else ())
     out = []
     for t in rows:
         row = {k: t.get(k) for k in fields if k in t}
-        row["flags"] = json.loads(row["flags"]) if isinstance(row.get("flags"), str) else row.get("flags")  # raw SQL: JSON text
         row["delta"] = trial_delta(t)
         row["minutes"] = trial_minutes(t)
         effect = trial_effect(t)
@@ -161,7 +160,7 @@ def get_trial(store, run: dict, number: int) -> dict:
     if trial is None:
         span = select(store, "SELECT MIN(number) AS lo, MAX(number) AS hi FROM trials WHERE run_id = ?", (run["id"],))[0]
         known = f"trials {span['lo']}-{span['hi']}" if span["lo"] is not None else "no trials yet"
-        raise AutoloopError(f"run '{run['tag']}' has no trial {number} ({known}): check the number, or --tag for another run")
+        raise NotFound(f"run '{run['tag']}' has no trial {number} ({known}): check the number, or --tag for another run")
     return trial
 
 
@@ -223,9 +222,10 @@ def trial_detail(store, run: dict, number: int, repo: Path | None = None, *, log
     detail["curve_points"] = select(store, "SELECT COUNT(*) AS n FROM curves WHERE trial_id = ?", (trial["id"],))[0]["n"]
     detail["idea"] = None
     if trial.get("idea_id"):
-        ideas = select(store, "SELECT id, text, sets, patch, status FROM ideas WHERE id = ?", (trial["idea_id"],))
+        ideas = select(store, "SELECT id, text, sets, patch, status FROM ideas WHERE id = ?", (trial["idea_id"],),
+                       table="ideas")
         if ideas:
-            detail["idea"] = {**ideas[0], "sets": json.loads(ideas[0]["sets"]) if ideas[0]["sets"] else None}
+            detail["idea"] = ideas[0]
     if trial["kind"] == Kind.ABLATION.value and trial.get("derived_from"):
         rows = select(store, "SELECT number FROM trials WHERE id = ?", (trial["derived_from"],))
         detail["ablated_trial"] = rows[0]["number"] if rows else None
@@ -249,13 +249,8 @@ def trial_measurements(store, trial: dict) -> list[dict]:
     `owner` is the number of the trial whose code was trained."""
     rows = select(store, "SELECT m.*, t.number AS owner, f.number AS for_trial FROM measurements m "
                          "JOIN trials t ON t.id = m.trial_id LEFT JOIN trials f ON f.id = m.for_trial_id "
-                         "WHERE m.trial_id = ? OR m.for_trial_id = ? ORDER BY m.id", (trial["id"], trial["id"]))
-    for row in rows:
-        if isinstance(row.get("budget"), str):
-            try:
-                row["budget"] = json.loads(row["budget"])
-            except ValueError:
-                pass
+                         "WHERE m.trial_id = ? OR m.for_trial_id = ? ORDER BY m.id", (trial["id"], trial["id"]),
+                  table="measurements")
     return rows
 
 
@@ -422,7 +417,7 @@ def discarded_trials(store, run: dict, limit: int) -> tuple[list[dict], int]:
     total = select(store, f"SELECT COUNT(*) AS n FROM trials WHERE {where[0]}", where[1])[0]["n"]
     rows = select(store, f"SELECT number, kind, description, proposer, reason, metric, metric_sd, n_runs, delta, "
                          f"best_before, decision, edits, diff FROM trials WHERE {where[0]} ORDER BY number LIMIT ?",
-                  (*where[1], limit))
+                  (*where[1], limit), table="trials")
     for row in rows:
         row["delta"] = trial_delta(row)
         row["effect"] = trial_effect(row)
@@ -483,6 +478,7 @@ def idea_outcomes(store, run: dict) -> list[dict]:
         "r.tag AS trial_run FROM ideas i LEFT JOIN trials t ON t.id = i.trial_id LEFT JOIN runs r ON r.id = t.run_id "
         "WHERE i.run_id = ? OR i.run_id IS NULL ORDER BY i.id",
         (run["id"],),
+        table="ideas",
     )
 
 

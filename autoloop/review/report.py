@@ -28,7 +28,6 @@ says it is a snapshot and shows running trials as such. Every table is bounded
 from __future__ import annotations
 
 import html
-import json
 import os
 import re
 from dataclasses import dataclass, field
@@ -36,7 +35,7 @@ from pathlib import Path
 
 from autoloop.errors import AutoloopError
 from autoloop.decide.effects import ablation_verdict, format_estimate, format_interval
-from autoloop.review.charts import COLOURS, Z95, curves_svg, point_groups, progress_svg  # noqa: F401 (re-exported)
+from autoloop.review.charts import curves_svg, point_groups, progress_svg
 from autoloop.review.queries import (
     CRASHED, baseline_trial, best_trial, common_reasons, discarded_trials, headline, idea_outcomes, kept_trials,
     latest_ablations, noise_info, progress_points, require_trials, select, trial_delta,
@@ -159,13 +158,11 @@ def worker_counts(store, run: dict) -> list[dict]:
 
 def flagged_trials(store, run: dict) -> list[dict]:
     """Trials whose curve the diagnosis flagged (autoloop.decide.diagnosis), with the messages."""
-    import json
-
     rows = select(store, "SELECT number, status, description, flags FROM trials WHERE run_id = ? AND flags IS NOT NULL "
-                         "ORDER BY number", (run["id"],))
+                         "ORDER BY number", (run["id"],), table="trials")
     out = []
     for row in rows:
-        flags = json.loads(row["flags"]) if isinstance(row["flags"], str) else row["flags"]
+        flags = row["flags"]
         if flags:
             out.append({"number": row["number"], "status": row["status"], "description": row["description"],
                         "messages": [f.get("message") or f.get("flag") for f in flags]})
@@ -346,7 +343,7 @@ def render_html(data: dict) -> str:
         add("<table id=\"ideas\"><thead><tr><th class=\"num\">id</th><th>idea</th><th>edit</th><th>status</th>"
             "<th>outcome</th></tr></thead><tbody>")
         for idea in ideas[:MAX_TABLE_ROWS]:
-            sets = json.loads(idea["sets"]) if idea.get("sets") else None
+            sets = idea.get("sets")
             edit = ", ".join(f"{k}={v}" for k, v in sets.items()) if sets else ("patch" if idea["has_patch"] else "text only")
             add(f"<tr data-idea=\"{idea['id']}\"><td class=\"num\">{idea['id']}</td><td>{_e(idea['text'])}</td>"
                 f"<td><code>{_e(edit)}</code></td><td>{_e(idea['status'])}</td>"
@@ -410,11 +407,6 @@ def tried(row: dict) -> str:
         first = "; ".join(c[:1] + " " + c[1:].strip()[:60] for c in changed[:2])
         return f"+{plus} −{len(changed) - plus} lines: {first}" + (" …" if len(changed) > 2 else "")
     edits = row.get("edits")
-    if isinstance(edits, str):
-        try:
-            edits = json.loads(edits)
-        except ValueError:
-            edits = None
     sets = [f"{k}={v}" for e in (edits or {}).get("edits", []) for k, v in (e.get("sets") or {}).items()]
     return ", ".join(sets) or "–"
 

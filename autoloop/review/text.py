@@ -119,7 +119,7 @@ def format_trial(d: dict, *, with_diff: bool = True) -> str:
     if d.get("flags"):
         from autoloop.decide.diagnosis import messages
 
-        for message in messages(d["flags"] if not isinstance(d["flags"], str) else json.loads(d["flags"])):
+        for message in messages(d["flags"]):
             field("flag", message)
 
     lines.append("evidence")

@@ -57,7 +57,7 @@ from starlette.responses import FileResponse, RedirectResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
-from autoloop.errors import AutoloopError
+from autoloop.errors import AutoloopError, NotFound
 from autoloop.serve import queries
 from autoloop.serve.readonly import ReadOnlyStore
 
@@ -343,7 +343,7 @@ def create_app(state: ServeState) -> Guard:
     def failed(exc: Exception) -> Response:
         if isinstance(exc, NoDatabase):
             return _error(str(exc), 503)
-        return _error(str(exc), 404 if "no run tagged" in str(exc) or "has no trial" in str(exc) else 400)
+        return _error(str(exc), 404 if isinstance(exc, NotFound) else 400)
 
     def read(compute_name: str, request: Request, compute, *, key_extra=(), stamp=None) -> Response:
         try:
@@ -426,9 +426,9 @@ def create_app(state: ServeState) -> Guard:
                 text, digest = answer(name, tag, compute, key_extra=key_extra, stamp=stamp)
             except NoDatabase as exc:
                 return failed(exc)
+            except NotFound as exc:
+                return failed(exc)  # the whole page's run: no part can answer
             except AutoloopError as exc:
-                if "no run tagged" in str(exc):
-                    return failed(exc)
                 out.append(f'"{name}":' + encode({"error": str(exc)}))
                 continue
             same = have.get(name) == digest
@@ -499,7 +499,7 @@ def create_app(state: ServeState) -> Guard:
             await body_of(request)
             return _json(await anyio.to_thread.run_sync(stop_from_page, state, tag))
         except AutoloopError as exc:
-            return _error(str(exc), 404 if "no run tagged" in str(exc) else 400)
+            return failed(exc)
 
     routes = [
         Route("/", index, methods=["GET", "HEAD"]),

@@ -33,7 +33,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from autoloop.errors import AutoloopError
+from autoloop.errors import AutoloopError, NotFound
 from autoloop.trust import untrusted as files
 
 
@@ -98,10 +98,10 @@ def _cut(text: str | None, limit: int) -> str | None:
     return text if len(text) <= limit else text[:limit - 1] + "…"
 
 
-def _select(store, sql: str, params=()) -> list[dict]:
+def _select(store, sql: str, params=(), *, table: str | None = None) -> list[dict]:
     from autoloop.review.queries import select
 
-    return select(store, sql, params)
+    return select(store, sql, params, table=table)
 
 
 # ---------------------------------------------------------------------------- runs
@@ -122,7 +122,7 @@ def pick_run(store, tag: str | None) -> dict:
         run = store.get_run(tag)
         if run is None:
             known = ", ".join(r["tag"] for r in store.runs()) or "none"
-            raise AutoloopError(f"no run tagged '{tag}' in {store.path} (runs: {known}): pick one of them")
+            raise NotFound(f"no run tagged '{tag}' in {store.path} (runs: {known}): pick one of them")
         return run
     return cli_pick_run(store, None)
 
@@ -276,21 +276,15 @@ def events(store, run: dict, limit: int = EVENTS_SHOWN) -> list[dict]:
 def ideas(store, run: dict) -> dict:
     """The idea queue in the order the loop takes it (priority, then oldest), and the
     latest ideas taken with what became of them."""
-    import json
-
     queue = _select(store, "SELECT id, substr(text, 1, 300) AS text, sets, patch IS NOT NULL AS has_patch, priority, "
                            "run_id IS NULL AS any_run, created_at FROM ideas WHERE status = 'pending' "
-                           "AND (run_id = ? OR run_id IS NULL) ORDER BY priority DESC, id LIMIT ?", (run["id"], IDEAS_SHOWN))
+                           "AND (run_id = ? OR run_id IS NULL) ORDER BY priority DESC, id LIMIT ?", (run["id"], IDEAS_SHOWN),
+                    table="ideas")
     pending = _select(store, "SELECT COUNT(*) AS n FROM ideas WHERE status = 'pending' AND (run_id = ? OR run_id IS NULL)",
                       (run["id"],))[0]["n"]
     recent = _select(store, "SELECT i.id, substr(i.text, 1, 300) AS text, i.status, t.number AS trial, "
                             "t.status AS trial_status, t.delta AS trial_delta FROM ideas i JOIN trials t ON t.id = i.trial_id "
                             "WHERE t.run_id = ? ORDER BY i.id DESC LIMIT 10", (run["id"],))
-    for idea in queue:
-        try:
-            idea["sets"] = json.loads(idea["sets"]) if idea["sets"] else None
-        except ValueError:
-            idea["sets"] = None
     return clean({"queue": queue, "pending": pending, "recent": recent})
 
 

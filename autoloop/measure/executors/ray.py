@@ -293,8 +293,8 @@ def ensure_node_dataset(spec: dict, verified: set | None = None) -> tuple[Path |
             return None, f"the dataset {name} on node {host} cannot be read: {_one_line(exc)}"
         if wanted and ds.fingerprint != wanted:
             if spec.get("embedded"):
-                fix = (f"the embedded corpus is the interpreter's standard library, so run the controller's Python "
-                       f"build on the node, or use a prepared dataset (autoloop prepare)")
+                fix = ("the embedded corpus is the interpreter's standard library, so run the controller's Python "
+                       "build on the node, or use a prepared dataset (autoloop prepare)")
             else:
                 fix = (f"prepare the controller's data on the node (`{_prepare_command(spec)}`) or remove {path} "
                        "there so that it is prepared again")

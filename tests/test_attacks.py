@@ -124,56 +124,6 @@ def _files_outside_trials(repo: Path) -> dict[str, bytes]:
 
 
 @pytest.mark.slow
-@needs_bwrap
-def test_attacks_in_step_mode_end_invalid_or_fail_inside_the_sandbox(tmp_path, monkeypatch):
-    from autoloop.harness import metric
-
-    repo = make_repo(tmp_path / "repo", TRAIN_PY.read_text())
-    config = _run(repo, monkeypatch, max_steps=6, max_trials=1 + len(ATTACKS))
-    _seed_attacks(repo, config, list(ATTACKS), ATTACKS)
-    before = _files_outside_trials(repo)
-    pyc = Path(__import__("importlib.util").util.cache_from_source(metric.__file__))
-    pyc_before = pyc.read_bytes() if pyc.exists() else None
-    summary = Controller(config, repo).run()
-    trials = _trials(repo)
-    baseline = trials["baseline"]
-    assert baseline["status"] == "keep", baseline["reason"]
-    assert summary.trials_run == 1 + len(ATTACKS), summary.stop_reason
-
-    def invalid(name: str, *words: str) -> None:
-        trial = trials[name]
-        assert trial["status"] == "invalid", (name, trial["status"], trial["reason"])
-        for word in words:
-            assert word in trial["reason"], (name, trial["reason"])
-
-    def honest(name: str) -> None:
-        trial = trials[name]
-        assert (trial["status"], trial["metric"]) == ("discard", baseline["metric"]), (name, trial["reason"])
-
-    invalid("val split", "val split")
-    assert trials["val file"]["status"] == "crash" and "no val file visible" in (trials["val file"]["error_tail"] or "")
-    # The model process's harness is not the scorer's: replacing evaluate_bpb there changes
-    # nothing, and the trial gets exactly the honest value of its unchanged model.
-    honest("replace evaluate_bpb")
-    invalid("extra steps", "steps")
-    # Failed inside the sandbox: the repository, the installed harness and the db are read-only or invisible.
-    assert (pyc.read_bytes() if pyc.exists() else None) == pyc_before
-    assert baseline["metric"] is not None and baseline["metric"] < 99
-    assert "pyc attack failed" in _log(repo, trials["poisoned pyc"]) or trials["poisoned pyc"]["status"] == "crash"
-    assert "db attack failed" in _log(repo, trials["db write"]) or trials["db write"]["status"] == "crash"
-    time.sleep(6)  # the daemon would have written by now
-    assert "pwned" not in (repo / "train.py").read_text()
-    assert not subprocess.run(["pgrep", "-f", "pwned"], capture_output=True).stdout
-    leaked = [p for p in (repo / ".autoloop").rglob("*") if p.is_file() and SECRET.encode() in p.read_bytes()]
-    assert not leaked and "ENV" in _log(repo, trials["environment"])
-    # Nothing outside the trials' folders changed, and git is clean.
-    assert _files_outside_trials(repo) == before
-    status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo,
-                            capture_output=True, text=True).stdout
-    assert status == ""
-
-
-@pytest.mark.slow
 def test_attacks_without_a_sandbox_are_caught_by_the_checks(tmp_path, monkeypatch):
     from autoloop.harness import metric
 
@@ -550,43 +500,85 @@ def _kept(trial: dict) -> bool:
 
 @pytest.mark.slow
 @needs_bwrap
-def test_trust_attacks_in_step_mode_are_not_kept_and_leak_nothing(tmp_path, monkeypatch):
-    """Issue 23, items 1, 2, 3 and 5, sandboxed, verification on: none kept, the controller
-    alive (and again after a restart), no secret anywhere, .git/hooks and every file outside
-    the trials' folders unchanged."""
-    # A cache of this test's own: on today's main the bytecode attack poisons it for every
+def test_attacks_in_step_mode_end_invalid_or_fail_inside_the_sandbox_and_leak_nothing(tmp_path, monkeypatch):
+    """Issue 12's table and issue 23's items 1, 2, 3 and 5, sandboxed, verification on, in
+    one run (one baseline for all): every attack invalid, a crash, or failed inside the
+    sandbox; none kept; the controller alive (and again after a restart); no secret
+    anywhere; the installed harness, .git/hooks and every file outside the trials' folders
+    unchanged."""
+    from autoloop.harness import metric
+
+    # A cache of this test's own: on the old main the bytecode attack poisoned it for every
     # later evaluation, and it must not reach the session's shared cache.
     cache = tmp_path / "cache"
     monkeypatch.setenv("AUTOLOOP_CACHE_DIR", str(cache))
     monkeypatch.setenv("AUTOLOOP_COMPILE_CACHE", str(cache / "compile"))
     repo = make_repo(tmp_path / "repo", TRAIN_PY.read_text())
     _plant_canaries(repo, monkeypatch)
-    names = list(TRUST_ATTACKS) + ["poison bytecode", "much worse"]
-    sources = {**TRUST_ATTACKS, "poison bytecode": POISON_TORCH_BYTECODE, "much worse": MUCH_WORSE}
+    names = list(ATTACKS) + list(TRUST_ATTACKS) + ["poison bytecode", "much worse"]
+    sources = {**ATTACKS, **TRUST_ATTACKS, "poison bytecode": POISON_TORCH_BYTECODE, "much worse": MUCH_WORSE}
+    assert len(sources) == len(names)  # no attack hides another of the same name
     config = _run(repo, monkeypatch, max_steps=6, max_trials=1 + len(names))
     _seed_attacks(repo, config, names, sources)
     before = _protected_state(repo)
+    outside_before = _files_outside_trials(repo)
     hooks_before = sorted(p.name for p in (repo / ".git" / "hooks").iterdir())
-    Controller(config, repo).run()
+    pyc = Path(__import__("importlib.util").util.cache_from_source(metric.__file__))
+    pyc_before = pyc.read_bytes() if pyc.exists() else None
+    summary = Controller(config, repo).run()
+    assert summary.trials_run == 1 + len(names), summary.stop_reason
     Controller(_run(repo, monkeypatch, max_steps=6, max_trials=2), repo).run()  # a restart: alive, nothing re-run
     trials = _trials(repo)
     baseline = trials["baseline"]
     assert baseline["status"] == "keep", baseline["reason"]
-    wrongly_kept = {name: (trials[name]["status"], trials[name]["metric"], trials[name]["reason"])
-                    for name in names if name in trials and _kept(trials[name]) and name != "stash weights"}
-    assert not wrongly_kept, wrongly_kept
     assert set(names) <= set(trials), sorted(set(names) - set(trials))
     assert len(trials) == 1 + len(names), sorted(trials)  # the restart re-ran nothing
+    wrongly_kept = {name: (trials[name]["status"], trials[name]["metric"], trials[name]["reason"])
+                    for name in names if _kept(trials[name]) and name != "stash weights"}
+    assert not wrongly_kept, wrongly_kept
+
+    def invalid(name: str, *words: str) -> None:
+        trial = trials[name]
+        assert trial["status"] == "invalid", (name, trial["status"], trial["reason"])
+        for word in words:
+            assert word in trial["reason"], (name, trial["reason"])
+
+    invalid("val split", "val split")
+    assert trials["val file"]["status"] == "crash" and "no val file visible" in (trials["val file"]["error_tail"] or "")
+    # The model process's harness is not the scorer's: replacing evaluate_bpb there changes
+    # nothing, and the trial gets exactly the honest value of its unchanged model.
+    forged = trials["replace evaluate_bpb"]
+    assert (forged["status"], forged["metric"]) == ("discard", baseline["metric"]), forged["reason"]
+    invalid("extra steps", "steps")
+    # A number no database takes is the trial's problem, not the controller's.
+    invalid("huge tokens")
+    invalid("nan steps")
+    # Failed inside the sandbox: the repository, the installed harness and the db are read-only or invisible.
+    assert (pyc.read_bytes() if pyc.exists() else None) == pyc_before
+    assert baseline["metric"] is not None and baseline["metric"] < 99
+    assert "pyc attack failed" in _log(repo, trials["poisoned pyc"]) or trials["poisoned pyc"]["status"] == "crash"
+    assert "db attack failed" in _log(repo, trials["db write"]) or trials["db write"]["status"] == "crash"
     # The weights stashed by one trial never reach another.
     assert "STASH FOUND" not in _log(repo, trials["load stash"])
-    # A number no database takes is the trial's problem, not the controller's.
-    for name in ("huge tokens", "nan steps"):
-        assert trials[name]["status"] == "invalid", (name, trials[name]["status"], trials[name]["reason"])
+    time.sleep(max(0.0, 6 - (time.time() - _finished_at(trials["daemon"]))))  # the daemon would have written by now
+    assert "pwned" not in (repo / "train.py").read_text()
+    assert not subprocess.run(["pgrep", "-f", "pwned"], capture_output=True).stdout
+    assert "ENV" in _log(repo, trials["environment"])
     # Nothing the evaluator could write ran outside the sandbox.
     assert not (tmp_path / "hooked.txt").exists(), (tmp_path / "hooked.txt").read_text()
     assert sorted(p.name for p in (repo / ".git" / "hooks").iterdir()) == hooks_before
     assert _protected_state(repo) == before
+    assert _files_outside_trials(repo) == outside_before
+    status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo,
+                            capture_output=True, text=True).stdout
+    assert status == ""
     _assert_no_secret_anywhere(repo)
+
+
+def _finished_at(trial: dict) -> float:
+    from datetime import datetime
+
+    return datetime.fromisoformat(trial["finished_at"]).timestamp()
 
 
 @pytest.mark.slow

@@ -53,8 +53,8 @@ class NightWriter:
         self.rng = random.Random(7)
         base = self._git("rev-parse", "HEAD").strip() if git_repo else fake_sha(f"{tag}-base")
         run_config = {"seed": seed, "time_budget": time_budget, "max_steps": None, "keep_margin": 0.0,
-                      "proposers": ["ideas", "search"], "decision_rule": "paired", **(config or {})}
-        fields = dict(noise_sd=0.006, noise_pair_sd=0.004, noise_df=8, decision_rule="paired") if noise else {}
+                      "proposers": ["ideas", "search"], "decision_rule": "two-tier", **(config or {})}
+        fields = dict(noise_sd=0.006, noise_pair_sd=0.004, noise_df=8, decision_rule="two-tier") if noise else {}
         self.run = self.store.create_run(tag, branch=f"autoloop/{tag}", base_commit=base, best_commit=None,
                                          config=run_config, status="active", host="testhost", gpu="pretend GPU", **fields)
         self.best: dict | None = None  # the incumbent trial row
@@ -136,8 +136,10 @@ class NightWriter:
                           delta=(metric - before) if before is not None else None)
             if before is not None:
                 diff = metric - before
-                fields["decision"] = {"action": status, "rule": "paired", "n": runs, "mean_diff": diff, "se": 0.002,
+                fields["decision"] = {"action": status, "rule": "two-tier", "n": runs, "mean_diff": diff, "se": 0.002,
                                       "low": diff - 0.005, "high": diff + 0.005, "confirmed": confirmed}
+        if status == "keep":
+            fields["tier"] = "baseline" if trial["kind"] == "baseline" else "confirmed" if confirmed else "adopted"
         if trial["kind"] != "baseline":
             fields["diff"] = (f"diff --git a/train.py b/train.py\n--- a/train.py\n+++ b/train.py\n@@ -1 +1 @@\n"
                               f"-LR = 0.02\n+LR = {0.02 + trial['number'] * 1e-4:.4f}  # {trial['description'][:40]}\n")

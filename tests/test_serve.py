@@ -238,6 +238,24 @@ def test_the_trial_page_is_what_show_shows(night, server):
     assert status == 404 and "has no trial 99999" in body["error"]
 
 
+def test_the_trial_table_says_adopted_confirmed_and_stopped_early_as_log_does(night, server):
+    """Issue 19's tiers and early stops on the page: the table's rows and the trial page carry
+    the tier of a keep and the progress at which a clear loser stopped."""
+    adopted = night.trial("adopted on its paired mean", "keep", night.best["metric"] - 0.003, runs=2)
+    confirmed = night.trial("confirmed by the sequential test", "keep", night.best["metric"] - 0.02, runs=3,
+                            confirmed=True)
+    stopped = night.trial("a clear loser", "discard", None, reason="discard: clearly worse at 40% of the budget")
+    night.store.update_trial(stopped["id"], stopped_at=0.4)
+    _, _, page = server.get("/api/runs/live/trials?limit=5")
+    rows = {r["number"]: r for r in page["rows"]}
+    assert (rows[adopted["number"]]["tier"], rows[confirmed["number"]]["tier"]) == ("adopted", "confirmed")
+    assert rows[stopped["number"]]["stopped_at"] == 0.4 and rows[stopped["number"]]["tier"] is None
+    _, _, one = server.get(f"/api/runs/live/trials/{confirmed['number']}")
+    assert one["tier"] == "confirmed" and one["stopped_at"] is None
+    _, _, one = server.get(f"/api/runs/live/trials/{stopped['number']}")
+    assert one["stopped_at"] == 0.4
+
+
 # ---------------------------------------------------------------------------- steering
 
 
@@ -562,6 +580,14 @@ def test_a_browser_shows_new_trials_without_a_reload(night, server, tmp_path):
         assert browser.evaluate("window.__sameDocument") == "yes"  # no reload
         row_text = browser.evaluate(f"document.querySelector('tr[data-trial=\"{trial['number']}\"] .description').textContent")
         assert row_text == SCRIPT + " in a browser"
+        # A confirmed keep and an early stop are marked as `autoloop log` marks them.
+        confirmed = night.trial("confirmed in a browser", "keep", night.best["metric"] - 0.01, runs=3, confirmed=True)
+        stopped = night.trial("stopped in a browser", "discard", None, reason="discard: clearly worse")
+        night.store.update_trial(stopped["id"], stopped_at=0.35)
+        browser.wait_for(f"document.querySelector('tr[data-trial=\"{stopped['number']}\"]') !== null", 10)
+        marks = browser.evaluate(f"[document.querySelector('tr[data-trial=\"{confirmed['number']}\"] .tier').textContent, "
+                                 f"document.querySelector('tr[data-trial=\"{stopped['number']}\"] .stopped').textContent]")
+        assert marks == [" ✓", " stop@35%"], marks
         assert browser.evaluate("document.querySelectorAll('script:not([src])').length") == 0
         assert browser.evaluate("document.body.dataset.cspViolations || '0'") == "0"
         assert browser.evaluate("document.body.dataset.jsErrors || '0'") == "0"

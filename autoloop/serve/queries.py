@@ -75,7 +75,7 @@ SHOWN_CONFIG = ("time_budget", "max_steps", "seed", "proposers", "decision_rule"
 QUIET_EVENTS = ("transcript",)
 LOG_COLUMNS = ("number", "kind", "status", "reason", "metric", "metric_source", "metric_sd", "n_runs", "delta",
                "best_before", "description", "proposer", "wall_seconds", "lineage", "worker", "parent_commit",
-               "trial_commit", "heldout_metric", "decision", "flags", "started_at", "finished_at")
+               "trial_commit", "heldout_metric", "decision", "flags", "started_at", "finished_at", "tier", "stopped_at")
 
 
 def clean(value: Any) -> Any:
@@ -244,7 +244,8 @@ def trials_page(store, run: dict, *, offset: int = 0, limit: int = DEFAULT_PAGE,
     columns = ", ".join(c if c != "description" else f"substr(description, 1, {MAX_DESCRIPTION}) AS description"
                         for c in LOG_COLUMNS)
     rows = _select(store, f"SELECT {columns}, substr(reason, 1, {MAX_DESCRIPTION}) AS reason FROM trials "
-                          f"WHERE {clause} ORDER BY number DESC LIMIT ? OFFSET ?", [*params, limit, offset])
+                          f"WHERE {clause} ORDER BY number DESC LIMIT ? OFFSET ?", [*params, limit, offset],
+                   table="trials")
     out = []
     for t in rows:
         effect = trial_effect(t)
@@ -256,7 +257,10 @@ def trials_page(store, run: dict, *, offset: int = 0, limit: int = DEFAULT_PAGE,
             "distinguishable": effect.distinguishable, "near_miss": effect.near_miss if effect.noise_aware else None,
             "lineage": t["lineage"], "worker": t["worker"], "proposer": t["proposer"],
             "parent_commit": t["parent_commit"], "trial_commit": t["trial_commit"], "heldout_metric": t["heldout_metric"],
-            "flagged": bool(t["flags"] and t["flags"] not in ("[]", "null")),
+            "flagged": bool(t["flags"]),
+            # A keep's tier (adopted on the paired mean, or confirmed) and an early stop's
+            # progress, as `autoloop log` marks them (keep ✓, stop@N%).
+            "tier": t["tier"], "stopped_at": t["stopped_at"],
         })
     return clean({"total": total, "offset": offset, "limit": limit, "rows": out})
 
@@ -453,6 +457,7 @@ def trial_page(store, run: dict, number: int, repo: Path) -> dict:
         curve = _curve(files.progress_records(path)) if path is not None else curve
     return clean({
         "number": number, "run": run["tag"], "status": detail["status"], "kind": detail["kind"],
+        "tier": detail.get("tier"), "stopped_at": detail.get("stopped_at"),
         "description": _cut(detail.get("description"), 2000), "text": text,
         "diff": diff[:MAX_DIFF_CHARS], "diff_cut": diff_cut, "no_diff": None if diff else no_diff_reason(detail),
         "log_file": log_file, "log_tail": [_cut(line, 2000) for line in (log_tail or [])],

@@ -71,6 +71,19 @@
   const runHref = (tag, rest) => "#/r/" + encodeURIComponent(tag) + (rest || "");
   const trialHref = (n) => runHref(state.tag, "/t/" + Number(n));
   const statusSpan = (st) => h("span", { class: "status " + st }, st);
+  // A keep's tier and an early stop, marked as `autoloop log` marks them (keep ✓, stop@N%).
+  const TIER_TITLES = { confirmed: "confirmed: the sequential test against the run's noise says so",
+    adopted: "adopted: the branch moved on the paired mean, not confirmed" };
+  const trialMarks = (t) => [
+    t.status === "keep" && t.tier === "confirmed" ? h("span", { class: "tier", title: TIER_TITLES.confirmed }, " ✓") : null,
+    t.stopped_at !== null && t.stopped_at !== undefined
+      ? h("span", { class: "stopped", title: "a clear loser, stopped early at this share of its budget" },
+        " stop@" + Math.round(100 * t.stopped_at) + "%") : null];
+  const statusCell = (t) => {
+    const span = statusSpan(t.status);
+    if (t.status === "keep" && TIER_TITLES[t.tier]) span.title = TIER_TITLES[t.tier];
+    return [span, ...trialMarks(t)];
+  };
   const deltaClass = (v) => (v === null || v === undefined || v === 0 ? "" : v < 0 ? "better" : "worse");
 
   // ------------------------------------------------------------------ server
@@ -528,7 +541,7 @@
       if (t.near_miss) delta += "~"; else if (t.distinguishable === false) delta += "≈";
       return h("tr", { class: "clickable", data: { trial: t.number }, onclick: () => { location.hash = trialHref(t.number); } },
         h("td", { class: "num" }, h("a", { href: trialHref(t.number) }, String(t.number))),
-        h("td", {}, t.kind), h("td", {}, statusSpan(t.status), t.flagged ? " ⚑" : ""),
+        h("td", {}, t.kind), h("td", {}, statusCell(t), t.flagged ? " ⚑" : ""),
         h("td", { class: "num" }, t.estimate || "–"), h("td", { class: "num " + deltaClass(t.delta) }, delta),
         h("td", { class: "num" }, t.minutes !== null ? t.minutes.toFixed(1) : "–"),
         h("td", { class: "desc" }, h("div", { class: "description" }, t.description || ""), t.reason ? h("div", { class: "reason" }, t.reason) : null),
@@ -605,7 +618,7 @@
 
   async function loadTrial() {
     const t = await api(runApi("trials/" + state.number));
-    fill(byId("trial-head"), h("h1", {}, "trial " + t.number + " ", h("span", { class: "muted" }, "[" + t.kind + "] "), statusSpan(t.status)),
+    fill(byId("trial-head"), h("h1", {}, "trial " + t.number + " ", h("span", { class: "muted" }, "[" + t.kind + "] "), statusCell(t)),
       t.description ? h("p", { class: "description" }, t.description) : null);
     const ref = t.reference;
     curveChart("trial", byId("trial-chart"), t.curve || [], ref ? ref.points : null, "trial " + t.number,

@@ -15,6 +15,7 @@ import re
 import socket
 import sqlite3
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -32,7 +33,8 @@ from autoloop.review.tree import layout, svg, tree_rows  # noqa: E402
 from serve_support import NightWriter, Server, request  # noqa: E402
 
 SCRIPT = "<script>alert(1)</script>"
-STATIC = Path(__file__).resolve().parents[1] / "autoloop" / "serve" / "static"
+ROOT = Path(__file__).resolve().parents[1]
+STATIC = ROOT / "autoloop" / "serve" / "static"
 
 
 @pytest.fixture(scope="module")
@@ -605,6 +607,21 @@ def test_a_browser_shows_new_trials_without_a_reload(night, server, tmp_path):
     for png in (run_png, tree_png):
         assert png.stat().st_size > 10_000 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     print(f"screenshots in {out}")
+
+
+def test_the_docs_picture_of_the_page_is_made_by_its_script(tmp_path):
+    """docs/serve.md's `python scripts/screenshot_serve.py docs/serve.png`, as written."""
+    from browser_support import chromium
+
+    if chromium() is None:
+        pytest.skip("no chromium installed (.ci/run installs Debian's chromium)")
+    pytest.importorskip("websockets")
+    assert "python scripts/screenshot_serve.py docs/serve.png" in (ROOT / "docs" / "serve.md").read_text()
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "screenshot_serve.py"), str(tmp_path / "serve.png")],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    png = (tmp_path / "serve.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 50_000
 
 
 def test_the_overhead_bench_pairs_rounds_and_gives_the_mean_and_its_standard_error():

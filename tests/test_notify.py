@@ -51,7 +51,7 @@ def test_each_event_arrives_as_json_on_stdin_and_in_the_environment(tmp_path):
     base = {"kind": "proposal", "status": "keep", "metric": 1.5, "delta": -0.01, "description": "lr 0.03",
             "trial_commit": "abc", "best_before": 1.51}
     notifier.trial_finished({**base, "number": 2, "decision": {"action": "keep", "confirmed": True}})
-    notifier.trial_finished({**base, "number": 3, "decision": json.dumps({"action": "keep"}), "description": nasty})
+    notifier.trial_finished({**base, "number": 3, "decision": {"action": "keep"}, "description": nasty})
     notifier.trial_finished({**base, "number": 1, "kind": "baseline"})  # the start, not news
     notifier.trial_finished({**base, "number": 4, "status": "discard"})
     notifier.event("drift", "a small shift")  # logged, not notified

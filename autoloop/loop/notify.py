@@ -110,12 +110,7 @@ class Notifier:
         try:
             if self.command is None or trial.get("status") != "keep" or trial.get("kind") not in CHANGE_KINDS:
                 return
-            decision = trial.get("decision")
-            if isinstance(decision, str):
-                try:
-                    decision = json.loads(decision)
-                except ValueError:
-                    decision = None
+            decision = trial.get("decision")  # decoded: the trial's row as the Store reads it
             confirmed = isinstance(decision, dict) and decision.get("confirmed") is True
             event = "confirmed" if confirmed else "keep"
             what = "kept, gain confirmed" if confirmed else "kept"

@@ -70,8 +70,8 @@ class EarlyStops:
     def update(self) -> int:
         """Add the night's new calibration pairs; returns how many pairs are behind the rule."""
         with self.lock:
-            rows = self.store.query(
-                "SELECT m.id, m.trial_id, m.seed, m.metric, t.status, t.decision FROM measurements m "
+            rows = self.store.rows(
+                "trials", "SELECT m.id, m.trial_id, m.seed, m.metric, t.status, t.decision FROM measurements m "
                 "JOIN trials t ON t.id = m.trial_id WHERE t.run_id = ? AND m.role = 'candidate' "
                 "AND m.status = 'ok' AND m.metric IS NOT NULL AND m.curve IS NOT NULL ORDER BY m.id",
                 (self.run_id,))
@@ -79,7 +79,7 @@ class EarlyStops:
             for row in rows:
                 if row["id"] in self._done:
                     continue
-                decision = _json(row.get("decision"))
+                decision = row.get("decision")
                 incumbent_id = decision.get("incumbent_id") if isinstance(decision, dict) else None
                 partner = self.incumbent_curve(incumbent_id, row["seed"]) if incumbent_id else None
                 if partner is None:
@@ -94,8 +94,8 @@ class EarlyStops:
             return self.calibration.pairs
 
     def _curve_of(self, measurement_id: int) -> list[dict] | None:
-        rows = self.store.query("SELECT curve FROM measurements WHERE id = ?", (measurement_id,))
-        return _json(rows[0]["curve"]) if rows else None
+        rows = self.store.rows("measurements", "SELECT curve FROM measurements WHERE id = ?", (measurement_id,))
+        return rows[0]["curve"] if rows else None
 
     def payload(self, incumbent: dict | None, seed: int) -> dict | None:
         """What a candidate's first run at `seed` carries to its worker, or None (see the
@@ -124,14 +124,3 @@ def stopped_outcome(trial: dict, m, record: dict, status) -> tuple:
               "confirmed": False, "near_miss": False, "early_stop": {"progress": progress, "seed": m.seed}}
     fields.update(decision=record, stopped_at=progress, tier=None)
     return status, f"discard: {reason}", fields
-
-
-def _json(value):
-    if isinstance(value, str):
-        import json
-
-        try:
-            return json.loads(value)
-        except ValueError:
-            return None
-    return value

@@ -383,8 +383,12 @@ class Measurer:
         if status != "ok":
             m.metric = m.metric if status == "ok" else None
         figures = m.fields.pop("budget", None)
+        # A run trained and verified in one job (the reserve's) brings its held-out bpb with
+        # it: recorded as verify() records a later verification, or the headline has none.
+        verified = status == "ok" and m.heldout is not None
         m.id = self.c.store.add_measurement(
             owner["id"], m.metric if status == "ok" else None, seed=m.seed, role=m.role,
+            heldout_metric=m.heldout if verified else None, verified=1 if verified else 0,
             for_trial_id=running["id"] if running["id"] != owner["id"] else None, status=status, reason=reason,
             num_steps=m.fields.get("num_steps"), total_tokens=m.fields.get("total_tokens"),
             training_seconds=m.fields.get("training_seconds"), wall_seconds=m.fields.get("wall_seconds"),

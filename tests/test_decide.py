@@ -542,6 +542,38 @@ def test_headline_paired_unpaired_and_same_commit():
         headline({}, base, noise)
 
 
+def test_headline_takes_the_pairs_own_spread_when_it_is_the_larger():
+    # The night's pooled noise says pair sd 0.01; four fresh pairs of a best far from the
+    # baseline spread by sd sqrt(0.025 / 3) = 0.0913: the gain's se is that over sqrt(4), at 3 df.
+    noise = Noise(run_sd=0.02, pair_sd=0.01, df=30)
+    base = {10: 2.50, 11: 2.50, 12: 2.50, 13: 2.50}
+    best = {10: 2.50, 11: 2.30, 12: 2.45, 13: 2.35}  # differences 0.0, 0.2, 0.05, 0.15
+    h = headline(best, base, noise)
+    assert h.gain == pytest.approx(0.10) and h.df == 3
+    assert h.gain_se == pytest.approx(math.sqrt(0.025 / 3) / 2)
+    half = t_quantile(0.975, 3) * h.gain_se
+    assert h.interval == (pytest.approx(0.10 - half), pytest.approx(0.10 + half))
+
+
+def test_the_paired_interval_still_covers_when_the_best_is_noisier_than_the_night():
+    # The night's noise pooled from small changes (pair sd 1, 40 df), but the best's pairs
+    # with the baseline spread 4 times as much: on the pooled noise alone the 95% interval
+    # would hold the true gain about a third of the time; with the pairs' own spread, at
+    # least at its level.
+    rng = np.random.default_rng(21)
+    true_gain, n, trials, hits, pooled_only = 0.5, 4, 4000, 0, 0
+    for _ in range(trials):
+        d = true_gain + rng.normal(0, 4.0, n)
+        base = {100 + k: 10.0 for k in range(n)}
+        best = {100 + k: 10.0 - d[k] for k in range(n)}
+        h = headline(best, base, Noise(run_sd=1 / math.sqrt(2), pair_sd=1.0, df=40))
+        hits += h.interval[0] <= true_gain <= h.interval[1]
+        half = t_quantile(0.975, 40) * 1.0 / math.sqrt(n)
+        pooled_only += abs(d.mean() - true_gain) <= half
+    assert pooled_only / trials < 0.5
+    assert hits / trials >= 0.94
+
+
 def test_headline_is_unbiased_and_its_interval_covers_at_its_level():
     # A known gain of 0.3 (sd units), seed luck half shared: the value is unbiased and the
     # 95% interval holds the true gain about 95% of the time, paired or not.

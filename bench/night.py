@@ -9,7 +9,9 @@ Size: 2 x --runs training runs, plus the reserve (the best and the baseline at -
 fresh seeds, for each rule: up to 4 x --reserve runs). On 2 idle CPU cores a 60-step run
 takes ~25 s of training and ~15-25 s of evaluation, verification and start-up, so the
 default is ~100 runs, about 1.5 hours; on a machine shared with other work several times
-that (a 4-run, 8-step smoke night took 20 minutes here under a load of 8).
+that (a 4-run, 8-step smoke night took 20 minutes here under a load of 8). The search
+grows the model as the night goes (widths double, then quadruple on a success): in the
+night of docs/decisions.md a late 60-step run of a 1024-wide model took 15 minutes.
 
 Each rule gets a fresh git repository with this checkout's train.py and runs the
 built-in search proposer (`proposers = ["search"]`) in step mode (deterministic runs:

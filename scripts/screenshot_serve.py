@@ -24,9 +24,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from browser_support import Browser, chromium  # noqa: E402
+from conftest import FAKE_TRAIN, make_repo  # noqa: E402  (the tests' own git repo and fake train.py)
 from serve_support import NightWriter, Server  # noqa: E402
-
-FAKE_TRAIN = ROOT / "tests" / "fakes" / "fake_train.py"
 
 
 def _iso(moment: datetime) -> str:
@@ -35,17 +34,7 @@ def _iso(moment: datetime) -> str:
 
 def demo_night(folder: Path) -> Path:
     """A git repo with an experiments.db holding the demo night (module docstring)."""
-    import os
-    import subprocess
-
-    repo = folder / "repo"
-    repo.mkdir(parents=True)
-    (repo / "train.py").write_text(FAKE_TRAIN.read_text())
-    (repo / ".gitignore").write_text(".autoloop/\nexperiments.db*\n__pycache__/\n")
-    env = {**os.environ, "GIT_AUTHOR_NAME": "demo", "GIT_AUTHOR_EMAIL": "demo@example.com",
-           "GIT_COMMITTER_NAME": "demo", "GIT_COMMITTER_EMAIL": "demo@example.com"}
-    for args in (["init", "-q", "-b", "main"], ["add", "-A"], ["commit", "-q", "-m", "init"]):
-        subprocess.run(["git", *args], cwd=repo, check=True, env=env)
+    repo = make_repo(folder / "repo", FAKE_TRAIN.read_text())
     night = NightWriter(repo, "nov29", time_budget=300.0)
     night.night(60, keep_every=8)
     # Every other keep confirmed, as a night of the two-tier rule ends: the confirmed ones are marked ✓.

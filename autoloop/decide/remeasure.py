@@ -14,7 +14,8 @@ or whenever the headline is asked for a run that has none.
 * gain = baseline minus best (positive: the best is better, in metric units), over the
   seeds both have: paired (the seed's shared luck cancels), se = pair_sd / sqrt(n), with
   the run's pooled noise (pair_sd, df) when given, or the differences' own spread
-  (df = n - 1) when there is no pooled noise or the own spread is the larger. pair_sd carries the conservative 2 x run variance term (decide.pool_noise),
+  (df = n - 1) when there is no pooled noise or the own spread is the larger.
+  pair_sd carries the conservative 2 x run variance term (decide.pool_noise),
   so a best on a re-drawn init stream, which shares no seed luck with the baseline, is
   covered too. Without shared seeds: unpaired, se = run_sd sqrt(1/n_best + 1/n_base).
 * interval: gain ± t_df(0.5 + level/2) se.
@@ -112,20 +113,20 @@ def headline(best: dict[int, float], baseline: dict[int, float], noise: Noise | 
         d = [baseline[s] - best[s] for s in shared]
         m = len(d)
         gain = sum(d) / m
+        ss, dfo = sum_of_squares(d)
+        own_sd = math.sqrt(ss / dfo) if dfo else None
         if same_commit:
             se, df_gain = 0.0, df
+        elif own_sd is not None and (pair_sd is None or own_sd > pair_sd):
+            # Without a pooled noise, or when the best is far from the baseline (a night of
+            # keeps: another width, another batch) and their seeds' luck differs more than
+            # the small changes' the noise was pooled from, the pairs' own spread is the
+            # honest one (a real CPU night: 0.088 against a pooled 0.019).
+            se, df_gain = own_sd / math.sqrt(m), dfo
         elif pair_sd is not None:
             se, df_gain = pair_sd / math.sqrt(m), df
-            ss, dfo = sum_of_squares(d)
-            if dfo and math.sqrt(ss / dfo) > pair_sd:
-                # The best and the baseline can be far apart (a night of keeps: another width,
-                # another batch), and their seeds' luck then differs more than the small
-                # changes' that the night's noise was pooled from: the pairs' own spread is
-                # then the honest one (a real CPU night: 0.088 against a pooled 0.019).
-                se, df_gain = math.sqrt(ss / dfo / m), dfo
         else:
-            ss, dfo = sum_of_squares(d)
-            se, df_gain = (math.sqrt(ss / dfo / m), dfo) if dfo else (None, None)
+            se, df_gain = None, None
         paired = True
     else:
         base_vals = list(baseline.values())

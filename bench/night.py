@@ -60,9 +60,31 @@ GIT_ENV = {"GIT_AUTHOR_NAME": "bench", "GIT_AUTHOR_EMAIL": "bench@example.com",
            "GIT_COMMITTER_NAME": "bench", "GIT_COMMITTER_EMAIL": "bench@example.com"}
 
 
-def make_repo(path: Path) -> Path:
+# A 2-core CPU cannot train what an unbounded search grows to: in the first night of
+# docs/decisions.md strict's best was a 1024-wide model (15 minutes a 60-step run) and its
+# next proposal 16384 wide (13 GB). The bench measures the rules, not the CPU, so the CPU
+# block's sizes get a range hint (autoloop/proposers/search_space.py): up to 2x the width,
+# 2x the depth and 4x the batch of train.py's CPU scale (the default's best in that night,
+# width 256, depth 3, 4x batch, is inside). `--unbounded` leaves train.py as it is.
+CPU_BOUNDS = {"    DEPTH = 2": "range 1..4 int",
+              "    MODEL_DIM = 128": "range 32..256 pow2",
+              "    TOTAL_BATCH_TOKENS = 16 * 256": "range 1024..16384 pow2"}
+
+
+def bounded(source: str) -> str:
+    """train.py with CPU_BOUNDS's hints on the CPU block's lines (each must be there)."""
+    lines = source.splitlines(keepends=True)
+    for start, hint in CPU_BOUNDS.items():
+        (i,) = [k for k, line in enumerate(lines) if line.startswith(start + " ") or line.rstrip() == start]
+        code, _, comment = lines[i].rstrip("\n").partition("#")
+        lines[i] = f"{code.rstrip()}  # {comment.strip() + '; ' if comment.strip() else ''}{hint}\n"
+    return "".join(lines)
+
+
+def make_repo(path: Path, unbounded: bool = False) -> Path:
     path.mkdir(parents=True, exist_ok=True)
-    (path / "train.py").write_text((ROOT / "train.py").read_text())
+    source = (ROOT / "train.py").read_text()
+    (path / "train.py").write_text(source if unbounded else bounded(source))
     (path / ".gitignore").write_text(".autoloop/\nexperiments.db*\n__pycache__/\n")
     env = {**os.environ, **GIT_ENV}
     for args in (["init", "-q", "-b", "main"], ["add", "-A"], ["commit", "-q", "-m", "init"]):
@@ -107,6 +129,8 @@ def night(repo: Path, rule: str, steps: int, seed: int, target: float, say) -> d
         finally:
             store.close()
         say(f"  {rule}: {trials} trials, {spent:.2f} runs ({time.monotonic() - started:.0f} s)")
+        if run["status"] == "stopped":  # Ctrl-C or SIGTERM: the controller stopped; so does the night
+            raise SystemExit(f"{rule}: stopped by a signal after {spent:.2f} runs")
         if summary.trials_run == 0:
             say(f"  {rule}: no trial ran ({summary.stop_reason}); the night ends here")
             break
@@ -183,6 +207,8 @@ def main() -> int:
                     help="Decision rules, the default first (its night sets the run count).")
     ap.add_argument("--keep", type=Path, help="Work in this folder and keep it (default: a temporary one).")
     ap.add_argument("--json", type=Path, help="Also write the figures here.")
+    ap.add_argument("--unbounded", action="store_true",
+                    help="Leave train.py's CPU sizes unbounded (the search may grow a model past what the CPU trains).")
     args = ap.parse_args()
 
     def say(text: str) -> None:
@@ -192,7 +218,7 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     rows, target = [], args.runs
     for rule in args.rules:
-        repo = make_repo(work / rule)
+        repo = make_repo(work / rule, args.unbounded)
         say(f"{rule}: night of {target:g} runs at {args.steps} steps in {repo}")
         spent = night(repo, rule, args.steps, args.seed, target, say)
         if not rows:

@@ -156,6 +156,27 @@ def test_strict_rule_is_one_run_lower_wins(tmp_path):
     assert trials[1]["status"] == "keep"
 
 
+@pytest.mark.parametrize("rule, seeds, verify, runs", [
+    ("strict", 3, False, 1),  # autoresearch's rule as it is: one baseline run
+    ("strict", 3, True, 3),  # verified: the held-out guard needs the noise the baseline measures
+    ("strict", 2, True, 2),
+    ("strict", 1, True, 1),  # asked for (the run says what it costs)
+    ("two-tier", 1, False, 1),
+    ("two-tier", 4, True, 4),
+])
+def test_the_baseline_measures_the_noise_whenever_keeps_are_verified(rule, seeds, verify, runs):
+    from types import SimpleNamespace
+
+    from autoloop.config import Config
+    from autoloop.decide.rule import DecisionConfig
+    from autoloop.loop.trial import baseline_seed_count
+
+    cfg = DecisionConfig(rule=rule, baseline_seeds=seeds)
+    for verifier in (object(), None):  # no verifier (Controller(verifier=None)): nothing is verified
+        c = SimpleNamespace(verifier=verifier, config=Config(verify=verify))
+        assert baseline_seed_count(c, cfg) == (runs if verifier is not None else max(1, cfg.baseline_runs))
+
+
 def test_drift_check_records_an_event_and_a_large_shift_pauses(tmp_path):
     offset = tmp_path / "offset.txt"
     offset.write_text("0")

@@ -69,6 +69,21 @@ def test_heldout_threshold_is_two_standard_errors_of_the_gap():
     assert heldout_guard(-0.3050, -0.2869, None, 1) is None
 
 
+def test_heldout_guard_needs_a_measured_noise_for_an_honest_gain_at_one_seed():
+    """The real CPU night of docs/decisions.md: TOTAL_BATCH_TOKENS x2 gained 0.232 bpb on
+    val at one seed, and an honest change's held-out gain at one seed differs from its val
+    gain by 0.01-0.05 bpb. With no noise measured (strict's single baseline run, before
+    verification gave every rule `baseline_seeds`) the guard allows only its floor and a
+    tenth of the gain, and refused it; with the noise that night measured (paired SD 0.019)
+    it passes: allowed 2 x sqrt(2) x 0.019 + 0.0232 = 0.0769 > the gap 0.042."""
+    refused = heldout_guard(-0.232, -0.190, None, 1)
+    assert refused is not None and "paired SD unknown" in refused
+    assert heldout_threshold(0.019, 1) + 0.1 * 0.232 == pytest.approx(0.07694, abs=1e-5)
+    assert heldout_guard(-0.232, -0.190, 0.019, 1) is None
+    # A change that fits val at held-out's expense is refused at that same noise.
+    assert heldout_guard(-0.232, 0.02, 0.019, 1) is not None
+
+
 def test_heldout_guard_refuses_few_honest_candidates():
     """Honest candidates whose val and held-out deltas are independent draws around the
     same true effect (the least favourable case: correlation only lowers the rate) are

@@ -349,9 +349,11 @@ def _contract_env(mp, cache: Path) -> None:
 
 def _config(**overrides) -> Config:
     # One run per trial (the strict rule, no drift checks): these cases test what is
-    # verified, not how many runs a decision takes (tests/test_decision_loop.py does).
+    # verified, not how many runs a decision takes (tests/test_decision_loop.py does). The
+    # baseline at two seeds, the least that measures the noise the held-out guard needs.
     return Config(**{"tag": TAG, "max_steps": STEPS, "time_budget": 60, "grace_seconds": 300, "max_trials": 1,
-                     "proposers": ["ideas"], "decision_rule": "strict", "drift_every": 0, **overrides})
+                     "proposers": ["ideas"], "decision_rule": "strict", "baseline_seeds": 2, "drift_every": 0,
+                     **overrides})
 
 
 class OneProposal:
@@ -407,12 +409,19 @@ def _branch_tip(repo: Path) -> str:
 @pytest.mark.slow
 def test_baseline_is_verified_with_heldout_and_timing(baseline_repo):
     store = Store(baseline_repo / "experiments.db")
-    (base,) = store.trials(store.get_run(TAG)["id"])
+    run_row = store.get_run(TAG)
+    (base,) = store.trials(run_row["id"])
+    base_runs = [m for m in store.measurements(base["id"]) if m["role"] == "baseline"]
     store.close()
     assert base["kind"] == "baseline" and base["status"] == "keep" and base["metric_source"] == "verified"
     # Under the controller training never sees val: the number is the harness's alone.
     assert base["result"]["val_bpb"] is None and 0.5 < base["metric"] < 8
     assert 0.5 < base["heldout_metric"] < 8 and base["verify_seconds"] > 0
+    # Strict decides on one run, but with verification its baseline runs at two seeds (and
+    # each is verified), so the held-out guard has a measured noise, never a missing one
+    # taken as zero (it refused honest gains: docs/decisions.md, "A real CPU night").
+    assert base["n_runs"] == 2 and len(base_runs) == 2 and all(m["verified"] for m in base_runs), base_runs
+    assert run_row["noise_pair_sd"] is not None and run_row["noise_pair_sd"] > 0
     run = baseline_repo / ".autoloop" / TAG / "trials" / "1" / "runs" / "1"
     assert any((run / "verify").glob("*.json")) and (run / "source" / "train.py").exists()
 

@@ -60,6 +60,7 @@ def heldout_guard(val_delta: float, heldout_delta: float | None, pair_sd: float 
         return None
     held = f"got worse by {heldout_delta:.4f}" if heldout_delta > 0 else f"improved only {-heldout_delta:.4f}"
     val = f"improved by {-val_delta:.4f}" if val_delta < 0 else f"changed by {val_delta:+.4f}"
+    sd = f"paired SD {pair_sd:.4f}" if pair_sd is not None else "paired SD unknown (no repeated run to measure it)"
     return (f"held-out bpb {held} while val bpb {val}: a gap of {gap:.4f} bpb, more than the {allowed:.4f} the "
-            f"noise and the splits' difference explain ({HELDOUT_Z:g} x sqrt(2/{n}) x paired SD {pair_sd or 0:.4f} "
+            f"noise and the splits' difference explain ({HELDOUT_Z:g} x sqrt(2/{n}) x {sd} "
             f"+ {HELDOUT_RELATIVE:g} x the val gain); it fits val, not the text")

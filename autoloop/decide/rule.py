@@ -34,7 +34,8 @@ Measuring again: the incumbent first where the candidate has a seed it lacks (no
 is taken on a half-measured pair), else the candidate on the next seed, preferring seeds
 the incumbent already has. Each look n is taken once, with the noise known at that
 moment. The baseline (no incumbent) is measured at `baseline_seeds` seeds (one under
-the strict rule, as the controller does) and kept.
+the strict rule: the controller measures it so without verification; with verification
+at `baseline_seeds` seeds, for the held-out guard's noise) and kept.
 """
 
 from __future__ import annotations
@@ -257,7 +258,9 @@ class DecisionConfig:
     "confirmed-only" (only confirmed candidates are kept; "paired" is its old name) or
     "strict" (one run; keep when it beats the incumbent's run at the same seed by `margin`).
     baseline_seeds: seeds the baseline is measured at (its spread starts the noise
-    estimate); the strict rule measures the baseline once, as the controller does.
+    estimate); the strict rule measures the baseline once, as the controller does without
+    verification (with verification it gives every rule `baseline_seeds`:
+    autoloop.loop.trial.baseline_seed_count).
     max_runs: most runs of one candidate (= most looks of the sequential test).
     alpha: the chance that a proposal with no true effect is confirmed (over all its looks);
     under confirmed-only, kept.

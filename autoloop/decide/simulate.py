@@ -18,7 +18,9 @@ The noise, in units of sigma (the sd of one run across seeds):
 * a night is a fixed number of training runs, the equal compute; every run (baseline,
   candidate, incumbent re-measurement, reserve) costs one, and an early-stopped run the
   fraction of the budget it ran. The baseline is measured at the seeds the controller
-  gives the rule (one under strict, baseline_seeds otherwise). A candidate still being
+  gives the rule without verification (one under strict, baseline_seeds otherwise; the
+  simulation has no held-out guard, and with verification the controller gives strict
+  baseline_seeds too: two runs more, which only favours strict here). A candidate still being
   measured when the night's runs are spent is not decided.
 * `Night.reserve`: the final best re-measured at that many fresh seeds (and the baseline
   too with `reserve_baseline`; otherwise its own runs stand for it), set aside from the

@@ -10,8 +10,11 @@ fresh seeds, for each rule: up to 4 x --reserve runs). On 2 idle CPU cores a 60-
 takes ~25 s of training and ~15-25 s of evaluation, verification and start-up, so the
 default is ~100 runs, about 1.5 hours; on a machine shared with other work several times
 that (a 4-run, 8-step smoke night took 20 minutes here under a load of 8). The search
-grows the model as the night goes (widths double, then quadruple on a success): in the
-night of docs/decisions.md a late 60-step run of a 1024-wide model took 15 minutes.
+grows the model as the night goes (widths double, then quadruple on a success): unbounded,
+a late 60-step run of a 1024-wide model took 15 minutes, so the CPU block's sizes are
+bounded (`CPU_BOUNDS`; `--unbounded` lifts them). `--runs 30 --steps 40`, the two rules
+side by side (`--rules two-tier` beside `--rules strict`, OMP_NUM_THREADS=1 each): 20
+minutes a night and 8 a reserve (docs/decisions.md, "A real CPU night").
 
 Each rule gets a fresh git repository with this checkout's train.py and runs the
 built-in search proposer (`proposers = ["search"]`) in step mode (deterministic runs:

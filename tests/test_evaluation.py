@@ -99,6 +99,29 @@ def test_heldout_guard_refuses_few_honest_candidates():
     assert 0.018 < refused / trials < 0.028
 
 
+@pytest.mark.parametrize("df", [2, 6])
+def test_heldout_guard_with_an_estimated_noise_refuses_at_the_t_tail(df):
+    """The 2.3% above is for a known noise. The loop's noise is estimated: at the start of
+    a night from the baseline's three runs (2 degrees of freedom). Under the same least
+    favourable model the guard then refuses an honest candidate when Z > 2 s_hat / sigma,
+    that is when a t with df degrees of freedom exceeds 2: at 2 df P = 1/2 - 1/sqrt(6) =
+    9.2%, at 6 df 4.6%. (The two deltas are correlated in practice, same model and seeds,
+    which lowers both rates.)"""
+    from autoloop.decide.rule import t_cdf
+
+    rng = random.Random(13 + df)
+    pair_sd, n, trials = 0.01, 3, 20000
+    se = pair_sd / math.sqrt(n)
+    refused = 0
+    for _ in range(trials):
+        estimated = pair_sd * math.sqrt(sum(rng.gauss(0, 1) ** 2 for _ in range(df)) / df)  # chi2 with df
+        refused += heldout_guard(0.05 + rng.gauss(0, se), 0.05 + rng.gauss(0, se), estimated, n) is not None
+    expected = 1 - t_cdf(2.0, df)
+    if df == 2:
+        assert expected == pytest.approx(0.5 - 1 / math.sqrt(6))
+    assert abs(refused / trials - expected) < 4 * math.sqrt(expected * (1 - expected) / trials), refused / trials
+
+
 def test_suspicious_identity_at_nine_digits():
     assert suspicious_identity(1.2345, 1.2345).startswith("val_bpb and held-out bpb are identical to 9 digits (1.2345)")
     assert suspicious_identity(2.123456789, 2.1234567891) is not None  # same to 9 significant digits

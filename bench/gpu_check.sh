@@ -280,8 +280,9 @@ loop_trial() {  # loop_trial NAME [run options...]: one baseline trial in a temp
   clone="$(mktemp -d)/repo"
   git clone -q "$repo" "$clone" || return 1
   git -C "$clone" config user.email gpucheck@localhost && git -C "$clone" config user.name gpucheck
-  # One run per trial (the strict rule, no drift re-measurement): the figure is the loop's overhead.
-  (cd "$clone" && AUTOLOOP_DECISION_RULE=strict AUTOLOOP_DRIFT_EVERY=0 AUTOLOOP_COMPILE_CACHE="$cache" \
+  # One run per trial (the strict rule, one baseline seed, no drift re-measurement): the
+  # figure is the loop's overhead.
+  (cd "$clone" && AUTOLOOP_DECISION_RULE=strict AUTOLOOP_BASELINE_SEEDS=1 AUTOLOOP_DRIFT_EVERY=0 AUTOLOOP_COMPILE_CACHE="$cache" \
     "$python" -m autoloop run --tag gpucheck --time-budget "$trial_seconds" --max-trials 1 --no-check "$@"); local rc=$?
   echo "{\"seconds\": $((SECONDS - t0))}" > "$out/${name}_wall.json"
   (cd "$clone" && "$python" -m autoloop log --json) > "$out/${name}_log.json" 2>/dev/null

@@ -78,9 +78,11 @@ def _isolated_cache(session_cache, monkeypatch):
 @pytest.fixture
 def one_run_per_trial(monkeypatch):
     """For tests of the loop's mechanics (git, db, processes, recovery), written for one
-    training run per trial: the strict rule gives that, and no drift checks. The paired
-    rule's several runs per trial are tested in tests/test_decision_loop.py."""
+    training run per trial: the strict rule gives that, with one baseline seed (verified,
+    the baseline would run at three), and no drift checks. The paired rule's several runs
+    per trial are tested in tests/test_decision_loop.py."""
     monkeypatch.setenv("AUTOLOOP_DECISION_RULE", "strict")
+    monkeypatch.setenv("AUTOLOOP_BASELINE_SEEDS", "1")
     monkeypatch.setenv("AUTOLOOP_DRIFT_EVERY", "0")
 
 

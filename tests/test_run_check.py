@@ -20,7 +20,7 @@ def _config(repo: Path, monkeypatch):
     monkeypatch.setenv("AUTOLOOP_CHECK", "1")
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     return resolve(repo, {"tag": "c", "max_steps": 4, "max_trials": 1, "proposers": "ideas",
-                          "decision_rule": "strict", "drift_every": 0})
+                          "decision_rule": "strict", "baseline_seeds": 1, "drift_every": 0})
 
 
 @pytest.mark.slow

@@ -17,8 +17,9 @@ Held-out guard (`heldout_guard`)
     <= 2.3% (one-sided normal tail); with `pair_sd` estimated from k degrees of freedom,
     at most P(t_k > 2) (9.2% at the 2 df of a three-seed baseline, 4.6% at 6 df, both
     tested), as the estimate can come out low. A candidate that fits val at held-out's
-    expense (val -0.57, held-out +0.10: g = 0.67) is refused at any realistic noise. HELDOUT_MIN_GAP ignores gaps below
-    the precision anything is reported at when the noise estimate is ~0.
+    expense (val -0.57, held-out +0.10: g = 0.67) is refused at any realistic noise.
+    HELDOUT_MIN_GAP ignores gaps below the precision anything is reported at when the
+    noise estimate is ~0.
 """
 
 from __future__ import annotations

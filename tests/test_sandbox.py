@@ -122,51 +122,106 @@ def test_openmp_threads_sleep_soon_unless_the_user_chose(users, expected):
 # ---------------------------------------------------------------------------- the layout
 
 
-def test_mount_order_most_specific_last_and_folders_read_only_at_the_end(tmp_path):
+def _at(args: list[str], *op: str) -> int:
+    for i in range(len(args) - len(op) + 1):
+        if tuple(args[i:i + len(op)]) == op:
+            return i
+    raise AssertionError(f"{op} not in {args}")
+
+
+def test_the_layout_is_an_allow_list_with_the_most_specific_mount_last(tmp_path):
     repo = make_repo(tmp_path / "repo", "print('hi')\n")
     (repo / "experiments.db").write_text("")
+    (repo / ".env").write_text("KEY=1")
     run_dir = repo / ".autoloop" / "t" / "trials" / "1"
     run_dir.mkdir(parents=True)
-    home = tmp_path / "home"
-    (home / "venv").mkdir(parents=True)
     paths = SandboxPaths.for_trial(repo, run_dir, db_path="experiments.db", compile_cache=tmp_path / "cc")
-    args = bwrap_arguments(cwd=repo, writable=paths.writable, readonly=[*paths.readonly, home / "venv"],
-                           hidden=paths.hidden, homes=[home], gpu_nodes=["/dev/nvidia0"])
-
-    def at(*op: str) -> int:
-        for i in range(len(args) - len(op) + 1):
-            if tuple(args[i:i + len(op)]) == op:
-                return i
-        raise AssertionError(f"{op} not in {args}")
-
-    r, h = str(repo.resolve()), str(home.resolve())
-    assert at("--ro-bind", "/", "/") < at("--dev", "/dev") < at("--dev-bind", "/dev/nvidia0", "/dev/nvidia0")
-    assert at("--tmpfs", "/tmp") < at("--ro-bind", r, r)  # the repo lives in /tmp here: re-exposed
-    assert at("--tmpfs", h) < at("--ro-bind", f"{h}/venv", f"{h}/venv")  # home hidden, venv re-exposed
-    assert at("--ro-bind", r, r) < at("--tmpfs", f"{r}/.autoloop") < at("--bind", str(run_dir.resolve()), str(run_dir.resolve()))
-    assert at("--ro-bind", r, r) < at("--tmpfs", f"{r}/.git")
-    assert at("--ro-bind", "/dev/null", f"{r}/experiments.db")
-    assert f"{r}/experiments.db-wal" not in args  # does not exist: nothing to mount over
-    assert at("--bind", str(run_dir.resolve()), str(run_dir.resolve())) < at("--remount-ro", f"{r}/.autoloop")
-    assert at("--bind", str((tmp_path / "cc").resolve()), str((tmp_path / "cc").resolve()))
+    system = [("link", "usr/bin", "/bin"), ("ro", "/usr", "/usr"), ("ro", "/etc/passwd", "/etc/passwd")]
+    args = bwrap_arguments(cwd=repo, writable=paths.writable, readonly=paths.readonly, hidden=paths.hidden,
+                           gpu_nodes=["/dev/nvidia0"], system=system)
+    r = str(repo.resolve())
+    assert ("--ro-bind", "/", "/") not in {tuple(args[i:i + 3]) for i in range(len(args))}  # no whole disk
+    assert _at(args, "--symlink", "usr/bin", "/bin") < _at(args, "--ro-bind", "/usr", "/usr") < _at(args, "--dev", "/dev")
+    assert _at(args, "--dev", "/dev") < _at(args, "--dev-bind", "/dev/nvidia0", "/dev/nvidia0")
+    assert _at(args, "--tmpfs", "/tmp") < _at(args, "--tmpfs", r) < _at(args, "--ro-bind", f"{r}/train.py", f"{r}/train.py")
+    assert _at(args, "--ro-bind", f"{r}/train.py", f"{r}/train.py") < _at(args, "--remount-ro", r)  # the project: read-only
+    # Only what git tracks: not the db, .env, .git, or .autoloop (whose run folder alone is bound).
+    bound = [args[i + 2] for i in range(len(args) - 2) if args[i] in ("--ro-bind", "--bind")]
+    tracked = subprocess.run(["git", "ls-files"], cwd=repo, capture_output=True, text=True).stdout.split()
+    assert {p for p in bound if p.startswith(r + "/")} == {f"{r}/{t}" for t in tracked} | {str(run_dir.resolve())}
+    assert _at(args, "--bind", str(run_dir.resolve()), str(run_dir.resolve()))
+    assert f"{r}/experiments.db" not in args and f"{r}/.git" not in args and f"{r}/.env" not in args
+    assert args[-9:-7] == ["--remount-ro", "/"]  # the root last: nothing the trial can create there
     for flag in ("--unshare-net", "--unshare-pid", "--unshare-ipc", "--die-with-parent", "--new-session"):
         assert flag in args
     assert args[-2:] == ["--chdir", r]
 
 
-def test_a_repository_that_is_a_whole_home_folder_stays_visible(tmp_path):
-    home = tmp_path / "home"
-    home.mkdir()
-    h = str(home.resolve())
-    args = bwrap_arguments(cwd=home, readonly=[home], homes=[home])
-    assert args[args.index(h) - 1:args.index(h) + 2] == ["--ro-bind", h, h] and args.count(h) == 3  # + --chdir
-    args = bwrap_arguments(cwd="/", homes=[home])  # otherwise: covered
-    assert args[args.index(h) - 1] == "--tmpfs" and args[args.index(h, args.index(h) + 1) - 1] == "--remount-ro"
+def test_project_files_are_what_git_tracks_and_nothing_else(tmp_path):
+    repo = make_repo(tmp_path / "repo", "print('hi')\n")
+    deep = repo / "lib" / "a" / "b" / "c"
+    deep.mkdir(parents=True)
+    (repo / "lib" / "model.py").write_text("x = 1\n")
+    (repo / "lib" / "a" / "util.py").write_text("y = 2\n")
+    (repo / "conf").mkdir()
+    (repo / "conf" / "settings.toml").write_text("a = 1\n")
+    (repo / "conf" / "secrets.json").write_text('{"k": "v"}')  # tracked, but named as a secret
+    subprocess.run(["git", "add", "-A"], cwd=repo, check=True)
+    subprocess.run(["git", "commit", "-qm", "more"], cwd=repo, check=True)
+    (deep / ".env").write_text("PASSWORD=hunter2\n")  # four folders down, untracked
+    (repo / "data").mkdir()
+    (repo / "data" / "val.txt").write_text("scored text")
+    (repo / "experiments.db").write_text("")
+    files = {p.relative_to(repo.resolve()).as_posix() for p in sb.project_files(repo)}
+    # lib/ holds an untracked .env deep down: its tracked files only; conf/ its settings only.
+    assert files == {"train.py", "lib/model.py", "lib/a/util.py", "conf/settings.toml"} | (
+        {".gitignore"} if (repo / ".gitignore").exists() else set()), files
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    assert sb.project_files(plain) == [plain.resolve()]  # not a repository: a job's copy, given whole
+
+
+def test_a_gpu_machines_paths_are_in_the_allow_list(tmp_path, monkeypatch):
+    """The GPU's device nodes, its driver's library folder (named by the dynamic loader's
+    configuration, here outside /usr), CUDA_HOME and LD_LIBRARY_PATH, all made up on a CPU."""
+    driver = tmp_path / "opt" / "nvidia" / "lib64"
+    driver.mkdir(parents=True)
+    cuda = tmp_path / "cuda"
+    (cuda / "lib64").mkdir(parents=True)
+    extra = tmp_path / "extra-libs"
+    extra.mkdir()
+    conf = tmp_path / "ld.so.conf"
+    (tmp_path / "ld.so.conf.d").mkdir()
+    conf.write_text("include ld.so.conf.d/*.conf\n")
+    (tmp_path / "ld.so.conf.d" / "nvidia.conf").write_text(f"# the driver\n{driver}\n/usr/lib/x86_64-linux-gnu\n")
+    assert sb.loader_folders(conf)[0] == driver
+    system = sb.system_mounts(loader_conf=conf)
+    assert ("ro", str(driver.resolve()), str(driver.resolve())) in system
+    assert not any(dest == "/usr/lib/x86_64-linux-gnu" for _, _, dest in system)  # under /usr already
+    readonly = sb.interpreter_paths({"CUDA_HOME": str(cuda), "LD_LIBRARY_PATH": str(extra)}, keep_out=[tmp_path / "repo"])
+    args = bwrap_arguments(cwd=tmp_path, readonly=readonly, system=system,
+                           gpu_nodes=["/dev/nvidia0", "/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/dri"])
+    for node in ("/dev/nvidia0", "/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/dri"):
+        assert _at(args, "--dev-bind", node, node)
+    for folder in (driver, cuda, extra):
+        assert _at(args, "--ro-bind", str(folder.resolve()), str(folder.resolve()))
+
+
+def test_no_folder_that_holds_the_project_the_cache_or_a_home_is_given_whole(tmp_path, monkeypatch):
+    project = tmp_path / "work" / "project"
+    project.mkdir(parents=True)
+    monkeypatch.setattr(sys, "path", [*sys.path, str(tmp_path / "work"), str(tmp_path), "/",
+                                      str(Path(autoloop.__file__).resolve().parents[1])])
+    chosen = sb.interpreter_paths({"PYTHONPATH": str(tmp_path / "work")}, keep_out=[project])
+    assert Path(autoloop.__file__).resolve().parent in chosen  # autoloop itself
+    for whole in (tmp_path / "work", tmp_path, Path("/"), Path(autoloop.__file__).resolve().parents[1]):
+        assert whole.resolve() not in chosen, whole
 
 
 def test_hidden_and_writable_at_once_is_refused(tmp_path):
+    (tmp_path / "x").mkdir()
     with pytest.raises(AutoloopError, match="both hidden and writable"):
-        bwrap_arguments(cwd=tmp_path, writable=[tmp_path], hidden=[tmp_path])
+        bwrap_arguments(cwd=tmp_path, readonly=[tmp_path], writable=[tmp_path / "x"], hidden=[tmp_path / "x"], system=[])
 
 
 # ---------------------------------------------------------------------------- inside the sandbox
@@ -287,11 +342,26 @@ report(**{{f"{{host}}:{{port}}": attempt(lambda: connect((host, port))) for host
 
 
 @needs_bwrap
-def test_filesystem_read_only_except_the_run_folder_and_secrets_invisible(layout):
+def test_only_the_allow_list_is_visible_and_only_the_run_folder_writable(layout, tmp_path):
+    """What a trial sees is an allow-list: the project's tracked files, the system, the
+    interpreter; not the db, .git, another trial's folder, an untracked .env four folders
+    down, a secret under /var/tmp, the home folder, the cache folder or another project."""
     repo, home = layout["repo"], layout["home"]
+    deep = repo / "a" / "b" / "c" / "d"
+    deep.mkdir(parents=True)
+    (deep / ".env").write_text("PASSWORD=hunter2-deep\n")
+    var_tmp = Path("/var/tmp") / f"autoloop-test-{os.getpid()}-{time.time_ns()}"
+    var_tmp.mkdir(parents=True)
+    (var_tmp / ".env").write_text("OPENAI_API_KEY=sk-outside\n")
+    other_project = tmp_path / "other-project"
+    other_project.mkdir()
+    (other_project / "notes.txt").write_text("another project")
+    from autoloop.harness.contract import cache_root
+
     pycache = Path(autoloop.__file__).resolve().parent / "harness" / "__pycache__" / "planted.cpython-311.pyc"
     pycache.parent.mkdir(exist_ok=True)  # as any import makes it
-    outcome = run_inside(layout, REPORT + f"""
+    try:
+        outcome = run_inside(layout, REPORT + f"""
 import os
 def write(path):
     with open(path, "w") as f:
@@ -305,40 +375,48 @@ report(
     write_run=attempt(lambda: write({str(layout["run_dir"] / "out.txt")!r})),
     write_pycache=attempt(lambda: write({str(pycache)!r})),
     write_site=attempt(lambda: write(os.path.join({sys.prefix!r}, "planted.pth"))),
+    write_root=attempt(lambda: write("/planted")), write_usr=attempt(lambda: write("/usr/planted")),
     read_train=attempt(lambda: read("train.py")),
     db=attempt(lambda: read("experiments.db")), wal=attempt(lambda: read("experiments.db-wal")),
-    shm=attempt(lambda: read("experiments.db-shm")), write_db=attempt(lambda: write("experiments.db")),
-    git=sorted(os.listdir(".git")), git_head=attempt(lambda: read(".git/HEAD")),
-    autoloop_dir=sorted(os.listdir(".autoloop/t/trials")),
+    git=attempt(lambda: os.listdir(".git")), listing=sorted(os.listdir(".")),
     other_trial=attempt(lambda: read(".autoloop/t/trials/1/checkpoint.pt")),
-    write_autoloop=attempt(lambda: write(".autoloop/planted")),
+    deep_env=attempt(lambda: read("a/b/c/d/.env")),
+    var_tmp=attempt(lambda: os.listdir("/var/tmp")), var_env=attempt(lambda: read({str(var_tmp / ".env")!r})),
+    other_project=attempt(lambda: os.listdir({str(other_project)!r})),
+    cache=attempt(lambda: os.listdir({str(cache_root())!r})),
     netrc=attempt(lambda: read({str(home / ".netrc")!r})), home=os.environ["HOME"],
-    home_dir=sorted(os.listdir({str(home)!r})),
-    root=attempt(lambda: sorted(os.listdir("/root"))), run=sorted(os.listdir("/run")),
+    root=attempt(lambda: sorted(os.listdir("/root"))), run=attempt(lambda: os.listdir("/run")),
+    top=sorted(os.listdir("/")), etc=sorted(os.listdir("/etc")),
     write_tmp=attempt(lambda: write("/tmp/scratch")), write_home=attempt(lambda: write(os.path.expanduser("~/x"))),
 )
 """)
+    finally:
+        for path in (var_tmp / ".env", ):
+            path.unlink()
+        var_tmp.rmdir()
     assert outcome.status == "ok", outcome.error_tail
     seen = outcome.result["seen"]
-    for key in ("write_train", "write_new", "write_pycache", "write_site", "write_autoloop"):
+    for key in ("write_train", "write_new", "write_pycache", "write_site", "write_root", "write_usr"):
         assert seen[key].startswith("OSError: [Errno 30] Read-only file system"), (key, seen[key])
-    assert seen["write_db"].startswith("PermissionError")
     assert seen["write_run"].startswith("ok") and seen["read_train"] == "ok: \"print('train')\\n\""
-    for key in ("db", "wal", "shm"):
-        assert seen[key].startswith("PermissionError"), (key, seen[key])
-    assert seen["git"] == [] and seen["git_head"].startswith("FileNotFoundError")
-    assert seen["autoloop_dir"] == ["2"] and seen["other_trial"].startswith("FileNotFoundError")
-    assert seen["netrc"].startswith("FileNotFoundError") and seen["home_dir"] == []
+    tracked = subprocess.run(["git", "ls-files"], cwd=repo, capture_output=True, text=True).stdout.split()
+    assert seen["listing"] == sorted({t.split("/")[0] for t in tracked} | {".autoloop"})  # .autoloop: the run folder's way
+    for key in ("db", "wal", "git", "other_trial", "deep_env", "var_tmp", "var_env", "other_project", "cache",
+                "netrc", "run"):
+        assert seen[key].startswith("FileNotFoundError"), (key, seen[key])
     assert seen["home"] == "/tmp/home" and seen["write_home"].startswith("ok")  # a private HOME
-    assert seen["write_tmp"].startswith("ok") and seen["run"] == []
+    assert seen["write_tmp"].startswith("ok")
+    assert set(seen["top"]) <= {"usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32", "sys", "etc", "dev", "proc",
+                                "tmp", "root", "home", "work", "opt"}, seen["top"]
+    assert "shadow" not in seen["etc"] and set(seen["etc"]) <= {p.name for p in sb._etc_entries()}
     # In /root only the way to what is re-exposed (e.g. a pyenv interpreter) shows.
-    needed = {p.resolve().relative_to("/root").parts[0] for p in map(Path, (sys.prefix, sys.base_prefix, REPO_ROOT))
+    needed = {p.resolve().relative_to("/root").parts[0] for p in map(Path, (sys.prefix, sys.base_prefix))
               if Path("/root") in p.resolve().parents}
-    assert seen["root"] == f"ok: {sorted(needed)!r}"
+    assert seen["root"] == f"ok: {sorted(needed)!r}" or (not needed and seen["root"].startswith("FileNotFoundError"))
     # Nothing outside the run folder changed.
     status = subprocess.run(["git", "status", "--porcelain", "--ignored"], cwd=repo, capture_output=True, text=True)
     assert sorted(status.stdout.split()) == sorted(["!!", ".autoloop/", "!!", "experiments.db", "!!",
-                                                     "experiments.db-shm", "!!", "experiments.db-wal"])
+                                                     "experiments.db-shm", "!!", "experiments.db-wal", "??", "a/"])
     assert (repo / "experiments.db").read_text() == "the trial log" and not pycache.exists()
     assert (layout["run_dir"] / "out.txt").read_text() == "x"
 

@@ -809,10 +809,13 @@ def _one_line(text: str) -> str:
 
 
 def _default_paths(cwd: str | Path, env: dict[str, Any]) -> SandboxPaths:
-    """Without explicit paths: the working folder read-only, the contract's output folders writable."""
+    """Without explicit paths: the working folder's tracked files read-only, the contract's
+    output folders writable."""
+    from autoloop.measure.sandbox import project_files
+
     outputs = [Path(str(env[name])).parent for name in ("AUTOLOOP_RESULT", "AUTOLOOP_CHECKPOINT", "AUTOLOOP_PROGRESS")
                if env.get(name)]
-    return SandboxPaths(writable=tuple(outputs), readonly=(Path(cwd),))
+    return SandboxPaths(writable=tuple(outputs), readonly=tuple(project_files(cwd)))
 
 
 def _now() -> str:

@@ -2,29 +2,37 @@
 
 Code written by a model runs unwatched overnight. The sandbox keeps an eager proposer's
 accidents (and most of its gaming) away from what decides: the trial log, git, the harness,
-the network, the user's secrets. It is not a security boundary against an attacker who
-targets the kernel; see docs/verification.md.
+the data, the network, the user's secrets. It is not a security boundary against an attacker
+who targets the kernel; see docs/verification.md.
 
-The layout `SandboxPolicy.wrap` builds (bubblewrap applies mounts in argument order, and a
-later mount covers an earlier one at or above its path):
+What a sandboxed process sees is an allow-list: nothing is visible unless it is named here
+or by the caller. `SandboxPolicy.wrap` builds (bubblewrap applies mounts in argument order,
+and a later mount covers an earlier one at or above its path):
 
-1. the whole filesystem read-only (`--ro-bind / /`);
-2. a fresh `/dev` with the GPU device nodes (`/dev/nvidia*`, `/dev/dri`) passed through,
-   a new `/proc` for the private PID namespace, a private `/tmp`;
-3. empty read-only folders over `/run` (sockets of daemons: docker, dbus, ssh agents),
-   `/home`, `/root` and `$HOME`;
-4. then every requested path, the least deep first, so that the most specific request
-   wins: `readonly` paths re-exposed read-only (only where they lie under something hidden:
-   the repository, the interpreter and the data when they live in a home folder), `hidden`
-   folders covered by an empty read-only tmpfs and hidden files by `/dev/null` (a device
-   node on a `nodev` mount: opening it fails with "permission denied"), `writable` paths
-   bound read-write (a run's output folder and its own compile cache);
-5. the hidden tmpfs folders made read-only last: a read-only folder cannot take the mount
-   points that later binds under it need.
+1. an empty root (bubblewrap's own tmpfs), made read-only at the end;
+2. the system, read-only: `/usr` (programs, shared libraries, the C compiler inductor and
+   triton build kernels with), the `/bin`, `/sbin` and `/lib*` links or folders, `/sys`
+   (CPU and PCI topology: OpenMP, NUMA, the CUDA driver), a few files of `/etc`
+   (ETC_ENTRIES: the dynamic loader's cache, users and groups, time zone, alternatives),
+   and every library folder the dynamic loader's configuration names outside `/usr`
+   (a GPU driver installed under /opt);
+3. a fresh `/dev` with the GPU device nodes (`/dev/nvidia*`, `/dev/dri`) passed through,
+   a new `/proc` for the private PID namespace, a private `/tmp` holding an empty HOME;
+4. the interpreter and its packages read-only (sys.prefix, sys.base_prefix, the
+   executable's folder, every folder on sys.path, PYTHONPATH, LD_LIBRARY_PATH, CUDA_HOME),
+   but never a folder that holds the project, the cache folder or a home folder whole: of
+   such a folder only the autoloop package itself;
+5. what the caller asks, the least deep first, so that the most specific request wins:
+   `readonly` paths (a run's project files: `project_files`, what git tracks, never an
+   untracked .env, the db or .git), `hidden` paths under them covered (folders by an empty
+   read-only tmpfs, files by `/dev/null`), `writable` paths bound read-write (a run's output
+   folder and its own compile cache);
+6. the hidden tmpfs folders and the root made read-only last: a read-only folder cannot take
+   the mount points that later binds under it need.
 
-A hidden path that does not exist when the trial starts is left alone: it lies in a
-read-only place, so the trial cannot create it (what the controller writes there later,
-e.g. a new experiments.db-wal, is at most readable).
+Nothing else exists inside: not the home folders, `/root`, `/var` (`/var/tmp`), `/opt`,
+`/srv`, `/mnt`, `/run` (daemons' sockets), the cache folder (prepared datasets, the embedded
+corpus's key), other projects, or the rest of the project folder.
 
 Namespaces: `--unshare-net` (no network: loopback only, nothing listening), `--unshare-pid`
 (bubblewrap is PID 1 of the trial: when the trial's main process exits, or bubblewrap is
@@ -110,9 +118,21 @@ def is_allowed(name: str) -> bool:
     return name.startswith(ALLOWED_PREFIXES) and not any(marker in upper for marker in SECRET_MARKERS)
 
 
+# The system part of the allow-list (see the module docstring). /etc is a few named entries:
+# the dynamic loader's cache and configuration (shared libraries, a GPU driver's folder),
+# users and groups (getpass, inductor's cache folder), the time zone, the alternatives links
+# (/usr/bin/cc), name lookup of localhost, and Debian's interpreter configuration.
+SYSTEM_FOLDERS = ("/usr", "/sys")
+SYSTEM_TOP_LEVEL = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+ETC_ENTRIES = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "passwd", "group", "localtime", "timezone",
+               "alternatives", "nsswitch.conf", "hosts", "host.conf")
+ETC_PREFIXES = ("python3",)  # Debian's /etc/python3.X (sitecustomize)
+
+
 @dataclass(frozen=True)
 class SandboxPaths:
-    """What a sandboxed process may see beyond the read-only system (see `SandboxPolicy.wrap`)."""
+    """What a sandboxed process may see beyond the system and the interpreter (see
+    `SandboxPolicy.wrap`)."""
 
     writable: tuple[Path, ...] = ()
     readonly: tuple[Path, ...] = ()
@@ -131,9 +151,11 @@ class SandboxPaths:
         readonly: Iterable[Path | str] = (),
         hidden: Iterable[Path | str] = (),
     ) -> "SandboxPaths":
-        """The layout of a training or evaluation process: the repository and the data
-        read-only; its .git, its .autoloop (but for `run_dir`, which may lie inside it) and
-        the trial log with its -wal and -shm hidden; `run_dir` and the compile cache writable."""
+        """The layout of a training or evaluation process: the project's files (what git
+        tracks: `project_files`) and the data read-only; its .git, its .autoloop (but for
+        `run_dir`, which may lie inside it) and the trial log with its -wal and -shm hidden
+        (where the project is no git repository and is bound whole); `run_dir` and the
+        compile cache writable."""
         repo = Path(repo_dir)
         hide = [repo / ".git", repo / ".autoloop"]
         if db_path is not None:
@@ -141,9 +163,68 @@ class SandboxPaths:
             hide += [db, db.with_name(db.name + "-wal"), db.with_name(db.name + "-shm")]
         return cls(
             writable=tuple(Path(p) for p in (run_dir, *([compile_cache] if compile_cache else []), *writable)),
-            readonly=tuple(Path(p) for p in (repo, *([data_dir] if data_dir else []), *readonly)),
+            readonly=tuple(Path(p) for p in (*project_files(repo), *([data_dir] if data_dir else []), *readonly)),
             hidden=tuple(Path(p) for p in (*hide, *hidden)),
         )
+
+
+def project_files(project: Path | str, *, limit: int = 20_000) -> list[Path]:
+    """What a trial may read of its project folder: the files git tracks there (the
+    experiment), as few paths as cover them exactly (a folder all of whose contents are
+    tracked is one path). Never what git does not track (a .env, experiments.db, .autoloop,
+    a virtual environment, data), nor a tracked file named like a secret
+    (autoloop.trust.redact.is_secret_file), nor .git. A folder that is no git repository
+    (a Ray node's copy of the job's files) is given whole: it holds only those files.
+    Over `limit` tracked files, each of the project's top-level entries that holds no
+    untracked file is given whole and the rest file by file, up to the limit."""
+    from autoloop.trust.redact import is_secret_file
+
+    root = _resolve(project)
+
+    def listed(*args: str) -> list[str] | None:
+        try:
+            out = subprocess.run(["git", "-C", str(root), "ls-files", "-z", *args], capture_output=True,
+                                 timeout=60, stdin=subprocess.DEVNULL)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return [p for p in out.stdout.decode("utf-8", "surrogateescape").split("\0") if p] if out.returncode == 0 else None
+
+    tracked = listed("--cached")
+    others = listed("--others", "--directory")  # untracked and ignored, a folder of them as one entry
+    if tracked is None or others is None:
+        return [root]
+    # A folder is "mixed" when something under it must stay out: an untracked entry, a secret
+    # file, or (the root) .git. Only files, and folders that are not mixed, are bound.
+    mixed = {""}
+    chosen = []
+    for rel in others:
+        mixed.update(_ancestors(rel.rstrip("/")))
+    files = []
+    for rel in tracked:
+        if is_secret_file(rel.rsplit("/", 1)[-1]):
+            mixed.update(_ancestors(rel))
+        else:
+            files.append(rel)
+    seen = set()
+    for rel in files:
+        parts = rel.split("/")
+        top = rel
+        for depth in range(1, len(parts)):  # the shallowest folder above `rel` that is not mixed
+            folder = "/".join(parts[:depth])
+            if folder not in mixed:
+                top = folder
+                break
+        if top not in seen and (root / top).exists():
+            seen.add(top)
+            chosen.append(root / top)
+        if len(chosen) >= limit:
+            break
+    return chosen
+
+
+def _ancestors(rel: str) -> list[str]:
+    parts = rel.split("/")
+    return ["/".join(parts[:depth]) for depth in range(len(parts))]
 
 
 @dataclass(frozen=True)
@@ -157,9 +238,13 @@ class SandboxPolicy:
     version: str | None = None
 
     def describe(self) -> str:
-        """One line for runs.sandbox and the console."""
+        """One line for runs.sandbox and the console: what a sandboxed process can see."""
         if self.kind == "bwrap":
-            return f"bwrap {self.version or ''}".rstrip() + ": no network, read-only repository, private PID namespace"
+            interpreter = ", ".join(dict.fromkeys(str(p) for p in _interpreter_folders()))
+            return (f"bwrap {self.version or ''}".rstrip() + ": sees only /usr, /sys, "
+                    f"{len(_etc_entries())} /etc entries, the interpreter ({interpreter}), autoloop "
+                    f"({_package_dir()}), the project's tracked files and its run folder; no network, "
+                    "no home or cache folder, a private PID namespace")
         return f"{self.kind}: {self.reason}"
 
     def wrap(
@@ -175,9 +260,10 @@ class SandboxPolicy:
         """The command line and environment that run `argv` in `cwd` inside the sandbox
         (see the module docstring for the layout); unchanged for kinds "none" and "off".
 
-        Added to what the caller asks: read-only, what any Python child needs (its working
-        folder, the interpreter, autoloop, every folder on sys.path, PYTHONPATH, LD_LIBRARY_PATH,
-        CUDA_HOME);
+        Added to what the caller asks: read-only, the system and what any Python child
+        needs (the interpreter, autoloop, the folders on sys.path, PYTHONPATH,
+        LD_LIBRARY_PATH, CUDA_HOME), never a folder that holds `cwd`, the cache folder or a
+        home folder whole. `cwd` itself is not added: the caller names what of it is seen.
         writable: nothing but what the caller names (a run's own output folder and compile
         cache: nothing writable is shared between trials, autoloop.measure.run_folder).
         Writable folders that do not exist yet are created. GPU device nodes are looked up
@@ -190,11 +276,9 @@ class SandboxPolicy:
         for path in map(Path, writable):
             if not path.exists():
                 path.mkdir(parents=True)
-        readonly = [*readonly, *_default_readonly(cwd, env)]
-        args = bwrap_arguments(
-            cwd=cwd, writable=writable, readonly=readonly, hidden=hidden,
-            gpu_nodes=gpu_device_nodes(), homes=_home_folders(),
-        )
+        readonly = [*readonly, *interpreter_paths(env, keep_out=[Path(cwd), *_private_roots()])]
+        args = bwrap_arguments(cwd=cwd, writable=writable, readonly=readonly, hidden=hidden,
+                               gpu_nodes=gpu_device_nodes())
         env["HOME"] = SANDBOX_HOME
         env["TMPDIR"] = "/tmp"
         return [self.bwrap or "bwrap", *args, "--", *argv], env
@@ -208,26 +292,99 @@ def _under(path: Path, root: Path) -> bool:
     return path == root or root in path.parents
 
 
-def _home_folders() -> list[Path]:
-    homes = [Path("/home"), Path("/root")]
-    home = os.environ.get("HOME")
-    if home:
-        homes.append(Path(home))
-    return [p for p in {_resolve(h) for h in homes} if p.is_dir() and p != Path("/")]
+def _package_dir() -> Path:
+    return Path(__file__).resolve().parents[1]  # autoloop/ itself (this file is autoloop/measure/sandbox.py)
 
 
-def _default_readonly(cwd: Path | str, env: Mapping[str, str]) -> list[Path]:
-    """What any Python child needs to see even when it lives in a home folder."""
-    package = Path(__file__).resolve().parents[1]  # autoloop/ itself (this file is autoloop/measure/sandbox.py)
-    paths = [Path(cwd), Path(sys.prefix), Path(sys.base_prefix), Path(sys.exec_prefix),
-             _resolve(sys.executable).parent, package]
+def _private_roots() -> list[Path]:
+    """Folders no sandbox may see whole: the home folders and the cache folder (prepared
+    datasets, the embedded corpus's key)."""
+    from autoloop.harness.contract import cache_root
+
+    roots = [Path("/home"), Path("/root"), cache_root()]
+    if os.environ.get("HOME"):
+        roots.append(Path(os.environ["HOME"]))
+    return roots
+
+
+def _interpreter_folders() -> list[Path]:
+    return [Path(sys.prefix), Path(sys.base_prefix), Path(sys.exec_prefix), _resolve(sys.executable).parent]
+
+
+def interpreter_paths(env: Mapping[str, str], *, keep_out: Iterable[Path | str] = ()) -> list[Path]:
+    """What any Python child needs to see: the interpreter, its import path and libraries,
+    autoloop. A candidate folder that is `/`, or that holds one of `keep_out` (the project,
+    the cache folder, a home folder), is left out: a repository on sys.path (an editable
+    install, PYTHONPATH=.) gives only its autoloop package, which is added anyway."""
+    package = _package_dir()
+    candidates = _interpreter_folders()
     for name in ("PYTHONPATH", "LD_LIBRARY_PATH"):
-        paths += [Path(p) for p in env.get(name, "").split(os.pathsep) if p]
-    paths += [Path(env[name]) for name in ("CUDA_HOME", "CUDA_PATH", "VIRTUAL_ENV", "CONDA_PREFIX") if env.get(name)]
+        candidates += [Path(p) for p in env.get(name, "").split(os.pathsep) if p]
+    candidates += [Path(env[name]) for name in ("CUDA_HOME", "CUDA_PATH", "VIRTUAL_ENV", "CONDA_PREFIX")
+                   if env.get(name)]
     # Every folder on this interpreter's import path, including those a .pth file adds (a
     # venv that reaches another one's packages, under /tmp, which the sandbox replaces).
-    paths += [Path(p) for p in sys.path if p and os.path.isdir(p)]
-    return paths
+    candidates += [Path(p) for p in sys.path if p and os.path.isdir(p)]
+    guarded = [_resolve(p) for p in keep_out]
+    chosen = [package]
+    for path in map(_resolve, candidates):
+        if path == Path("/") or path == package.parent or any(_under(g, path) for g in guarded):
+            continue  # `package.parent`: the repository of an editable install, of which autoloop is all we need
+        chosen.append(path)
+    return chosen
+
+
+def _etc_entries() -> list[Path]:
+    etc = Path("/etc")
+    entries = [etc / name for name in ETC_ENTRIES]
+    try:
+        entries += sorted(p for p in etc.iterdir() if p.name.startswith(ETC_PREFIXES))
+    except OSError:
+        pass
+    return [p for p in entries if os.path.lexists(p)]
+
+
+def loader_folders(conf: Path | str = "/etc/ld.so.conf") -> list[Path]:
+    """The library folders the dynamic loader's configuration names (following `include`
+    lines): where a GPU driver installed outside /usr keeps libcuda."""
+    found: list[Path] = []
+    pending, seen = [Path(conf)], set()
+    while pending:
+        path = pending.pop(0)
+        if path in seen:
+            continue
+        seen.add(path)
+        try:
+            lines = path.read_text().splitlines()
+        except OSError:
+            continue
+        for line in lines:
+            line = line.split("#", 1)[0].strip()
+            if line.startswith("include "):
+                pattern = line.split(None, 1)[1]
+                base = Path(pattern) if pattern.startswith("/") else path.parent / pattern
+                pending += sorted(Path(base.anchor).glob(str(base.relative_to(base.anchor))))
+            elif line.startswith("/") and os.path.isdir(line):
+                found.append(Path(line))
+    return found
+
+
+def system_mounts(*, loader_conf: Path | str = "/etc/ld.so.conf") -> list[tuple[str, str, str]]:
+    """The system part of the allow-list, as (kind, source, destination): kind "link" (a
+    merged-/usr link such as /bin -> usr/bin, recreated) or "ro" (bound read-only)."""
+    mounts = []
+    for top in SYSTEM_TOP_LEVEL:
+        if os.path.islink(top):
+            mounts.append(("link", os.readlink(top), top))
+        elif os.path.isdir(top):
+            mounts.append(("ro", top, top))
+    mounts += [("ro", p, p) for p in SYSTEM_FOLDERS if os.path.isdir(p)]
+    for entry in _etc_entries():
+        mounts.append(("ro", str(entry), str(entry)))  # an /etc/alternatives link is bound as its target is
+    for folder in loader_folders(loader_conf):
+        if not any(_under(_resolve(folder), Path(p)) for p in SYSTEM_FOLDERS):
+            mounts.append(("ro", str(_resolve(folder)), str(_resolve(folder))))
+    return mounts
 
 
 def bwrap_arguments(
@@ -237,48 +394,57 @@ def bwrap_arguments(
     readonly: Iterable[Path | str] = (),
     hidden: Iterable[Path | str] = (),
     gpu_nodes: Iterable[str] = (),
-    homes: Iterable[Path] = (),
+    system: Iterable[tuple[str, str, str]] | None = None,
 ) -> list[str]:
-    """bubblewrap's options (everything before `--`) for the layout in the module docstring."""
-    args = ["--ro-bind", "/", "/", "--dev", "/dev"]
+    """bubblewrap's options (everything before `--`) for the layout in the module docstring.
+    `system`: the system mounts (default `system_mounts()`)."""
+    args: list[str] = []
+    system = system_mounts() if system is None else list(system)
+    ro_system = []
+    for kind, source, dest in system:
+        if kind == "link":
+            args += ["--symlink", source, dest]
+        else:
+            ro_system.append(_resolve(dest))
+            args += ["--ro-bind", source, dest]
+    args += ["--dev", "/dev"]
     for node in gpu_nodes:
         args += ["--dev-bind", node, node]
     args += ["--proc", "/proc", "--tmpfs", "/tmp", "--dir", SANDBOX_HOME]
 
     # Every mount after the base, keyed by path: the most specific request wins, and a
-    # path asked for twice keeps the strongest meaning (writable > hidden > read-only >
-    # covered: a repository that is someone's whole home folder stays visible).
+    # path asked for twice keeps the strongest meaning (writable > hidden > read-only).
     wanted: dict[Path, str] = {}
-    for path in [Path("/run"), *(_resolve(h) for h in homes)]:
-        if path.is_dir():
-            wanted[path] = "cover"
     for path in map(_resolve, readonly):
         if path.exists():
             wanted[path] = "ro"
     for path in map(_resolve, hidden):
-        if path.exists():
-            wanted[path] = "hide-dir" if path.is_dir() else "hide-file"
+        if path.exists() and any(_under(path, r) for r, kind in wanted.items() if kind == "ro"):
+            wanted[path] = "hide-dir" if path.is_dir() else "hide-file"  # only what a bind would show
     for path in map(_resolve, writable):
         if wanted.get(path, "").startswith("hide"):
             raise AutoloopError(f"sandbox: {path} is asked to be both hidden and writable: pick one")
         wanted[path] = "rw"
+    # The working folder exists even where nothing of it is bound, and is read-only: an
+    # empty folder (a tmpfs made read-only at the end) under what is bound of it.
+    wanted.setdefault(_resolve(cwd), "hide-dir")
 
     # A read-only bind is only needed where the nearest mount above the path is not
-    # read-only already (the root, or another read-only bind).
-    wanted_with_tmp = {Path("/tmp"): "cover", **wanted}
+    # read-only already (another read-only bind, or the read-only system).
+    above_kinds = {Path("/tmp"): "tmp", **{p: "ro" for p in ro_system}, **wanted}
 
     def needed(path: Path, kind: str) -> bool:
         if kind != "ro":
             return True
-        above = [p for p in wanted_with_tmp if p != path and _under(path, p)]
-        return bool(above) and wanted_with_tmp[max(above, key=lambda p: len(p.parts))] != "ro"
+        above = [p for p in above_kinds if p != path and _under(path, p)]
+        return not above or above_kinds[max(above, key=lambda p: len(p.parts))] != "ro"
 
     plan = [(path, kind) for path, kind in wanted.items() if needed(path, kind)]
     plan.sort(key=lambda item: (len(item[0].parts), str(item[0])))
     read_only_folders = []
     for path, kind in plan:
         p = str(path)
-        if kind in ("cover", "hide-dir"):
+        if kind == "hide-dir":
             args += ["--tmpfs", p]
             read_only_folders.append(p)
         elif kind == "hide-file":
@@ -287,7 +453,7 @@ def bwrap_arguments(
             args += ["--ro-bind", p, p]
         else:
             args += ["--bind", p, p]
-    for p in read_only_folders:
+    for p in [*read_only_folders, "/"]:
         args += ["--remount-ro", p]
 
     args += [
@@ -317,7 +483,7 @@ def _probe(bwrap: str) -> tuple[bool, str, str | None]:
         true = shutil.which("true") or "/bin/true"
         # The real layout with a writable folder of its own: the probe writes nothing of ours.
         with tempfile.TemporaryDirectory(prefix="autoloop-probe-") as scratch:
-            argv, env = policy.wrap([true], env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")}, cwd="/",
+            argv, env = policy.wrap([true], env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")}, cwd=scratch,
                                     writable=[scratch])
             ran = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=PROBE_TIMEOUT_SECONDS,
                                  stdin=subprocess.DEVNULL)

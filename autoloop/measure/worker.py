@@ -312,8 +312,8 @@ def _copy_regular_files(source: Path, dest: Path) -> None:
 
 def _train_job(job: MeasureJob, project_dir: Path, run_dir: Path, on_start: OnStart | None, abort: _Abort,
                runner: Callable[..., RunOutcome]) -> JobResult:
-    from autoloop.measure.sandbox import SandboxPaths
     from autoloop.measure.probe import around_training
+    from autoloop.measure.sandbox import SandboxPaths, project_files
 
     folder = RunFolder(run_dir)
     folder.prepare_training()
@@ -321,7 +321,7 @@ def _train_job(job: MeasureJob, project_dir: Path, run_dir: Path, on_start: OnSt
     env = contract_env(job, folder)
     python = job.python or sys.executable
     feed = None
-    readonly = [project_dir]
+    readonly = project_files(project_dir)  # what git tracks: never an untracked .env, the db or .git
     sandbox = None
     watch = None
     if job.compile_seed and Path(job.compile_seed).is_dir():

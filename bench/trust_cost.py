@@ -2,6 +2,7 @@
 
     python bench/trust_cost.py               # 15 runs of each command, plain and sandboxed
     python bench/trust_cost.py --runs 31     # steadier medians on a busy machine
+    python bench/trust_cost.py --only sandbox   # section 1 alone
 
 Section 1, the sandbox: the same command run through `autoloop.measure.runner.run_training`, as the
 controller runs a trial, once plain (sandbox "off") and once in bubblewrap, alternately, so
@@ -39,14 +40,17 @@ SANDBOXED_PROCESSES_PER_TRIAL = 3  # training, the model process, the scorer
 
 
 def timed_run(argv: list[str], policy, folder: Path) -> float:
-    """Seconds of one `run_training` call for `argv` under `policy`, or raises if it failed."""
+    """Seconds of one `run_training` call for `argv` under `policy`, or raises if it failed.
+    The layout is a trial's, this repository as its project (its tracked files listed by git
+    and bound one by one where a folder also holds untracked files): the allow-list's cost
+    is in the figure."""
     from autoloop.measure.runner import run_training
     from autoloop.measure.sandbox import SandboxPaths
 
     started = time.perf_counter()
     outcome = run_training(
-        argv, cwd=folder, env={"OMP_NUM_THREADS": "1"}, log_path=folder / "bench.log", deadline_seconds=120,
-        sandbox=policy, sandbox_paths=SandboxPaths(writable=(folder,)),
+        argv, cwd=ROOT, env={"OMP_NUM_THREADS": "1"}, log_path=folder / "bench.log", deadline_seconds=120,
+        sandbox=policy, sandbox_paths=SandboxPaths.for_trial(ROOT, folder / "run", db_path="experiments.db"),
     )
     seconds = time.perf_counter() - started
     if outcome.returncode != 0:
@@ -108,8 +112,11 @@ def section_evaluation(args: argparse.Namespace) -> tuple[float, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=15, help="runs of each command in each mode")
+    parser.add_argument("--only", choices=("sandbox", "evaluation"), help="run one section")
     args = parser.parse_args()
-    sandbox = section_sandbox(args)
+    sandbox = section_sandbox(args) if args.only != "evaluation" else 0.0
+    if args.only == "sandbox":
+        return
     cpu, gpu = section_evaluation(args)
     for label, total in (("CPU trial, measured", sandbox + cpu),
                          ("GPU trial, estimated from measured parts", sandbox + gpu)):

@@ -226,6 +226,33 @@ _EVAL_OUT = (
     "    return bool(_os.environ.get('AUTOLOOP_RESULT'))\n"
 )
 
+# Issue 31, item 7: secrets outside the project (/var/tmp) and four folders deep inside it
+# (untracked), found by walking every folder a trial can list, and printed (and raised as the
+# crash reason) reversed, spaced and base64-encoded, which no redaction recognises.
+FAR_DOTENV_KEY = "sk-canaryFARAWAY0123456789abcdefABCDEFGH"
+FAR_PASSWORD = "far-canary-password-4c1d"
+DEEP_DOTENV_KEY = "sk-canaryDEEPDOWN0123456789abcdefABCDEFGH"
+DEEP_PASSWORD = "deep-canary-password-8e2f"
+FAR_CANARIES = (FAR_DOTENV_KEY, FAR_PASSWORD, DEEP_DOTENV_KEY, DEEP_PASSWORD)
+SECRET_HUNT = _patched(IMPORT_ANCHOR, IMPORT_ANCHOR + (
+    "import os as _os, base64 as _b64\n"
+    "if _os.environ.get('AUTOLOOP_RESULT'):\n"
+    "    _found = []\n"
+    "    for _root in ('/var/tmp', '/var', '/tmp', '/home', '/root', '/opt', '/srv', '/mnt', '.', _os.path.expanduser('~')):\n"
+    "        for _dir, _dirs, _files in _os.walk(_root):\n"
+    "            for _f in _files:\n"
+    "                if '.env' in _f:\n"
+    "                    try:\n"
+    "                        _found.append(open(_os.path.join(_dir, _f)).read())\n"
+    "                    except OSError:\n"
+    "                        pass\n"
+    "    _blob = '|'.join(_found)\n"
+    "    _said = ' '.join(['HUNT', str(len(_found)), _blob[::-1], ' '.join(_blob), _b64.b64encode(_blob.encode()).decode()])\n"
+    "    print(_said, flush=True)\n"
+    "    if _found:\n"
+    "        raise SystemExit(_said)\n"))
+
+
 TRUST_ATTACKS = {
     # 1. A symlink planted where a later stage writes (the evaluator's output folder) points
     #    at .git/hooks; from there the evaluator writes a hook that the controller's next
@@ -438,9 +465,29 @@ LONG_LAST_STEP = _patched(LOOP_ANCHOR, (
     _patched("def fail(reason):", _TRAIN_ON_HOARD + "def fail(reason):"))
 
 
-def _plant_canaries(repo: Path, monkeypatch) -> None:
+def _plant_canaries(repo: Path, monkeypatch, far: Path | None = None) -> None:
+    """The environment variable and the project's .env; with `far` (a folder under /var/tmp
+    the test removes) also a .env there and one four folders deep in the project, untracked."""
     monkeypatch.setenv(ENV_CANARY, ENV_CANARY_VALUE)
     (repo / ".env").write_text(DOTENV)
+    if far is not None:
+        far.mkdir(parents=True, exist_ok=True)
+        (far / ".env").write_text(f"OPENAI_API_KEY={FAR_DOTENV_KEY}\nDB_PASSWORD={FAR_PASSWORD}\n")
+        deep = repo / "a" / "b" / "c" / "d"
+        deep.mkdir(parents=True, exist_ok=True)
+        (deep / ".env").write_text(f"ANTHROPIC_API_KEY={DEEP_DOTENV_KEY}\npassword={DEEP_PASSWORD}\n")
+
+
+def encodings(secret: str) -> list[str]:
+    """`secret` as a trial could write it to get past redaction: as is, reversed, spaced,
+    and base64 at each of the three alignments (its inner part, whatever comes before it)."""
+    import base64
+
+    forms = [secret, secret[::-1], " ".join(secret), " ".join(secret[::-1])]
+    for shift in range(3):
+        encoded = base64.b64encode(("x" * shift + secret).encode()).decode()
+        forms.append(encoded[4:-4])
+    return forms
 
 
 def _protected_state(repo: Path) -> dict[str, bytes]:
@@ -488,10 +535,29 @@ def _assert_no_secret_anywhere(repo: Path, tag: str = "a") -> None:
     candidates += [p for p in repo.iterdir() if p.name.startswith("experiments.db")]
     for path in candidates:
         data = path.read_bytes()
-        leaks += [f"{path.relative_to(repo)}: {c}" for c in CANARIES if c.encode() in data]
+        leaks += [f"{path.relative_to(repo)}: {c} as {form!r}" for c in CANARIES + FAR_CANARIES
+                  for form in encodings(c) if form.encode() in data]
     brief = _brief(repo, tag)
-    leaks += [f"LLM brief: {c}" for c in CANARIES if c in brief]
+    leaks += [f"LLM brief: {c} as {form!r}" for c in CANARIES + FAR_CANARIES for form in encodings(c) if form in brief]
+    shown = "".join(_cli(repo, *args) for args in (["log", "--tag", tag], *(["show", str(n), "--tag", tag]
+                                                                            for n in _trial_numbers(repo, tag))))
+    leaks += [f"autoloop show/log: {c} as {form!r}" for c in CANARIES + FAR_CANARIES for form in encodings(c)
+              if form in shown]
     assert not leaks, leaks
+
+
+def _cli(repo: Path, *args: str) -> str:
+    from typer.testing import CliRunner
+
+    from autoloop.cli import app
+
+    result = CliRunner().invoke(app, [*args, "--repo", str(repo)])
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+def _trial_numbers(repo: Path, tag: str) -> list[int]:
+    return sorted(t["number"] for t in _trials(repo, tag).values())
 
 
 def _kept(trial: dict) -> bool:
@@ -500,7 +566,7 @@ def _kept(trial: dict) -> bool:
 
 @pytest.mark.slow
 @needs_bwrap
-def test_attacks_in_step_mode_end_invalid_or_fail_inside_the_sandbox_and_leak_nothing(tmp_path, monkeypatch):
+def test_attacks_in_step_mode_end_invalid_or_fail_inside_the_sandbox_and_leak_nothing(tmp_path, monkeypatch, request):
     """Issue 12's table and issue 23's items 1, 2, 3 and 5, sandboxed, verification on, in
     one run (one baseline for all): every attack invalid, a crash, or failed inside the
     sandbox; none kept; the controller alive (and again after a restart); no secret
@@ -514,9 +580,12 @@ def test_attacks_in_step_mode_end_invalid_or_fail_inside_the_sandbox_and_leak_no
     monkeypatch.setenv("AUTOLOOP_CACHE_DIR", str(cache))
     monkeypatch.setenv("AUTOLOOP_COMPILE_CACHE", str(cache / "compile"))
     repo = make_repo(tmp_path / "repo", TRAIN_PY.read_text())
-    _plant_canaries(repo, monkeypatch)
-    names = list(ATTACKS) + list(TRUST_ATTACKS) + ["poison bytecode", "much worse"]
-    sources = {**ATTACKS, **TRUST_ATTACKS, "poison bytecode": POISON_TORCH_BYTECODE, "much worse": MUCH_WORSE}
+    far = Path("/var/tmp") / f"autoloop-attack-{os.getpid()}-{time.time_ns()}"
+    request.addfinalizer(lambda: __import__("shutil").rmtree(far, ignore_errors=True))
+    _plant_canaries(repo, monkeypatch, far=far)
+    names = list(ATTACKS) + list(TRUST_ATTACKS) + ["poison bytecode", "much worse", "secret hunt"]
+    sources = {**ATTACKS, **TRUST_ATTACKS, "poison bytecode": POISON_TORCH_BYTECODE, "much worse": MUCH_WORSE,
+               "secret hunt": SECRET_HUNT}
     assert len(sources) == len(names)  # no attack hides another of the same name
     config = _run(repo, monkeypatch, max_steps=6, max_trials=1 + len(names))
     _seed_attacks(repo, config, names, sources)
@@ -564,6 +633,8 @@ def test_attacks_in_step_mode_end_invalid_or_fail_inside_the_sandbox_and_leak_no
     assert "pwned" not in (repo / "train.py").read_text()
     assert not subprocess.run(["pgrep", "-f", "pwned"], capture_output=True).stdout
     assert "ENV" in _log(repo, trials["environment"])
+    # The secrets outside the project and deep inside it do not exist in the sandbox.
+    assert "HUNT 0 " in _log(repo, trials["secret hunt"]), _log(repo, trials["secret hunt"])[-2000:]
     # Nothing the evaluator could write ran outside the sandbox.
     assert not (tmp_path / "hooked.txt").exists(), (tmp_path / "hooked.txt").read_text()
     assert sorted(p.name for p in (repo / ".git" / "hooks").iterdir()) == hooks_before

@@ -110,7 +110,7 @@ class Config:
     sandbox: str = "auto"
     # Scale-out (docs/scale-out.md). "serial": one trial at a time in this folder; "local":
     # one worker per visible GPU (or `workers` pretend devices on a CPU), each in its own git
-    # worktree; "ray": one worker per GPU of a Ray cluster (`pip install 'autoloop[ray]'`).
+    # worktree; "ray": one worker per GPU of a Ray cluster (`pip install -e '.[ray]'`).
     executor: str = "serial"
     workers: int = 0  # workers of the local/ray executor; 0: one per GPU
     ray_address: str | None = None  # join this Ray cluster ("auto", "ray://host:10001"); none: start one

@@ -156,7 +156,7 @@ def _need(module: str, extra: str, purpose: str):
     try:
         return importlib.import_module(module)
     except ImportError:
-        raise AutoloopError(f"{purpose} needs {module}: pip install 'autoloop[{extra}]'") from None
+        raise AutoloopError(f"{purpose} needs {module}: pip install -e '.[{extra}]' in autoloop's folder") from None
 
 
 def _one_line(exc: BaseException, limit: int = 200) -> str:

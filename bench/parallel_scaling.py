@@ -81,7 +81,7 @@ def main() -> None:
         try:
             import ray  # noqa: F401
         except ImportError:
-            print("ray is not installed (pip install 'autoloop[ray]'): measuring the local executor only")
+            print("ray is not installed (pip install -e '.[ray]'): measuring the local executor only")
             executors = [e for e in executors if e != "ray"]
     tmp = Path(tempfile.mkdtemp(prefix="autoloop-scale-"))
     results = []

@@ -58,8 +58,8 @@ case "$cmd" in
   install)
     [[ -d "$dir" ]] || { echo "error: no wheelhouse at $dir: build one with 'scripts/wheelhouse.sh build $dir' on a machine with a package index" >&2; exit 1; }
     "$python" -c "import torch" 2>/dev/null || { echo "error: torch is not importable by $python: install the machine's torch build first (the wheelhouse leaves torch out on purpose)" >&2; exit 1; }
-    spec="autoloop"
-    [[ -n "$extras" ]] && spec="autoloop[$extras]"
+    spec="autoloop-research"
+    [[ -n "$extras" ]] && spec="autoloop-research[$extras]"
     "$python" -m pip install --no-index --find-links "$dir" "$spec"
     "$python" -c "import autoloop.cli, torch; print('autoloop installed offline; torch', torch.__version__, '| CUDA', torch.cuda.is_available())"
     ;;

@@ -154,7 +154,7 @@ def test_a_failing_run_prints_no_header_before_its_error(fake_repo):
 
 def test_help_keeps_the_install_extras_in_brackets():
     result = runner.invoke(app, ["run", "--help"], env={"COLUMNS": "200"})
-    assert "autoloop[ray]" in result.output.replace("\n", " ").replace(" ", "")
+    assert "pipinstall-e'.[ray]'" in result.output.replace("\n", " ").replace(" ", "")
 
 
 def test_a_text_only_idea_says_it_waits_when_nothing_reads_text(fake_repo, monkeypatch):

@@ -200,7 +200,7 @@ def test_missing_optional_package_names_the_extra(corpus, monkeypatch):
     monkeypatch.setitem(sys.modules, "rustbpe", None)  # makes `import rustbpe` fail
     with pytest.raises(AutoloopError) as err:
         P.prepare_dataset(str(corpus), tokenizer="bpe")
-    assert "pip install 'autoloop[bpe]'" in one_line(err)
+    assert "pip install -e '.[bpe]'" in one_line(err)
 
 
 # ---------------------------------------------------------------------- preparing and comparability
@@ -261,7 +261,7 @@ def test_bpe_dataset_loads_and_trains_without_tiktoken(corpus, monkeypatch):
     x, y = next(H.TokenLoader(ds, "train", 2, 16))
     assert x.max() < ds.vocab_size and ds.token_bytes.shape == (ds.vocab_size,)
     assert ds.tokenizer.decode(ds.split("val")[:50])  # decoding needs no tiktoken either
-    with pytest.raises(H.HarnessError, match=r"pip install 'autoloop\[bpe\]'"):
+    with pytest.raises(H.HarnessError, match=r"pip install -e '\.\[bpe\]'"):
         ds.tokenizer.encode(b"needs tiktoken")
 
 

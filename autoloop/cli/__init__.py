@@ -21,7 +21,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
-    # Help text is plain text: with rich markup, `pip install 'autoloop[ray]'` would print as 'autoloop'.
+    # Help text is plain text: with rich markup, `pip install -e '.[ray]'` would print as 'autoloop'.
     rich_markup_mode=None,
 )
 
@@ -66,7 +66,7 @@ def run(
     agent_command: Annotated[Optional[str], typer.Option(help="A coding-agent command (e.g. 'claude -p'); setting it adds the agent proposer to the default chain.")] = None,
     max_cost: Annotated[Optional[float], typer.Option(help="Stop proposing with paid models once this many US dollars are spent (needs llm-prices).")] = None,
     workers: Annotated[Optional[int], typer.Option(help="Train this many trials at once, one per GPU, each in its own git worktree (the local executor; on a CPU machine, pretend devices). 0: one per visible GPU.")] = None,
-    executor: Annotated[Optional[str], typer.Option(help="'serial' (default, one trial at a time), 'local' (one worker per GPU of this machine) or 'ray' (one per GPU of a Ray cluster; pip install 'autoloop[ray]').")] = None,
+    executor: Annotated[Optional[str], typer.Option(help="'serial' (default, one trial at a time), 'local' (one worker per GPU of this machine) or 'ray' (one per GPU of a Ray cluster; pip install -e '.[ray]').")] = None,
     ray_address: Annotated[Optional[str], typer.Option(help="With --executor ray: the cluster to join ('auto', 'ray://head:10001'); none starts a local one.")] = None,
     search_mode: Annotated[Optional[str], typer.Option(help="With several workers: 'shared' (default, every worker from the one best commit) or 'islands' (a lineage per worker, the best migrating).")] = None,
     migrate_every: Annotated[Optional[int], typer.Option(help="Islands: the best lineage migrates to the others every N trials (10 by default; 0: never).")] = None,

@@ -59,7 +59,7 @@ def serve(
         import starlette  # noqa: F401
         import uvicorn
     except ImportError:
-        raise AutoloopError("autoloop serve needs starlette, uvicorn and sse-starlette: pip install 'autoloop[serve]'") from None
+        raise AutoloopError("autoloop serve needs starlette, uvicorn and sse-starlette: pip install -e '.[serve]'") from None
     from autoloop.config import resolve
     from autoloop.serve.app import ServeState, create_app
 

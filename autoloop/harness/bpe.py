@@ -48,7 +48,7 @@ def _need_tiktoken():
         import tiktoken
     except ImportError:
         raise HarnessError(
-            "encoding text with a BPE tokenizer needs tiktoken: pip install 'autoloop[bpe]' "
+            "encoding text with a BPE tokenizer needs tiktoken: pip install -e '.[bpe]' "
             "(training on an already prepared dataset does not)"
         ) from None
     return tiktoken

@@ -1,7 +1,7 @@
 """The `llm` proposer: code edits from any OpenAI-compatible chat API.
 
 OpenAI, vLLM, Ollama, OpenRouter and the like all serve `/v1/chat/completions`; the
-`openai` SDK (optional extra `autoloop[llm]`) talks to each given a base URL, a model
+`openai` SDK (optional extra `llm`) talks to each given a base URL, a model
 name and a key. The base URL comes from `llm_base_url`, else `$OPENAI_BASE_URL`; the key
 from the environment variable named by `llm_api_key_env` (`OPENAI_API_KEY`). A local
 server needs no key. The key is never written anywhere: it is not a config field (so it
@@ -106,7 +106,7 @@ class LLMProposer:
         try:
             import openai  # noqa: F401
         except ImportError:
-            raise AutoloopError("the llm proposer needs the openai package: pip install 'autoloop[llm]'") from None
+            raise AutoloopError("the llm proposer needs the openai package: pip install -e '.[llm]'") from None
         self.model = config.llm_model
         self.base_url = config.llm_base_url or os.environ.get("OPENAI_BASE_URL") or None
         self._key = os.environ.get(config.llm_api_key_env) or None

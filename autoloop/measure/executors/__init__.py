@@ -69,7 +69,7 @@ def make_executor(controller) -> Executor:
         try:
             from autoloop.measure.executors.ray import RayExecutor
         except ImportError as exc:
-            raise AutoloopError(f"--executor ray needs Ray ({exc}): pip install 'autoloop[ray]'") from exc
+            raise AutoloopError(f"--executor ray needs Ray ({exc}): pip install -e '.[ray]'") from exc
         # The project folder: a job sends its commit's tracked files, so modules train.py imports reach the node.
         ray = RayExecutor(address=cfg.ray_address, workers=cfg.workers or None, repo_dir=controller.project_dir)
         executor = Executor("ray", list(ray.slots), ray.close)

@@ -89,7 +89,7 @@ def _import_ray():
         import ray
     except ImportError:
         raise AutoloopError(
-            "the Ray executor needs ray, which is not installed: pip install 'autoloop[ray]' "
+            "the Ray executor needs ray, which is not installed: pip install -e '.[ray]' "
             "(on the controller and on every node of the cluster)"
         ) from None
     return ray

@@ -114,3 +114,18 @@ def test_every_setting_the_readme_calls_a_flag_is_one():
     toml = re.search(r"```toml\n(.*?)```", readme, flags=re.S).group(1)
     for name in re.findall(r"^([a-z][a-z-]*) =", toml, flags=re.M):
         assert name in settings, f"README's [tool.autoloop] example names {name!r}, which is no setting"
+
+
+def test_no_doc_installs_autoloop_from_the_registry():
+    """`autoloop` on the package registry is another project's distribution: ours is
+    autoloop-research, installed from a clone (`pip install -e .`) or a wheelhouse."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib
+
+    assert tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["name"] == "autoloop-research"
+    pattern = re.compile(r"pip install (?:-[\w=.-]+ )*['\"]?autoloop(\[[a-z,]+\])?['\"]?(?![\w-])")
+    sources = [*DOCS, *(ROOT / "autoloop").rglob("*.py"), *(ROOT / "scripts").glob("*"), *(ROOT / "bench").glob("*.py")]
+    found = [f"{p.relative_to(ROOT)}: {m.group()}" for p in sources if p.is_file() for m in pattern.finditer(p.read_text())]
+    assert not found, found

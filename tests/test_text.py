@@ -1,0 +1,104 @@
+"""Text from a trial is data (autoloop.trust.text): known answers for every class of control."""
+
+from __future__ import annotations
+
+import sys
+import unicodedata
+
+import pytest
+
+from autoloop.trust.text import has_controls, strip_controls, strip_controls_in
+
+ESC = "\x1b"
+
+
+@pytest.mark.parametrize("raw, clean", [
+    # OSC 52: a write to the user's clipboard, terminated by BEL or by ST (ESC \).
+    (f"ok{ESC}]52;c;cm0gLXJmIH4K\x07 done", "ok done"),
+    (f"ok{ESC}]52;c;cm0gLXJmIH4K{ESC}\\ done", "ok done"),
+    # OSC 0: the window's title.
+    (f"{ESC}]0;you have been pwned\x07loss 3.2", "loss 3.2"),
+    # CSI 2J (clear the screen), CSI H (cursor home), CSI 8m (hidden text) and its end.
+    (f"step 5{ESC}[2J{ESC}[H", "step 5"),
+    (f"visible {ESC}[8mhidden{ESC}[28m visible", "visible hidden visible"),
+    # Colours leave no "[32m" behind.
+    (f"{ESC}[1;32mOK{ESC}[0m", "OK"),
+    # C1 CSI (0x9B) and C1 OSC (0x9D, ended by C1 ST 0x9C), as code points.
+    ("a\x9b2Jb", "ab"),
+    ("a\x9d0;title\x9cb", "ab"),
+    # DCS, and two-character escapes (reset, save cursor, a character set).
+    (f"a{ESC}Pq#0;2;0;0;0{ESC}\\b", "ab"),
+    (f"a{ESC}cb{ESC}7c{ESC}(Bd", "abcd"),
+    # An unterminated OSC: only its introducer goes, the rest is shown as text.
+    (f"a{ESC}]52;c;payload", "a52;c;payload"),
+    # A lone ESC at the end.
+    (f"end{ESC}", "end"),
+    # \r would overwrite the line; CR LF is one newline.
+    ("loss 3.1\rloss 0.01 (fake)", "loss 3.1\nloss 0.01 (fake)"),
+    ("line one\r\nline two\r\n", "line one\nline two\n"),
+    # Backspaces, NUL, BEL, vertical tab, form feed, DEL, the other C0 and C1 controls.
+    ("val_bpb 3.9\x08\x08\x08 0.1", "val_bpb 3.9 0.1"),
+    ("a\x00b\x07c\x0bd\x0ce\x7ff\x85g\x9fh\x1ci", "abcdefghi"),
+    # Bidi: an override, embeddings and isolates; and the line separators become newlines.
+    ("file\u202eexe.txt", "fileexe.txt"),
+    ("a\u202ab\u202cc\u2066d\u2069e\u200ef\u200fg\u061ch", "abcdefgh"),
+    ("one\u2028two\u2029three", "one\ntwo\nthree"),
+    # Invisible: zero-width space, word joiner, BOM, soft hyphen, and tag characters
+    # (ASCII smuggled to a model: "ignore" in tags).
+    ("a\u200bb\u2060c\ufeffd\u00ade", "abcde"),
+    ("please " + "".join(chr(0xE0000 + ord(c)) for c in "ignore") + "\U000e0001.", "please ."),
+    # A lone surrogate (from a JSON "\ud800") makes encoders fail.
+    ("x\ud800y\udfffz", "xyz"),
+])
+def test_each_class_of_control_is_stripped(raw, clean):
+    assert strip_controls(raw) == clean
+    assert has_controls(raw)
+    assert strip_controls(clean) == clean  # idempotent
+
+
+@pytest.mark.parametrize("text", [
+    "Traceback (most recent call last):\n\tFile \"train.py\", line 3\nRuntimeError: boom\n",
+    "val_bpb: 1.234567\ntraining_seconds: 30.1\n",
+    "naïve café, Ελληνικά, русский, 中文, 日本語, 한국어, עברית, العربية, हिन्दी",
+    "emoji: 👍🏽 👨\u200d👩\u200d👧 ❤\ufe0f, a Persian ZWNJ: می\u200cخواهم",
+    "math: ∑ x² ≤ ∞, arrows → ←, box ┌─┐, quotes “ ” « »",
+    "",
+])
+def test_ordinary_text_newlines_and_tabs_are_kept(text):
+    assert strip_controls(text) == text
+    assert not has_controls(text)
+
+
+def test_every_control_and_format_character_of_this_unicode_is_stripped():
+    """Against unicodedata's own categories (the module's list is Unicode 15's): every Cc
+    but \\t and \\n, every Cf but ZWJ and ZWNJ, every surrogate."""
+    missed = []
+    for code in range(sys.maxunicode + 1):
+        char = chr(code)
+        category = unicodedata.category(char)
+        if category in ("Cc", "Cf", "Cs") and char not in "\t\n\r\u200c\u200d":
+            if strip_controls(f"a{char}\n") != "a\n":  # a newline ends no escape sequence
+                missed.append(f"U+{code:04X} {category}")
+    assert not missed, missed
+
+
+def test_no_printable_character_is_stripped():
+    """Letters, marks, numbers, punctuation, symbols and spaces of every script stay."""
+    kept = "".join(chr(c) for c in range(sys.maxunicode + 1)
+                   if unicodedata.category(chr(c))[0] in "LMNPSZ" and chr(c) not in "\u2028\u2029")
+    assert strip_controls(kept) == kept
+
+
+def test_nested_values_are_stripped_keys_included():
+    value = {"reason\x1b[2J": ["a\x07", {"b": "c\u202e"}], "n": 3, "x": None, "f": 1.5}
+    assert strip_controls_in(value) == {"reason": ["a", {"b": "c"}], "n": 3, "x": None, "f": 1.5}
+
+
+def test_a_long_hostile_text_is_stripped_in_linear_time():
+    import time
+
+    hostile = (ESC + "]" + "a" * 5000 + ESC + "[" + "1;" * 5000) * 20  # unterminated strings, endless parameters
+    started = time.perf_counter()
+    out = strip_controls(hostile)
+    assert time.perf_counter() - started < 1.0
+    assert not has_controls(out)

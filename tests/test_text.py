@@ -102,3 +102,122 @@ def test_a_long_hostile_text_is_stripped_in_linear_time():
     out = strip_controls(hostile)
     assert time.perf_counter() - started < 1.0
     assert not has_controls(out)
+
+
+# ---------------------------------------------------------------------------- where it applies
+
+ATTACK = f"{ESC}]52;c;cm0gLXJmIH4K\x07{ESC}]0;pwned\x07{ESC}[2J{ESC}[8mHIDDEN{ESC}[28m\x9b2Jx\ry\x08\x00\u202eexe"
+SHOWN = "HIDDENx\nyexe"  # what is left of ATTACK: its text, as text
+
+
+def controls(text: str | None) -> list[str]:
+    """The control characters of `text` but newline and tab, by Unicode's own categories
+    (an oracle independent of autoloop.trust.text)."""
+    return [f"U+{ord(c):04X}" for c in text or ""
+            if unicodedata.category(c) in ("Cc", "Cf", "Cs") and c not in "\n\t\u200c\u200d"]
+
+
+def test_the_oracle_sees_every_class():
+    assert controls(ATTACK) and controls("\U000e0041") and controls("\ud800") and not controls(SHOWN + "\t")
+    assert strip_controls(ATTACK) == SHOWN
+
+
+def test_the_store_strips_every_text_but_keeps_code_exact(tmp_path):
+    from autoloop.store import Store
+
+    store = Store(tmp_path / "experiments.db")
+    try:
+        run = store.create_run("t", config={"note": ATTACK})
+        diff = f"+# {ATTACK}\n"
+        trial = store.new_trial(run["id"], "proposal", description=ATTACK, reason=ATTACK, error_tail=ATTACK,
+                                diff=diff, edits={"edits": [{"search": "a", "replace": ATTACK}]},
+                                result={"note": ATTACK, ATTACK: 1})
+        store.add_event(run["id"], "note", ATTACK, trial_id=trial["id"])
+        idea = store.add_idea(ATTACK, patch=diff)
+        store.add_proposal_record(run_id=run["id"], trial_id=trial["id"], proposer="llm", error=ATTACK)
+        row = store.trial_by_id(trial["id"])
+        assert (row["description"], row["reason"], row["error_tail"]) == (SHOWN,) * 3
+        assert row["result"] == {"note": SHOWN, SHOWN: 1}
+        assert store.get_run("t")["config"] == {"note": SHOWN}
+        assert store.events(run["id"])[-1]["message"] == SHOWN
+        assert store.ideas()[0]["text"] == SHOWN
+        # Code applied again (an ablation's reversed diff, a near miss's edits, a seeded
+        # patch) stays the bytes that ran; every printer strips it.
+        assert row["diff"] == diff and store.ideas()[0]["patch"] == diff
+        assert row["edits"] == {"edits": [{"search": "a", "replace": ATTACK}]}
+        assert idea["text"] == SHOWN
+        assert store.query("SELECT error FROM proposals")[0]["error"] == SHOWN
+    finally:
+        store.close()
+
+
+def test_a_childs_log_is_stripped_line_by_line(tmp_path):
+    import subprocess
+
+    from autoloop.measure.runner import LogPipe
+
+    pipe = LogPipe(tmp_path / "train.log")
+    child = subprocess.Popen([sys.executable, "-c", f"import sys; print({ATTACK!r}); print({ATTACK!r}, file=sys.stderr)"],
+                             stdout=pipe.write_fd, stderr=pipe.write_fd, pass_fds=(pipe.write_fd,))
+    pipe.start()
+    child.wait()
+    pipe.close()
+    assert pipe.text() == f"{SHOWN}\n{SHOWN}\n"
+    assert (tmp_path / "train.log").read_text() == f"{SHOWN}\n{SHOWN}\n"
+
+
+@pytest.fixture
+def old_db(tmp_path):
+    """A db and a log written by code that stored a trial's text raw: its rows are
+    rewritten with sqlite3 itself, past the Store's stripping."""
+    import sqlite3
+
+    from autoloop.store import Store
+    from tests.conftest import make_repo
+
+    repo = make_repo(tmp_path / "repo", "print('hi')\n")
+    log = tmp_path / "train.log"
+    log.write_text(f"step 1\n{ATTACK}\nTraceback (most recent call last):\nRuntimeError: {ATTACK}\n")
+    store = Store(repo / "experiments.db")
+    try:
+        run = store.create_run("old", branch="autoloop/old")
+        store.new_trial(run["id"], "baseline", status="keep", metric=3.0)
+        crash = store.new_trial(run["id"], "proposal", status="crash", log_path=str(log))
+        store.new_trial(run["id"], "proposal")  # running: `status` shows its description
+        store.add_event(run["id"], "note", "x", trial_id=crash["id"])
+        store.add_idea("x")
+    finally:
+        store.close()
+    conn = sqlite3.connect(repo / "experiments.db")
+    with conn:
+        conn.execute("UPDATE trials SET description = ?, reason = ?, error_tail = ?, diff = ? WHERE number > 1",
+                     (ATTACK, ATTACK, ATTACK, f"--- a/train.py\n+++ b/train.py\n+# {ATTACK}\n"))
+        conn.execute("UPDATE events SET message = ?", (ATTACK,))
+        conn.execute("UPDATE ideas SET text = ?", (ATTACK,))
+        conn.execute("UPDATE runs SET pause_reason = ?", (ATTACK,))
+    conn.close()
+    return repo
+
+
+@pytest.mark.parametrize("args", [["show", "2"], ["show", "3"], ["show", "2", "--json"], ["log"], ["log", "--json"],
+                                  ["status"], ["status", "--json"], ["ideas"], ["ideas", "--json"], ["best"],
+                                  ["export"]])
+def test_the_cli_prints_an_old_dbs_rows_and_logs_clean(old_db, args):
+    from typer.testing import CliRunner
+
+    from autoloop.cli import app
+
+    result = CliRunner().invoke(app, [*args, "--repo", str(old_db)] + (["--no-remeasure"] if args == ["best"] else []))
+    assert result.exit_code == 0, result.output
+    assert not controls(result.output), (args, controls(result.output))
+    if args[:2] == ["show", "2"] and "--json" not in args:
+        assert "HIDDEN" in result.output and "RuntimeError: HIDDENx" in result.output  # the log's tail, as text
+
+
+def test_diff_piped_is_exact_for_git_apply(old_db):
+    from typer.testing import CliRunner
+
+    from autoloop.cli import app
+
+    out = CliRunner().invoke(app, ["diff", "2", "--repo", str(old_db)]).output
+    assert out == f"--- a/train.py\n+++ b/train.py\n+# {ATTACK}\n"

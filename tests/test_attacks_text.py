@@ -88,12 +88,13 @@ def _db_controls(db: Path) -> dict[str, list[str]]:
 @needs_bwrap
 def test_control_sequences_from_a_trial_reach_no_terminal_db_or_brief(tmp_path, monkeypatch, capsys):
     from autoloop.cli import app
+    from autoloop.cli.display import Display
     from autoloop.loop.controller import Controller
 
     repo = make_repo(tmp_path / "repo", TRAIN_PY.read_text())
     config = _run(repo, monkeypatch, max_steps=6, max_trials=1 + len(ATTACKS))
     _seed(repo, config)
-    Controller(config, repo).run()
+    Controller(config, repo, display=Display()).run()
     console = capsys.readouterr().out
 
     store = Store(repo / "experiments.db")

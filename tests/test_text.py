@@ -210,6 +210,11 @@ def test_the_cli_prints_an_old_dbs_rows_and_logs_clean(old_db, args):
     result = CliRunner().invoke(app, [*args, "--repo", str(old_db)] + (["--no-remeasure"] if args == ["best"] else []))
     assert result.exit_code == 0, result.output
     assert not controls(result.output), (args, controls(result.output))
+    if "--json" in args:  # escaped by JSON, the characters would still reach whoever decodes it
+        import json
+
+        decoded = json.dumps(json.loads(result.output), ensure_ascii=False)
+        assert not controls(decoded), (args, controls(decoded))
     if args[:2] == ["show", "2"] and "--json" not in args:
         assert "HIDDEN" in result.output and "RuntimeError: HIDDENx" in result.output  # the log's tail, as text
 
@@ -221,3 +226,20 @@ def test_diff_piped_is_exact_for_git_apply(old_db):
 
     out = CliRunner().invoke(app, ["diff", "2", "--repo", str(old_db)]).output
     assert out == f"--- a/train.py\n+++ b/train.py\n+# {ATTACK}\n"
+
+
+def test_a_notification_carries_a_trials_text_stripped(tmp_path):
+    import json
+
+    from autoloop.loop.notify import Notifier
+
+    out, env_out = tmp_path / "events.jsonl", tmp_path / "env.txt"
+    notifier = Notifier(f'cat >> {out}; printf "%s\\n" "$AUTOLOOP_MESSAGE" >> {env_out}', timeout=10, tag="t")
+    notifier.trial_finished({"kind": "proposal", "status": "keep", "number": 2, "description": ATTACK,
+                             "metric": 1.0, "delta": -0.1, "decision": {"action": "keep"}})
+    notifier.worker_lost("w", {"number": 3}, ATTACK)
+    assert notifier.close() is None and notifier.sent == 2
+    events = [json.loads(line) for line in out.read_text().splitlines()]
+    assert events[0]["description"] == SHOWN and events[1]["reason"] == SHOWN
+    assert not [controls(e["message"]) for e in events if controls(e["message"])]
+    assert "HIDDENx y" in env_out.read_text() and not controls(env_out.read_text())

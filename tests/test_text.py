@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 import unicodedata
 
@@ -147,6 +148,8 @@ def test_the_store_strips_every_text_but_keeps_code_exact(tmp_path):
         assert row["edits"] == {"edits": [{"search": "a", "replace": ATTACK}]}
         assert idea["text"] == SHOWN
         assert store.query("SELECT error FROM proposals")[0]["error"] == SHOWN
+        # A lone surrogate (a result JSON's "\ud800") made SQLite's encoder raise in the controller.
+        assert store.new_trial(run["id"], "proposal", reason="x\ud800y")["reason"] == "xy"
     finally:
         store.close()
 
@@ -243,3 +246,28 @@ def test_a_notification_carries_a_trials_text_stripped(tmp_path):
     assert events[0]["description"] == SHOWN and events[1]["reason"] == SHOWN
     assert not [controls(e["message"]) for e in events if controls(e["message"])]
     assert "HIDDENx y" in env_out.read_text() and not controls(env_out.read_text())
+
+
+def test_the_console_of_a_run_prints_a_trials_text_stripped():
+    import io
+
+    from rich.console import Console
+
+    from autoloop.cli.display import Display
+
+    out = io.StringIO()
+    display = Display(Console(file=out, force_terminal=True, width=400))
+    display.later(f"header {ATTACK}")
+    display.say(f"trial 2 [proposal] {ATTACK}")
+    display.trial_finished({"number": 2, "status": "crash", "reason": ATTACK})
+    printed = out.getvalue()
+    assert "HIDDENx" in printed
+    # As on a terminal: rich's own styles are ESC [ ... m; nothing else may be there.
+    assert not controls(re.sub(r"\x1b\[[0-9;]*m", "", printed))
+
+
+def test_the_repair_section_sent_to_a_model_is_stripped():
+    from autoloop.proposers.brief import repair_section
+
+    text = repair_section({"number": 4, "description": ATTACK, "reason": ATTACK, "error_tail": ATTACK})
+    assert "HIDDENx" in text and not controls(text)

@@ -59,13 +59,15 @@ _CONTROL = re.compile(
     "\U0001bca0-\U0001bca3\U0001d173-\U0001d17a\U000e0001\U000e0020-\U000e007f"
     "\ud800-\udfff]"
 )
-# Anything either pass would change: a quick test that leaves clean text untouched.
+# Anything either pass would change: a quick test that leaves clean text untouched (ASCII
+# text, a log's usual line, has a shorter one).
 _ANY = re.compile(_CONTROL.pattern[:-1] + "\r\u2028\u2029]")
+_ANY_ASCII = re.compile("[\x00-\x08\x0b-\x1f\x7f]")
 
 
 def strip_controls(text: str) -> str:
     """`text` without control characters but newline and tab (module docstring)."""
-    if not text or not _ANY.search(text):
+    if not text or not (_ANY_ASCII if text.isascii() else _ANY).search(text):
         return text
     text = _SEQUENCE.sub("", text)
     text = _NEWLINES.sub("\n", text)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import sqlite3
 import subprocess
-import unicodedata
 from pathlib import Path
 
 import pytest
@@ -24,6 +23,7 @@ from autoloop.proposers.seeding import seed_idea
 from autoloop.store import Store
 from tests.conftest import make_repo
 from tests.test_attacks import IMPORT_ANCHOR, TRAIN_PY, _brief, _patched, _run, needs_bwrap
+from tests.test_text import controls  # an oracle by Unicode's own categories
 
 # Written as Python escapes in the source, so they are raw only when printed.
 PAYLOAD = (r"\x1b]52;c;cm0gLXJmIH4K\x07\x1b]0;pwned title\x07\x1b[2J\x1b[H\x1b[8mHIDDEN\x1b[28m"
@@ -41,14 +41,6 @@ ATTACKS = {
     "terminal discard": _patched(IMPORT_ANCHOR, IMPORT_ANCHOR + SAY),
 }
 DESCRIPTION = "attack: {name} \x1b]0;title from a model\x07\x1b[2J \u202e(reversed)\x9b8m"
-ZERO_WIDTH_JOINERS = "\u200c\u200d"
-
-
-def controls(text: str | None) -> list[str]:
-    """The control characters of `text` but newline and tab, by Unicode's own categories
-    (an oracle independent of autoloop.trust.text)."""
-    return [f"U+{ord(c):04X}" for c in text or ""
-            if unicodedata.category(c) in ("Cc", "Cf", "Cs") and c not in "\n\t" + ZERO_WIDTH_JOINERS]
 
 
 def _seed(repo: Path, config) -> None:

@@ -61,6 +61,7 @@ from typing import Any
 
 from autoloop.errors import AutoloopError, NotFound
 from autoloop.trust.redact import redact
+from autoloop.trust.text import CODE_COLUMNS, strip_controls, strip_controls_in
 
 
 def _import_sqlite_utils():
@@ -641,7 +642,9 @@ class Store:
     def _encode(self, table: str, fields: dict[str, Any]) -> dict[str, Any]:
         """Validate column names and vocabularies; serialise JSON columns and enums; make
         every value one SQLite takes (`_storable`: a number out of range or not finite is
-        NULL) and redact every text (autoloop.trust.redact: no secret is ever stored)."""
+        NULL), strip every text of control characters but in the code columns
+        (autoloop.trust.text: a trial's text is data) and then redact it
+        (autoloop.trust.redact: no secret is ever stored)."""
         columns = self._columns[table]
         json_columns = JSON_COLUMNS.get(table, frozenset())
         enums = ENUM_COLUMNS.get(table, {})
@@ -656,14 +659,15 @@ class Store:
                     allowed = ", ".join(member.value for member in enums[name])
                     raise ValueError(f"{table}.{name} must be one of {allowed}, not {value!r}") from None
             elif name in json_columns and value is not None:
-                value = redact(json.dumps(_storable(value), allow_nan=False, default=str))
+                value = _storable(value) if (table, name) in CODE_COLUMNS else strip_controls_in(_storable(value))
+                value = redact(json.dumps(value, allow_nan=False, default=str))
             elif isinstance(value, enum.Enum):
                 value = value.value
             elif isinstance(value, Path):
                 value = str(value)
             value = _storable(value)
             if isinstance(value, str) and name not in json_columns:
-                value = redact(value)
+                value = redact(value if (table, name) in CODE_COLUMNS else strip_controls(value))
             encoded[name] = value
         return encoded
 

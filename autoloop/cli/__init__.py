@@ -12,8 +12,9 @@ from typing import Annotated, Optional
 
 import typer
 
-from autoloop.cli.common import config_for, explicit_tag, handles_errors, open_store, pick_run, run_settings
+from autoloop.cli.common import config_for, echo, explicit_tag, handles_errors, open_store, pick_run, run_settings
 from autoloop.errors import AutoloopError
+from autoloop.trust.text import strip_controls_in
 
 app = typer.Typer(
     help="autoloop: an autonomous, verified research loop over train.py. "
@@ -131,11 +132,11 @@ def status(repo: RepoOpt = Path("."), tag: TagOpt = None, db: DbOpt = None,
     store = open_store(repo, db)
     info = run_status(store, pick_run(store, tag), repo)
     if as_json:
-        typer.echo(json.dumps(info, indent=1, default=str))
+        echo(json.dumps(strip_controls_in(info), indent=1, default=str))
         return
     from autoloop.review.text import format_status
 
-    typer.echo(format_status(info))
+    echo(format_status(info))
 
 
 @app.command()
@@ -210,10 +211,10 @@ def seed(
 
     config = config_for(repo, db=db)
     idea = seed_idea(config, repo, description, sets=set_ or [], patch=patch, priority=priority, tag=explicit_tag(tag))
-    typer.echo(f"seeded idea {idea['id']}: {description}")
+    echo(f"seeded idea {idea['id']}: {description}")
     waiting = text_only_wait(config, repo, idea)
     if waiting:
-        typer.echo(waiting)
+        echo(waiting)
 
 
 @app.command()
@@ -229,7 +230,7 @@ def ideas(repo: RepoOpt = Path("."), db: DbOpt = None,
     waiting = waiting_reason(config_for(repo, db=db), store.runs())
     for idea in rows:  # why a pending idea is not taken, where it is known
         idea["waiting"] = waiting if idea["status"] == "pending" and not (idea.get("sets") or idea.get("patch")) else None
-    typer.echo(json.dumps(rows, indent=1, default=str) if as_json else format_ideas(store, rows))
+    echo(json.dumps(strip_controls_in(rows), indent=1, default=str) if as_json else format_ideas(store, rows))
 
 
 def _register_commands() -> None:

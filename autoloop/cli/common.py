@@ -16,6 +16,15 @@ import typer
 from autoloop.errors import AutoloopError, NotFound
 
 
+def echo(text: str, **kwargs) -> None:
+    """typer.echo for text that may quote a trial or a model (a reason, a log's tail, a
+    description): without control characters but newline and tab (autoloop.trust.text),
+    so that a row or a log written before they were stripped on the way in prints clean."""
+    from autoloop.trust.text import strip_controls
+
+    typer.echo(strip_controls(text), **kwargs)
+
+
 def handles_errors(command):
     """Turn a user-fixable error into one line on stderr and exit status 1."""
 
@@ -24,7 +33,7 @@ def handles_errors(command):
         try:
             return command(*args, **kwargs)
         except AutoloopError as exc:
-            typer.echo(f"error: {exc}", err=True)
+            echo(f"error: {exc}", err=True)
             raise typer.Exit(1) from None
 
     return wrapper

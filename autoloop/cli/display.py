@@ -37,11 +37,12 @@ class Display:
 
     def say(self, message: str, style: str | None = None) -> None:
         from autoloop.trust.redact import redact
+        from autoloop.trust.text import strip_controls
 
         pending, self._later = self._later, []
         for text, text_style in pending:
-            self.console.print(redact(text), style=text_style, markup=False, highlight=False)
-        self.console.print(redact(message), style=style, markup=False, highlight=False)
+            self.console.print(redact(strip_controls(text)), style=text_style, markup=False, highlight=False)
+        self.console.print(redact(strip_controls(message)), style=style, markup=False, highlight=False)
 
     def trial_started(self, trial: dict, best: float | None, config, *, seed: int | None = None,
                       role: str | None = None, owner: dict | None = None) -> None:

@@ -11,12 +11,13 @@ takes the run's lock like `autoloop run`. What they share with `autoloop.cli` li
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
-from autoloop.cli.common import open_store, pick_run
+from autoloop.cli.common import echo, open_store, pick_run
 
 RepoOpt = Annotated[Path, typer.Option("--repo", help="The git repository that holds train.py; the current folder by default.")]
 DbOpt = Annotated[Optional[str], typer.Option("--db", help="The trial database, relative to the repository; experiments.db by default.")]
@@ -59,7 +60,9 @@ class _Session:
 
 
 def _dump(value) -> str:
-    return json.dumps(value, indent=1, default=str)
+    from autoloop.trust.text import strip_controls_in
+
+    return json.dumps(strip_controls_in(value), indent=1, default=str)
 
 
 def log(
@@ -78,12 +81,12 @@ def log(
 
     with _Session(repo, db, tag) as s:
         if as_json:
-            typer.echo(_dump(log_rows(s.store, s.run, last=last, status=status_, kind=kind, extra=True)))
+            echo(_dump(log_rows(s.store, s.run, last=last, status=status_, kind=kind, extra=True)))
             return
         limit = last if last is not None else (None if all_ else DEFAULT_LOG_LAST)
         rows = log_rows(s.store, s.run, last=limit, status=status_, kind=kind)
         total = count_trials(s.store, s.run) if not (status_ or kind) else None
-        typer.echo(format_log(s.run, rows, total=total))
+        echo(format_log(s.run, rows, total=total))
 
 
 def show(
@@ -101,7 +104,7 @@ def show(
 
     with _Session(repo, db, tag) as s:
         detail = trial_detail(s.store, s.run, number, repo, log_lines=max(lines, 0))
-        typer.echo(_dump(detail) if as_json else format_trial(detail, with_diff=not no_diff))
+        echo(_dump(detail) if as_json else format_trial(detail, with_diff=not no_diff))
 
 
 def diff(number: NumberArg, repo: RepoOpt = Path("."), tag: TagOpt = None, db: DbOpt = None):
@@ -111,9 +114,14 @@ def diff(number: NumberArg, repo: RepoOpt = Path("."), tag: TagOpt = None, db: D
     with _Session(repo, db, tag) as s:
         text, note = trial_diff(s.store, s.run, number, repo)
     if note:
-        typer.echo(note, err=True)
+        echo(note, err=True)
         return
-    typer.echo(text, nl=not text.endswith("\n"))
+    # On a terminal, stripped like every other output; piped, exact for `git apply` (click
+    # would drop its CSI sequences unless told the output takes colour).
+    if sys.stdout.isatty():
+        echo(text, nl=not text.endswith("\n"))
+    else:
+        typer.echo(text, nl=not text.endswith("\n"), color=True)
 
 
 def best(repo: RepoOpt = Path("."), tag: TagOpt = None, db: DbOpt = None, as_json: JsonOpt = False,
@@ -126,8 +134,8 @@ def best(repo: RepoOpt = Path("."), tag: TagOpt = None, db: DbOpt = None, as_jso
     with _Session(repo, db, tag) as s:
         info = best_summary(s.store, s.run)
     if note:
-        typer.echo(note, err=True)
-    typer.echo(_dump(info) if as_json else format_best(info))
+        echo(note, err=True)
+    echo(_dump(info) if as_json else format_best(info))
 
 
 def finalize(
@@ -148,29 +156,29 @@ def finalize(
 
     note = _headline(repo, db, tag, remeasure)
     if note:
-        typer.echo(note, err=True)
+        echo(note, err=True)
     with _Session(repo, db, tag) as s:
         result = make_branch(s.store, s.run, repo, branch=branch, per_trial=per_trial, force=force, checkout=checkout,
                              drop_null=drop_null, confirmed_only=confirmed_only)
     if as_json:
-        typer.echo(_dump(result.to_dict()))
+        echo(_dump(result.to_dict()))
         return
     kind = f"{len(result.commits)} commits" if per_trial else "one commit"
     kept = _trials_words(result.trials, "kept trial")
     why = "adopted, never confirmed" if confirmed_only else "no benefit in the ablation"
     if result.dropped:
-        typer.echo(f"branch {result.branch} at {result.commit[:12]}: {kind} on base {result.base_commit[:12]} with "
+        echo(f"branch {result.branch} at {result.commit[:12]}: {kind} on base {result.base_commit[:12]} with "
                    f"{kept}, leaving out {_trials_words(result.dropped, 'trial')} ({why}); its tree "
                    f"is the best commit's ({result.best_commit[:12]}, trial {result.best_trial}) without "
                    f"{'it' if len(result.dropped) == 1 else 'them'}")
     else:
-        typer.echo(f"branch {result.branch} at {result.commit[:12]}: {kind} on base {result.base_commit[:12]} with "
+        echo(f"branch {result.branch} at {result.commit[:12]}: {kind} on base {result.base_commit[:12]} with "
                    f"{kept}; its tree is the best commit's ({result.best_commit[:12]}, trial {result.best_trial})")
-    typer.echo(f"checkpoint: {result.checkpoint}" if result.checkpoint else f"checkpoint: none ({result.checkpoint_note})")
+    echo(f"checkpoint: {result.checkpoint}" if result.checkpoint else f"checkpoint: none ({result.checkpoint_note})")
     if result.checked_out:
-        typer.echo(f"checked out {result.branch}")
+        echo(f"checked out {result.branch}")
     else:
-        typer.echo(f"the worktree is unchanged: `git checkout {result.branch}` or `git push origin {result.branch}`")
+        echo(f"the worktree is unchanged: `git checkout {result.branch}` or `git push origin {result.branch}`")
 
 
 def _trials_words(numbers: list[int], noun: str) -> str:
@@ -196,7 +204,7 @@ def ablate(
         run = s.run
     display = None if as_json else Display()
     result = ablate_run(repo, run, db=db, seeds=seeds, display=display, say=display.say if display else None)
-    typer.echo(_dump(result.to_dict()) if as_json else format_ablation(result))
+    echo(_dump(result.to_dict()) if as_json else format_ablation(result))
 
 
 def report(
@@ -211,11 +219,11 @@ def report(
 
     note = _headline(repo, db, tag, remeasure)
     if note:
-        typer.echo(note, err=True)
+        echo(note, err=True)
     with _Session(repo, db, tag) as s:
         result = build_report(s.store, s.run, out if out is not None else default_out_dir(repo, s.run["tag"]))
     head = result.data["headline"]
-    typer.echo(f"wrote {result.html_path} ({head['trials']} trials, {head['kept']} kept; one self-contained file)")
+    echo(f"wrote {result.html_path} ({head['trials']} trials, {head['kept']} kept; one self-contained file)")
 
 
 def export(
@@ -233,9 +241,9 @@ def export(
         text = write_export(s.store, s.run, format_, out, left_out)
     if left_out:
         trials = ", ".join(map(str, left_out))
-        typer.echo(f"note: trial {trials} (baseline attempts that failed before the measured baseline) left out: "
+        echo(f"note: trial {trials} (baseline attempts that failed before the measured baseline) left out: "
                    "autoresearch's notebook reads the first row as the baseline; --format csv has every trial", err=True)
     if out is None:
-        typer.echo(text, nl=False)
+        echo(text, nl=False)
     else:
-        typer.echo(f"wrote {out}", err=True)
+        echo(f"wrote {out}", err=True)

@@ -93,7 +93,11 @@ class Notifier:
         """Queue one event; never blocks, never raises."""
         if self.command is None or self._closed:
             return
-        payload = {"event": event, "run": self.tag, "message": _one_line(message, 500), "time": utcnow(), **fields}
+        from autoloop.trust.text import strip_controls_in
+
+        # A trial's text reaches the user's command and, through it, their terminal or chat.
+        payload = strip_controls_in({"event": event, "run": self.tag, "message": _one_line(message, 500),
+                                     "time": utcnow(), **fields})
         payload["text"] = payload["message"]
         try:
             self._start()

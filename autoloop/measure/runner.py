@@ -2,8 +2,9 @@
 
 The training command runs in its own session and process group (`start_new_session=True`,
 so pgid == pid), stdin from /dev/null, stdout and stderr into a pipe that a thread of ours
-drains into the log file (`LogPipe`: every line redacted, autoloop.trust.redact; the log
-is never read back, the outcome rules read what the pipe brought). Unsandboxed, the
+drains into the log file (`LogPipe`: every line stripped of control characters and
+redacted, autoloop.trust.text and autoloop.trust.redact; the log is never read back, the
+outcome rules read what the pipe brought). Unsandboxed, the
 command starts behind a two-line shim that makes the kernel kill it when its parent dies
 (PR_SET_PDEATHSIG), so no training outlives a dead worker or controller.
 Everything the training started - dataloader workers, compile workers, a stray shell - is
@@ -398,16 +399,18 @@ def open_log(path: Path) -> int:
 
 class LogPipe:
     """A child's stdout and stderr: a pipe whose reading end a thread of ours drains into
-    the log file, line by line, every line redacted (autoloop.trust.redact) and every line
-    capped; the last MAX_LOG_MEMORY_BYTES stay in memory for the outcome rules, so the log
-    is written but never read back (a trial cannot swap the file we would read)."""
+    the log file, line by line, every line stripped of control characters
+    (autoloop.trust.text), redacted (autoloop.trust.redact) and capped; the last
+    MAX_LOG_MEMORY_BYTES stay in memory for the outcome rules, so the log is written but
+    never read back (a trial cannot swap the file we would read)."""
 
     def __init__(self, path: Path, *, prefix: str = ""):
         from autoloop.trust.redact import redact
+        from autoloop.trust.text import strip_controls
 
         self.path = Path(path)
         self.prefix = prefix.encode()
-        self._redact = redact
+        self._clean = lambda text: redact(strip_controls(text))
         self._fd = open_log(self.path)
         self.read_fd, self.write_fd = os.pipe()
         os.set_inheritable(self.write_fd, True)
@@ -416,11 +419,11 @@ class LogPipe:
         self._thread: threading.Thread | None = None
 
     def write(self, line: str) -> None:
-        """A line of our own (header, footer), redacted like the child's."""
+        """A line of our own (header, footer), cleaned like the child's."""
         self._emit(line.encode() + b"\n", ours=True)
 
     def _emit(self, data: bytes, ours: bool = False) -> None:
-        clean = self._redact(data.decode("utf-8", "replace")).encode()
+        clean = self._clean(data.decode("utf-8", "replace")).encode()
         if not ours:
             clean = self.prefix + clean
         os.write(self._fd, clean)

@@ -489,22 +489,24 @@ def render_context(ctx, *, idea: dict | None = None, read_file=None, files_headi
     text = "\n\n".join(sections) + "\n\n" + idea_section(idea) + extra
     heading = files_heading or "The editable files at the current best commit (your edits apply to these)"
     from autoloop.trust.redact import redact
+    from autoloop.trust.text import strip_controls
 
-    return redact(text + files_section(ctx, read_file, heading) + "\n")
+    return redact(strip_controls(text + files_section(ctx, read_file, heading) + "\n"))
 
 
 def repair_section(trial: dict) -> str:
     """The crashed trial, its traceback and what is asked: fix it, keep the idea."""
     from autoloop.trust.redact import redact
+    from autoloop.trust.text import strip_controls
 
-    return redact(
+    return redact(strip_controls(
         f"# Repair: trial {trial['number']} crashed\n"
         f"Trial {trial['number']} (\"{_cut(trial.get('description'), 200)}\") crashed: {_cut(trial.get('reason'), 300)}\n"
         "The end of its log:\n"
         f"```\n{(trial.get('error_tail') or '').rstrip()}\n```\n"
         "Fix the cause of the crash while keeping the idea of the change. The files below are "
         "the crashed version (the change included): edit those.\n\n"
-    )
+    ))
 
 
 def is_repairable(trial: dict) -> bool:

@@ -177,7 +177,7 @@ def project_files(project: Path | str, *, limit: int = 20_000) -> list[Path]:
     (a Ray node's copy of the job's files) is given whole: it holds only those files.
     Over `limit` tracked files, each of the project's top-level entries that holds no
     untracked file is given whole and the rest file by file, up to the limit."""
-    from autoloop.trust.redact import is_secret_file
+    from autoloop.trust.secret_names import is_secret_file
 
     root = _resolve(project)
 

@@ -33,6 +33,8 @@ import threading
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
+from autoloop.trust.secret_names import SECRET_FILE_PATTERNS, is_secret_file  # noqa: F401 (also ours to export)
+
 REDACTED = "[redacted]"
 SECRET_MIN_CHARS = 8
 SECRET_NAME_MIN_CHARS = 4
@@ -65,10 +67,6 @@ KEY_PATTERNS = (
     r"(?i:bearer)\s+[A-Za-z0-9._\-~+/]{20,}=*",
     r"-----BEGIN [A-Z ]*PRIVATE KEY-----[\s\S]*?(?:-----END [A-Z ]*PRIVATE KEY-----|\Z)",
 )
-# Files of a project that hold secrets by convention; the sandbox hides them from trials too.
-SECRET_FILE_PATTERNS = (".env", ".env.*", "*.env", ".envrc", ".netrc", ".npmrc", ".pypirc", ".git-credentials",
-                        "*.pem", "*.key", "id_rsa*", "id_ecdsa*", "id_ed25519*", "credentials", "credentials.*",
-                        "secrets.*", ".secrets")
 DOTENV_FILES = (".env", ".env.local", ".envrc", ".secrets")
 _DOTENV_LINE = re.compile(r"^\s*(?:export\s+)?([A-Za-z_][A-Za-z0-9_.\-]*)\s*[=:]\s*(.*?)\s*$")
 
@@ -194,13 +192,6 @@ def register_project(folder: Path | str) -> None:
     with _default_lock:
         _projects.add(folder)
     redactor.add(dotenv_secrets(folder))
-
-
-def is_secret_file(path: Path | str) -> bool:
-    """Whether the file's name is one that holds secrets by convention (SECRET_FILE_PATTERNS)."""
-    import fnmatch
-
-    return any(fnmatch.fnmatch(Path(path).name, pattern) for pattern in SECRET_FILE_PATTERNS)
 
 
 def register_files(paths: Iterable[Path | str]) -> None:

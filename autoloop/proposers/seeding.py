@@ -87,7 +87,7 @@ def check_value(constant: Constant, text: str, known: dict[str, Constant], path:
     try:
         parse_value(text)
     except AutoloopError as exc:  # no Python expression at all
-        raise AutoloopError(f"--set {name}={text}: {exc}") from None
+        raise AutoloopError(f"--set {name}={text[:80]}: {exc}") from None
     node = parse_expression(text)  # parse_value has parsed it: no Unreadable here
     names = sorted({n.id for n in ast.walk(node) if isinstance(n, ast.Name)} - set(known))
     if names:

@@ -1,0 +1,122 @@
+"""Issue 31, item 5: the controller evaluated a trial's arithmetic.
+
+A constant `8 + 0*(3**3**15)` in a block the trial itself skips costs the trial nothing,
+but autoloop read it with `eval`: the out-of-memory repair after a faked OOM line froze
+the controller 3 to 15 s per constant per read (9**9**9: hours), and the search,
+`seed --set` and `search-plan` read constants the same way. Each attack here must leave
+the controller prompt, the constant unread with its cap named, and nothing kept.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from autoloop.cli import app
+from autoloop.config import resolve
+from autoloop.loop.controller import Controller
+from autoloop.proposers.search_space import build_space, explain_space
+from autoloop.pyconst import current_device
+from autoloop.store import Store
+from tests.conftest import make_repo
+from tests.test_attacks import _patched, _run, _seed_attacks, _trials, needs_bwrap
+
+TRAIN_PY = Path(__file__).resolve().parents[1] / "train.py"
+BOMB = "3**3**15"  # 22.7 million bits: 3 to 15 s of CPU per evaluation; 9**9**9 takes hours
+CONSTANTS_ANCHOR = 'COMPILE = DEVICE_TYPE == "cuda"'
+MAIN_ANCHOR = "    spec = H.RunSpec.from_env()\n"
+
+# A block on the controller's own device that the trial never runs: the trial changes
+# DEVICE_TYPE around it, which the reader (reasonably) does not follow.
+SKIPPED_BOMBS = (
+    "_DEVICE = DEVICE_TYPE\n"
+    "DEVICE_TYPE = 'none'\n"
+    f"if DEVICE_TYPE == {current_device()!r}:\n"
+    f"    DEVICE_BATCH_SIZE = 8 + 0*({BOMB})\n"
+    f"    EVAL_BATCH_SIZE = 16 + 0*({BOMB})\n"
+    f"    MATRIX_LR = 0.04 + 0*({BOMB})  # range 0.001..0.5 log\n"
+    "DEVICE_TYPE = _DEVICE\n"
+)
+FAKE_OOM = (
+    "    print('torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 GiB', file=sys.stderr, flush=True)\n"
+    "    raise SystemExit(1)\n"
+)
+BOMBED = _patched(CONSTANTS_ANCHOR, SKIPPED_BOMBS + CONSTANTS_ANCHOR)
+OOM_BOMB = _patched(MAIN_ANCHOR, MAIN_ANCHOR + FAKE_OOM, BOMBED)
+
+
+def _seconds(later: str, earlier: str) -> float:
+    return (datetime.fromisoformat(later) - datetime.fromisoformat(earlier)).total_seconds()
+
+
+@pytest.mark.slow
+@needs_bwrap
+def test_a_faked_oom_does_not_make_the_controller_evaluate_a_skipped_constant(tmp_path, monkeypatch):
+    repo = make_repo(tmp_path / "repo", TRAIN_PY.read_text())
+    config = _run(repo, monkeypatch, max_steps=4, max_trials=3)
+    _seed_attacks(repo, config, ["oom bomb"], {"oom bomb": OOM_BOMB})
+    started = time.monotonic()
+    Controller(config, repo).run()
+    loop_seconds = time.monotonic() - started
+    trials = _trials(repo)
+    assert trials["baseline"]["status"] == "keep", trials["baseline"]["reason"]
+    attack = trials["oom bomb"]
+    assert attack["status"] == "crash", attack["reason"]
+    assert [name for name, t in trials.items() if t["status"] == "keep"] == ["baseline"]
+    assert not any(t.get("derived_from") == attack["id"] for t in trials.values()), "repaired with an unread batch"
+    store = Store(repo / "experiments.db")
+    try:
+        events = [e for e in store.events(store.get_run("a")["id"], kind="oom") if e["trial_id"] == attack["id"]]
+    finally:
+        store.close()
+    assert len(events) == 1, events
+    assert "not repaired" in events[0]["message"] and "3**14348907" in events[0]["message"], events[0]["message"]
+    # The controller read the constants between the crash and this event: on main 3 reads of
+    # 3 bombs (9 evaluations, 27 s on a 2-core box); bounded, milliseconds.
+    read = _seconds(events[0]["created_at"], attack["finished_at"])
+    print(f"from the faked OOM to the controller's verdict: {read:.2f} s; the whole loop {loop_seconds:.0f} s")
+    assert read < 2.0, read
+
+
+def test_the_search_reads_a_bombed_source_at_once():
+    """The search's space and its hints (the comment `range 1..3**3**15`) come from a trial's
+    train.py once it is kept: bounded, and the bombs named as not searched."""
+    hinted = BOMBED.replace("  # range 0.001..0.5 log\n", f"  # range 0.001..{BOMB} log\n", 1)
+    started = time.process_time()
+    params = build_space(hinted, step_mode=True, strict=False)
+    params, skipped = explain_space(hinted, step_mode=True)
+    seconds = time.process_time() - started
+    assert seconds < 1.0, seconds
+    names = {p.name for p in params}
+    assert not names & {"DEVICE_BATCH_SIZE", "EVAL_BATCH_SIZE", "MATRIX_LR"}
+    why = dict(skipped)
+    assert "not evaluated" in why["DEVICE_BATCH_SIZE"] and "4,096 bits" in why["DEVICE_BATCH_SIZE"], why
+    assert "MODEL_DIM" in names  # the honest constants are still searched
+
+
+def test_search_plan_and_seed_on_a_bombed_source_answer_at_once(tmp_path):
+    repo = make_repo(tmp_path / "repo", BOMBED)
+    runner = CliRunner()
+    started = time.process_time()
+    plan = runner.invoke(app, ["search-plan", "--repo", str(repo), "--max-steps", "4"])
+    seconds = time.process_time() - started
+    assert plan.exit_code == 0, plan.output
+    assert "DEVICE_BATCH_SIZE: not evaluated: a power 3**14348907" in plan.output, plan.output
+    assert seconds < 2.0, seconds
+    # seed --set reads the file's constants (to check the value fits) and the value itself.
+    for value, words in ((f"4 + 0*({BOMB})", "4,096 bits"), ("9**9**9", "4,096 bits"), ("'a'*10**9", "characters"),
+                         ("-" * 100_000 + "1", "characters")):
+        started = time.process_time()
+        seeded = runner.invoke(app, ["seed", "bomb", "--set", f"DEPTH={value}", "--repo", str(repo)])
+        seconds = time.process_time() - started
+        assert seeded.exit_code != 0 and not isinstance(seeded.exception, Exception), seeded.output  # no traceback
+        assert "not a" in seeded.output and words in seeded.output, (value[:20], seeded.output)
+        assert len(seeded.output.strip().splitlines()) == 1, seeded.output
+        assert seconds < 2.0, (value[:20], seconds)
+    # A value that fits still seeds, against a file whose other constants are bombs.
+    fine = runner.invoke(app, ["seed", "deeper", "--set", "DEPTH=2**2", "--repo", str(repo)])
+    assert fine.exit_code == 0, fine.output

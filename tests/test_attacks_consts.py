@@ -120,3 +120,17 @@ def test_search_plan_and_seed_on_a_bombed_source_answer_at_once(tmp_path):
     # A value that fits still seeds, against a file whose other constants are bombs.
     fine = runner.invoke(app, ["seed", "deeper", "--set", "DEPTH=2**2", "--repo", str(repo)])
     assert fine.exit_code == 0, fine.output
+
+
+def test_the_llm_brief_reads_a_trial_diff_at_once():
+    """Every LLM brief summarises the trials' diffs by the constants they assign; a diff line
+    with a long run of spaces made that regex backtrack quadratically (20,000 spaces: 5 s)."""
+    from autoloop.proposers.brief import diff_themes
+
+    diff = ("diff --git a/train.py b/train.py\n--- a/train.py\n+++ b/train.py\n@@ -1,3 +1,3 @@\n"
+            "-LR = 0.02  # lr\n+LR = 0.01  # lr\n+NAME: str = \"a#b\"\n"
+            f"+PAD = 1{' ' * 100_000}2\n")
+    started = time.process_time()
+    themes = diff_themes(diff)
+    assert time.process_time() - started < 0.5
+    assert themes == {"LR": "0.01", "NAME": '"a', "PAD": "1" + " " * 100_000 + "2"}

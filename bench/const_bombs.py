@@ -40,14 +40,17 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=60.0, help="Seconds before a read is killed.")
     args = parser.parse_args()
     env = {**os.environ, "PYTHONPATH": str(args.root.resolve()), "AUTOLOOP_DEVICE_TYPE": "cpu"}
-    print(f"autoloop at {args.root.resolve()}")
+    import_check = subprocess.run([sys.executable, "-c", "import autoloop; print(autoloop.__file__)"], env=env,
+                                  cwd=args.root, capture_output=True, text=True)
+    print(f"autoloop from {import_check.stdout.strip()}")
     for reader, body in READERS.items():
         for bomb in BOMBS:
             code = PROBE.format(body="\n".join("    " + line for line in body.format(bomb=bomb).splitlines()))
             started = time.monotonic()
             try:
-                done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                                      timeout=args.timeout)
+                # From the checkout itself: `python -c` puts the working folder first on the path.
+                done = subprocess.run([sys.executable, "-c", code], env=env, cwd=args.root, capture_output=True,
+                                      text=True, timeout=args.timeout)
                 line = (done.stdout.strip() or done.stderr.strip().splitlines()[-1])
             except subprocess.TimeoutExpired:
                 line = f"killed after {args.timeout:g} s"

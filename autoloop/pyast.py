@@ -25,8 +25,3 @@ def parse(source, mode: str = "exec") -> ast.AST:
         except (RecursionError, MemoryError) as exc:
             raise SyntaxError(f"too deeply nested to parse ({type(exc).__name__})") from None
 
-
-def compile_tree(tree: ast.AST, filename: str, mode: str):
-    """compile() of an AST object (the same converter, the other way)."""
-    with _LOCK:
-        return compile(tree, filename, mode)

@@ -87,6 +87,14 @@ def parse_expression(text: str) -> ast.expr:
         raise Unreadable(f"it is not a Python expression ({exc})") from None
 
 
+def literal(node: ast.expr):
+    """`evaluate`, or None for an expression it does not evaluate."""
+    try:
+        return evaluate(node)
+    except Unreadable:
+        return None
+
+
 def _check_shape(root: ast.AST) -> None:
     """Count the nodes and measure the depth without recursion, stopping at the caps."""
     stack, count = [(root, 1)], 0

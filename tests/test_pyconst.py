@@ -12,7 +12,7 @@ import pytest
 from autoloop.errors import AutoloopError
 from autoloop.proposers.search_space import parse_hints
 from autoloop.pyconst import (MAX_DEPTH, MAX_INT_BITS, MAX_NODES, MAX_SIZE, Expression, OverCap, Unreadable,
-                              evaluate, evaluate_text, parse_value, read_constants)
+                              evaluate, evaluate_text, literal, parse_value, read_constants)
 
 TRAIN_PY = Path(__file__).resolve().parents[1] / "train.py"
 CPU_SECONDS = 0.5  # per expression: generous on a busy 2-core machine; the bombs took 3 s to hours
@@ -142,6 +142,7 @@ def test_arithmetic_of_literals_matches_python(text):
 def test_anything_else_is_unreadable_not_an_error(text):
     with pytest.raises(Unreadable):
         evaluate_text(text)
+    assert literal(ast.parse(text, mode="eval").body) is None
 
 
 def test_a_set_value_is_a_literal_or_the_text_as_typed():

@@ -24,4 +24,3 @@ def parse(source, mode: str = "exec") -> ast.AST:
             return ast.parse(source, mode=mode)
         except (RecursionError, MemoryError) as exc:
             raise SyntaxError(f"too deeply nested to parse ({type(exc).__name__})") from None
-

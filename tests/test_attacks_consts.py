@@ -134,3 +134,16 @@ def test_the_llm_brief_reads_a_trial_diff_at_once():
     themes = diff_themes(diff)
     assert time.process_time() - started < 0.5
     assert themes == {"LR": "0.01", "NAME": '"a', "PAD": "1" + " " * 100_000 + "2"}
+
+
+def test_a_reported_summary_block_is_read_at_once():
+    """A script without the harness's result JSON is judged on its printed `---` block: a
+    value line with a long run of spaces backtracked quadratically, and 5,000 digits made
+    int() raise (CPython refuses 4,300) inside the controller."""
+    from autoloop.measure.runner import parse_summary_block
+
+    started = time.process_time()
+    block = parse_summary_block(f"---\nval_bpb: 1{' ' * 100_000}x\ntraining_seconds: {'1' * 5000}\nnum_steps:  12  \n")
+    assert time.process_time() - started < 0.5
+    assert block["val_bpb"] == "1" + " " * 100_000 + "x" and block["num_steps"] == 12
+    assert block["training_seconds"] == float("inf")

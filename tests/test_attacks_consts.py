@@ -147,3 +147,31 @@ def test_a_reported_summary_block_is_read_at_once():
     assert time.process_time() - started < 0.5
     assert block["val_bpb"] == "1" + " " * 100_000 + "x" and block["num_steps"] == 12
     assert block["training_seconds"] == float("inf")
+
+
+def test_the_oom_repair_names_the_cap_on_the_fake_script(tmp_path):
+    """The same attack on the fake training script, fast: the incumbent holds the skipped
+    bombs (so seeding `--set LR=0.5` and applying it read them too), the proposal fakes an
+    out-of-memory error, and the repair refuses with the cap named, at once."""
+    from tests.conftest import FAKE_TRAIN
+    from tests.test_decision_loop import rows, run_loop, seed
+
+    bombs = SKIPPED_BOMBS.replace("_DEVICE = DEVICE_TYPE\n", "_DEVICE = DEVICE_TYPE = 'cpu'\n")
+    source = FAKE_TRAIN.read_text().replace('MODE = "ok"', bombs + 'MODE = "ok"', 1).replace(
+        '    if MODE == "crash":',
+        '    if LR > 0.1:\n        raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")\n'
+        '    if MODE == "crash":', 1)
+    repo = make_repo(tmp_path / "repo", source)
+    started = time.monotonic()
+    seed(repo, "huge lr", "LR=0.5")
+    assert time.monotonic() - started < 5.0
+    run_loop(repo, max_trials=3, decision_rule="strict", baseline_seeds=1)
+    run, trials, _ = rows(repo)
+    assert [(t["kind"], t["status"]) for t in trials] == [("baseline", "keep"), ("proposal", "crash")], trials
+    assert "not repaired" in trials[1]["reason"] and "not evaluated: a power 3**14348907" in trials[1]["reason"]
+    store = Store(repo / "experiments.db")
+    try:
+        event = next(e for e in store.events(run["id"], kind="oom") if e["trial_id"] == trials[1]["id"])
+    finally:
+        store.close()
+    assert _seconds(event["created_at"], trials[1]["finished_at"]) < 2.0

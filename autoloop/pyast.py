@@ -16,11 +16,11 @@ _LOCK = threading.Lock()
 
 
 def parse(source, mode: str = "exec") -> ast.AST:
+    """ast.parse; a source nested too deep for CPython's parser (`1+1+...` 10,000 times,
+    `-` 100,000 times) raises SyntaxError like any other source that does not parse,
+    not RecursionError or MemoryError, which callers reading a trial's file do not expect."""
     with _LOCK:
-        return ast.parse(source, mode=mode)
-
-
-def compile_tree(tree: ast.AST, filename: str, mode: str):
-    """compile() of an AST object (the same converter, the other way)."""
-    with _LOCK:
-        return compile(tree, filename, mode)
+        try:
+            return ast.parse(source, mode=mode)
+        except (RecursionError, MemoryError) as exc:
+            raise SyntaxError(f"too deeply nested to parse ({type(exc).__name__})") from None

@@ -214,7 +214,8 @@ class Scheduler:
             except (AutoloopError, SyntaxError):
                 value, source = None, ""
             if value is None or not isinstance(value.value, int) or isinstance(value.value, bool):
-                why = f"{script} has no integer {name} to halve"
+                why = f"{script} has no integer {name} to halve" + (
+                    f" (its value is not evaluated: {value.unreadable})" if value is not None and value.unreadable else "")
             elif value.value < 2:
                 why = f"{name} is already {value.value}"
         if why is not None:

@@ -776,9 +776,10 @@ def parse_summary_block(text: str) -> dict[str, Any] | None:
         return None
     block: dict[str, Any] = {}
     for line in lines[starts[-1] + 1 :]:
-        match = re.match(r"^\s*([A-Za-z_][A-Za-z0-9_.]*)\s*:\s*(.*?)\s*$", line)
+        # Linear in the line (a lazy value before `\s*$` backtracked quadratically on a run of spaces).
+        match = re.match(r"^\s*([A-Za-z_][A-Za-z0-9_.]*)\s*:(.*)$", line)
         if match:
-            block[match.group(1)] = _parse_scalar(match.group(2))
+            block[match.group(1)] = _parse_scalar(match.group(2).strip())
     for key, (ours, scale) in REPORTED_KEY_MAP.items():
         if key in block:
             value = block.pop(key)
@@ -789,7 +790,7 @@ def parse_summary_block(text: str) -> dict[str, Any] | None:
 
 
 def _parse_scalar(raw: str) -> Any:
-    if re.fullmatch(r"[+-]?\d+", raw):
+    if re.fullmatch(r"[+-]?\d+", raw) and len(raw) <= 19:  # longer: a float (int() refuses past 4,300 digits)
         return int(raw)
     try:
         return float(raw)

@@ -69,7 +69,7 @@ from autoloop.decide.effects import sensitivity, trial_effect
 from autoloop.errors import AutoloopError
 from autoloop.proposers.proposal import Edit, Proposal, matches
 from autoloop.proposers.search_space import GROUP_LABELS, MAX_LEVEL, Param, build_space
-from autoloop.pyconst import Expression, format_value, set_constants
+from autoloop.pyconst import Expression, evaluate_text, format_value, set_constants
 from autoloop.store import Status
 
 SUCCESS, FAILURE, INERT = "success", "failure", "inert"
@@ -83,7 +83,7 @@ def _digest(text: str) -> str:
 
 def _value(value):
     """The number an edit writes (`2**20` is written as an expression)."""
-    return eval(str(value), {"__builtins__": {}}) if isinstance(value, Expression) else value
+    return evaluate_text(str(value)) if isinstance(value, Expression) else value
 
 
 def _normal(sets: dict) -> dict:

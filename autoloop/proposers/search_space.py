@@ -73,7 +73,7 @@ import re
 from dataclasses import dataclass, replace
 
 from autoloop.errors import AutoloopError
-from autoloop.pyconst import Constant, Expression, current_device, device_branch, read_constants
+from autoloop.pyconst import Constant, Expression, current_device, device_branch, evaluate_text, read_constants
 from autoloop import pyast
 
 GROUP_ORDER = ("lr", "batch", "weight_decay", "schedule", "other", "speed", "architecture")
@@ -123,19 +123,19 @@ _POW2_WORDS = re.compile(r"\bpowers?[\s-]+of[\s-]+two\b", re.IGNORECASE)
 
 
 def _number(text: str) -> float:
-    """A number in a hint: a float literal or arithmetic of literals (`2**10`, `3e-4`)."""
+    """A number in a hint: a float literal or arithmetic of literals (`2**10`, `3e-4`).
+    The comment is a trial's text: evaluated within pyconst's caps (Unreadable is a ValueError)."""
     try:
         return float(text)
     except ValueError:
         pass
-    node = pyast.parse(text, mode="eval")  # SyntaxError: not a number
-    if not all(isinstance(n, (ast.Expression, ast.BinOp, ast.UnaryOp, ast.Constant, ast.operator, ast.unaryop))
-               for n in ast.walk(node)):
-        raise ValueError(text)
-    value = eval(pyast.compile_tree(node, "<hint>", "eval"), {"__builtins__": {}})
+    value = evaluate_text(text)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(text)
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError:  # an int past a float's range
+        raise ValueError(text) from None
 
 
 def _parse_clause(clause: str) -> dict | None:
@@ -431,7 +431,8 @@ def _build(source: str, *, step_mode: bool, path: str, strict: bool) -> tuple[li
     for const in constants.values():
         value = const.value
         if not isinstance(value, (bool, int, float)) or (isinstance(value, float) and not math.isfinite(value)):
-            skipped.append((const.name, "not a number or boolean literal"))
+            skipped.append((const.name, f"not evaluated: {const.unreadable}" if const.unreadable
+                            else "not a number or boolean literal"))
             continue
         try:
             hints = parse_hints(const.comment, name=const.name, where=f"{path} line {const.lineno}")

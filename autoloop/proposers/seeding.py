@@ -33,8 +33,7 @@ from pathlib import Path
 
 from autoloop.config import Config
 from autoloop.errors import AutoloopError
-from autoloop.pyconst import Constant, literal, parse_value, read_constants
-from autoloop import pyast
+from autoloop.pyconst import Constant, Unreadable, evaluate, parse_expression, parse_value, read_constants
 
 # train.py is ~30 KB, so a rewrite of the whole file is well under 100 KB; 1 MB leaves
 # ten times that. The text is stored again in the trial's edits and diff, so a 20 MB
@@ -88,8 +87,8 @@ def check_value(constant: Constant, text: str, known: dict[str, Constant], path:
     try:
         parse_value(text)
     except AutoloopError as exc:  # no Python expression at all
-        raise AutoloopError(f"--set {name}={text}: {exc}") from None
-    node = pyast.parse(text, mode="eval").body
+        raise AutoloopError(f"--set {name}={text[:80]}: {exc}") from None
+    node = parse_expression(text)  # parse_value has parsed it: no Unreadable here
     names = sorted({n.id for n in ast.walk(node) if isinstance(n, ast.Name)} - set(known))
     if names:
         raise AutoloopError(
@@ -99,11 +98,10 @@ def check_value(constant: Constant, text: str, known: dict[str, Constant], path:
     if any(isinstance(n, ast.Name) for n in ast.walk(node)):
         return  # an expression of other constants: its value exists only when train.py runs
     try:
-        value = ast.literal_eval(node)
-    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
-        value = literal(node)  # arithmetic of literals (2**18), evaluated as constants are read
-        if value is None:
-            raise AutoloopError(f"--set {name}={text}: {text!r} is not a value: give a literal, e.g. {name}={constant.source}") from None
+        value = evaluate(node)  # a literal or arithmetic of literals (2**18), within the caps constants are read with
+    except Unreadable as exc:
+        raise AutoloopError(f"--set {name}={text[:80]}: not a value autoloop evaluates ({exc}): give a literal, "
+                            f"e.g. {name}={constant.source}") from None
     if not _finite(value):
         raise AutoloopError(f"--set {name}={text}: not a finite number (it reads as {value!r}): give a value train.py can train with")
     expected = _expected_type(constant.value, value)

@@ -230,3 +230,14 @@ def test_check_plans_for_the_runs_own_budget(fake_repo, monkeypatch):
     assert "planning for run 'demo': 20 s per trial" in result.output and "on run 'demo'" in result.output
     invoke(fake_repo, "check", "--parts", "budget", "--time-budget", "60")
     assert seen[-1]["time_budget"] == 60.0
+
+
+def test_version_is_the_packages_and_pyprojects():
+    import re
+
+    from autoloop import __version__
+
+    result = runner.invoke(app, ["--version"])
+    assert result.exit_code == 0 and result.output.strip() == f"autoloop {__version__}"
+    pyproject = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
+    assert re.search(r'^version = "([^"]+)"', pyproject, flags=re.M).group(1) == __version__

@@ -31,6 +31,22 @@ DbOpt = Annotated[Optional[str], typer.Option("--db", help="The trial database, 
 TagOpt = Annotated[Optional[str], typer.Option("--tag", help="The run's name; the most recent run by default.")]
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from autoloop import __version__
+
+        echo(f"autoloop {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[bool, typer.Option("--version", callback=_print_version, is_eager=True,
+                                          help="Print autoloop's version and exit.")] = False,
+) -> None:
+    """autoloop: an autonomous, verified research loop over train.py."""
+
+
 # ---------------------------------------------------------------------------- run
 
 

@@ -1082,18 +1082,29 @@ class Store:
 
 
 def _refuse_non_sqlite_file(path: Path) -> None:
-    """Refuse a path that exists but is not a SQLite file, before SQLite touches it."""
+    """Refuse a path that exists but is not a SQLite file, before a writing connection
+    touches it. The header is read through SQLite (a read-only connection), never with a
+    plain open: closing any file descriptor of the db drops every POSIX lock this process
+    holds on it, a read-only connection's beside it included (a live page that seeds),
+    and SQLite would then delete the WAL under that connection when another writer closes."""
     if path.is_dir():
         raise AutoloopError(f"{path} is a directory: point --db at an experiments.db file")
     if not path.exists() or path.stat().st_size == 0:
         return  # a new (or empty) file becomes a new database
-    with path.open("rb") as handle:
-        header = handle.read(len(SQLITE_HEADER))
-    if header != SQLITE_HEADER:
-        raise AutoloopError(
-            f"{path} is not an autoloop database (not a SQLite file): "
-            "point --db at an experiments.db or remove the file"
-        )
+    from urllib.parse import quote
+
+    probe = sqlite3.connect(f"file:{quote(str(path.resolve()))}?mode=ro", uri=True, timeout=BUSY_TIMEOUT_SECONDS)
+    try:
+        probe.execute("PRAGMA schema_version").fetchone()
+    except sqlite3.DatabaseError as error:
+        if _is_not_a_database(error):
+            raise AutoloopError(
+                f"{path} is not an autoloop database (not a SQLite file): "
+                "point --db at an experiments.db or remove the file"
+            ) from None
+        raise
+    finally:
+        probe.close()
 
 
 def _is_not_a_database(error: sqlite3.DatabaseError) -> bool:

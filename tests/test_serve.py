@@ -655,3 +655,39 @@ def test_replies_are_json_without_nan_and_big_ones_are_gzipped_for_a_browser():
     assert "content-encoding" not in _json({"small": 1}, request=browser).headers
     assert "content-encoding" not in _json(big).headers  # a client that did not ask
     assert _json({"v": float("nan"), "w": [float("inf"), 1.5]}).body == b'{"v":null,"w":[null,1.5]}'
+
+
+def test_the_page_survives_seeding_and_another_writer_closing(tmp_path):
+    """Issue 35: seeding from the page opened a Store in the server's process, whose plain
+    open and close of experiments.db dropped the POSIX locks of the page's own read-only
+    connection; when the run's writer then closed, SQLite deleted the WAL under the page,
+    and every request answered 500 "database disk image is malformed". The page must
+    answer after any writer's open and close and show what later writers add."""
+    repo = make_repo(tmp_path / "repo", FAKE_TRAIN.read_text())
+    writer = NightWriter(repo, "live")
+    writer.night(3, keep_every=2)
+    with Server(repo) as srv:
+        assert srv.get("/api/runs/live/page")[0] == 200
+        status, _, reply = srv.post("/api/seed", {"description": "from the page", "sets": ["LR=0.015"]})
+        assert status == 200, reply
+        writer.trial("written while the page holds the db", "discard", 1.7)
+        writer.close()  # the run's controller exits: the last writer closes
+        status, _, page = srv.get("/api/runs/live/page")
+        assert status == 200, page
+        later = NightWriter(repo, "later")  # a later run in the same db: a new writer opens and closes
+        try:
+            later.trial("written after the first writer closed", "discard", 1.8)
+            later.store.add_idea("seeded from the CLI later", source="human")
+        finally:
+            later.close()
+
+        def shown(tag: str = "later") -> tuple[set, set]:
+            status, _, view = srv.get(f"/api/runs/{tag}/page")
+            assert status == 200, view
+            parts = view["parts"]
+            return ({t["description"] for t in parts["trials"]["data"]["rows"]},
+                    {i["text"] for i in parts["ideas"]["data"]["queue"]})
+
+        _wait(lambda: "written after the first writer closed" in shown()[0], 5.0)
+        assert "written while the page holds the db" in shown("live")[0]
+        assert {"from the page", "seeded from the CLI later"} <= shown()[1]

@@ -28,7 +28,7 @@ from pathlib import Path
 from urllib.parse import quote
 
 from autoloop.errors import AutoloopError
-from autoloop.store import MIGRATIONS, SQLITE_HEADER, Store, sqlite_utils
+from autoloop.store import MIGRATIONS, Store, sqlite_utils
 
 READ_BUSY_TIMEOUT_SECONDS = 2
 TABLES = ("runs", "trials", "ideas", "measurements", "curves", "proposals", "events", "processes")
@@ -47,10 +47,6 @@ class ReadOnlyStore(Store):
         self._savepoints = 0
         if not self.path.is_file():
             raise AutoloopError(f"no trial database at {self.path}: start a run with `autoloop run`, or point --db at one")
-        with open(self.path, "rb") as handle:
-            if handle.read(len(SQLITE_HEADER)) != SQLITE_HEADER:
-                raise AutoloopError(f"{self.path} is not an autoloop database (not a SQLite file): point --db at an "
-                                    "experiments.db")
         try:
             self.conn = sqlite3.connect(_uri(self.path), uri=True, timeout=READ_BUSY_TIMEOUT_SECONDS,
                                         isolation_level=None, check_same_thread=False)
@@ -58,6 +54,15 @@ class ReadOnlyStore(Store):
             raise AutoloopError(f"cannot read {self.path} ({error}): check that --db points at an experiments.db "
                                 "you may read") from error
         try:
+            # The header is read by SQLite, never by a plain open: closing a descriptor of the db
+            # drops this process's POSIX locks on it (autoloop.store._refuse_non_sqlite_file).
+            try:
+                self.conn.execute("PRAGMA schema_version").fetchone()
+            except sqlite3.DatabaseError as error:
+                if getattr(error, "sqlite_errorcode", None) in (11, 26) or "not a database" in str(error):
+                    raise AutoloopError(f"{self.path} is not an autoloop database (not a SQLite file): point --db "
+                                        "at an experiments.db") from None
+                raise
             self.conn.execute(f"PRAGMA busy_timeout = {READ_BUSY_TIMEOUT_SECONDS * 1000}")
             self.conn.execute("PRAGMA query_only = ON")
             self.db = sqlite_utils.Database(self.conn, execute_plugins=False)

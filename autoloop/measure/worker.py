@@ -423,7 +423,8 @@ def _train_job(job: MeasureJob, project_dir: Path, run_dir: Path, on_start: OnSt
 
         problem, figures = check_budget(summary, outcome.result or {}, time_budget=job.time_budget,
                                         max_steps=job.max_steps, startup_reference=job.startup_reference,
-                                        judge_startup=job.role != "baseline")
+                                        # the baseline's first run is the reference (the user's code, compiled cold)
+                                        judge_startup=job.role != "baseline" or job.startup_reference is not None)
         out.fields["budget"] = figures
         if problem:
             return ended("invalid", problem)

@@ -145,7 +145,7 @@ def check_budget(summary: dict, result: dict | None, *, time_budget: float | Non
     the training process started and ended (or FeedServer.mark_spawn/mark_exit).
     `warmup_steps` defaults to the harness's UNTIMED_WARMUP_STEPS. `startup_reference`: the
     baseline's start-up (autoloop.trust.startup.startup_reference); `judge_startup=False`
-    (the baseline's own runs, which are the reference) records the start-up figures only.
+    (the baseline's first run, which is the reference) records the start-up figures only.
     """
     if warmup_steps is None:
         # Imported here: autoloop.harness brings torch, which the CLI does not need to start.

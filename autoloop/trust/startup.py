@@ -20,7 +20,8 @@ trial reports:
       busy machine stretches it, so it is loose, and it is a load-sensitive verdict (the
       run is measured again before it fails, autoloop.trust.budget.load_sensitive). It
       bounds what CPU time cannot see: a GPU that trains while the CPU waits.
-  Without a reference (a run whose baseline predates these figures), DEFAULT_REFERENCE.
+  The baseline's first run is the reference and is not judged (it is the user's code);
+  without a reference (a run whose baseline predates these figures), DEFAULT_REFERENCE.
 * warm-up: the first batch -> the last of the untimed warm-up ticks (UNTIMED_WARMUP_STEPS,
   or every tick when there are fewer). Its steps are steps like the timed ones, so they
   may take their number x the median timed step x WARMUP_CPU_STEP_FACTOR of CPU (x

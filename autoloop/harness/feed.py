@@ -48,8 +48,10 @@ from typing import Callable, Iterator
 
 import numpy as np
 
+from autoloop.harness.constants import UNTIMED_WARMUP_STEPS
 from autoloop.harness.data import ENV_FEED, WindowSampler, check_window_fits, load_dataset, read_windows, split_refusal
 from autoloop.harness.errors import HarnessError
+from autoloop.harness.proctree import tree_cpu_seconds
 
 FORMAT = 1
 
@@ -212,6 +214,11 @@ class FeedServer:
         self._checkpoint_bytes = 0
         self._peers: set[int] = set()  # pids of the connected processes (SO_PEERCRED)
         self._cpu_sample: float | None = None
+        # The spawned process (mark_spawn) and its whole tree's CPU seconds at the first batch
+        # and at each warm-up tick: the start-up rule's figures (autoloop.trust.startup).
+        self._root: int | None = None
+        self._first_batch_cpu: float | None = None
+        self._warmup_cpu: list[float | None] = []
 
     # ---- life cycle
 
@@ -281,10 +288,12 @@ class FeedServer:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def mark_spawn(self, at: float | None = None) -> None:
-        """Record when the training process was started (time.monotonic(); now by default)."""
+    def mark_spawn(self, at: float | None = None, pid: int | None = None) -> None:
+        """Record when the training process was started (time.monotonic(); now by default)
+        and its pid, the root of the tree whose CPU time the start-up rule reads."""
         with self._lock:
             self._spawned = self._offset(self._clock() if at is None else at)
+            self._root = pid
 
     def mark_exit(self, at: float | None = None) -> None:
         """Record when the training process ended (time.monotonic(); now by default)."""
@@ -372,7 +381,9 @@ class FeedServer:
                 if kind == NEXT:
                     self._next(conn, streams, payload, now)
                 elif kind == TICK and len(payload) == 8:
-                    self._tick(struct.unpack(">Q", payload)[0], now, _cpu_seconds(peer))
+                    # The tree is read at the warm-up ticks only: a walk of /proc costs milliseconds.
+                    tree = tree_cpu_seconds(self._root) if self._ticks < UNTIMED_WARMUP_STEPS else None
+                    self._tick(struct.unpack(">Q", payload)[0], now, _cpu_seconds(peer), tree)
                 elif kind == HELLO:
                     self._hello(conn, streams, payload, now)
                 elif kind == BYE:
@@ -440,13 +451,15 @@ class FeedServer:
             conn.sendall(_frame(ERROR, b"no such stream: send a hello first"))
             return
         windows = stream.take()
+        # Before the first batch is sent: what the tree used until then is its start-up.
+        tree = tree_cpu_seconds(self._root) if self._first_batch is None else None
         with self._lock:  # before the send: once the trial has the batch, the record has it
             self._batches += 1
             self._tokens_served += stream.tokens_per_batch
             stream.record["batches"] += 1
             stream.record["tokens"] += stream.tokens_per_batch
             if self._first_batch is None:
-                self._first_batch = now
+                self._first_batch, self._first_batch_cpu = now, tree
             if self._first_request is None:
                 self._first_request = now
             self._last_batch = now
@@ -455,8 +468,10 @@ class FeedServer:
         conn.sendall(data)
         stream.pending = stream.draw()  # while the trial trains on this one
 
-    def _tick(self, steps: int, now: float, cpu: float | None = None) -> None:
+    def _tick(self, steps: int, now: float, cpu: float | None = None, tree: float | None = None) -> None:
         with self._lock:
+            if self._ticks < UNTIMED_WARMUP_STEPS:
+                self._warmup_cpu.append(tree)
             self._ticks += 1
             self._last_tick_steps = steps
             if len(self._tick_times) < MAX_RECORDED_TICKS:
@@ -473,6 +488,8 @@ class FeedServer:
         tick_times[k] / tick_batches[k]: when the (k+1)-th clock tick arrived and how many
         batches had been served by then (the first MAX_RECORDED_TICKS ticks; last_ticks
         always holds the last three). first_request: the trial's first hello or batch.
+        first_batch_tree_cpu / warmup_tree_cpu[k]: CPU seconds of the spawned process's whole
+        tree at the first batch and at the (k+1)-th of the first UNTIMED_WARMUP_STEPS ticks.
         """
         with self._lock:
             seeds = sorted({s["seed"] for s in self._streams if s["split"] == "train"})
@@ -501,6 +518,9 @@ class FeedServer:
                 "tick_batches": list(self._tick_batches),
                 "tick_cpu": list(self._tick_cpu),
                 "cpu_sample": _round(self._cpu_sample),
+                "root_pid": self._root,
+                "first_batch_tree_cpu": _round(self._first_batch_cpu),
+                "warmup_tree_cpu": [_round(c) for c in self._warmup_cpu],
                 "last_ticks": [list(t) for t in self._last_ticks],
                 "refused": [dict(r) for r in self._refused],
                 "refused_count": self._refused_count,

@@ -86,6 +86,9 @@ class MeasureJob:
     # same seed ({"rule": StopRule.to_json(), "incumbent_curve": [...]}, autoloop.loop.stops);
     # the worker stops a clear loser (status "stopped"). None: never stopped.
     early_stop: dict | None = None
+    # The run's baseline start-up ({"cpu_seconds", "wall_seconds"}, autoloop.trust.startup):
+    # what the budget allows a trial before its first batch. None: the rule's default.
+    startup_reference: dict | None = None
     # verify jobs: the run's checkpoint and its result JSON (the device it trained on)
     checkpoint: str | None = None
     result: dict | None = None

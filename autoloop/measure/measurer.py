@@ -218,8 +218,17 @@ class Measurer:
             integrity_python=getattr(verifier, "python", None), cache_root=str(cache_root()),
             compile_seed=str(c.state_dir / c.tag / "compile-seed"), python=sys.executable,
             hidden=[str(p) for p in self._hidden()], db_path=str(c.db_path()),
-            env=dict(getattr(slot, "device_env", None) or {}), **extra,
+            env=dict(getattr(slot, "device_env", None) or {}), startup_reference=self._startup_reference(), **extra,
         )
+
+    def _startup_reference(self) -> dict | None:
+        """The run's baseline start-up, what the budget allows before a first batch (autoloop.trust.startup)."""
+        c = self.c
+        if c.run_row is None or c.store is None:
+            return None
+        from autoloop.trust.startup import startup_reference
+
+        return startup_reference(c.store, c.run_row["id"])
 
     def _grace(self) -> float:
         """The configured grace, or in step mode what runs of this run took (autoloop.measure.deadline)."""

@@ -359,7 +359,7 @@ def _train_job(job: MeasureJob, project_dir: Path, run_dir: Path, on_start: OnSt
 
     def started(pid: int, pgid: int, start_time: int | None) -> None:
         if feed is not None:
-            feed.mark_spawn()
+            feed.mark_spawn(pid=pid)  # the root of the tree whose CPU the start-up rule reads
         if on_start is not None:
             on_start(pid, pgid, start_time)
 
@@ -422,7 +422,9 @@ def _train_job(job: MeasureJob, project_dir: Path, run_dir: Path, on_start: OnSt
         from autoloop.trust.budget import check_budget
 
         problem, figures = check_budget(summary, outcome.result or {}, time_budget=job.time_budget,
-                                        max_steps=job.max_steps)
+                                        max_steps=job.max_steps, startup_reference=job.startup_reference,
+                                        # the baseline's first run is the reference (the user's code, compiled cold)
+                                        judge_startup=job.role != "baseline" or job.startup_reference is not None)
         out.fields["budget"] = figures
         if problem:
             return ended("invalid", problem)

@@ -60,8 +60,9 @@ Rules, in order:
       them). Whatever else spins, a run these two rules fail is measured again at the same
       seed before the trial fails (`load_sensitive`): an attack fails both runs, a stall
       rarely strikes twice.
-Start-up (spawn -> the trial's first request) is measured, reported, and not a rule: the
-window starts at the feed's own warm-up tick, so no start-up allowance can hide training.
+    * both modes, before the clock (autoloop.trust.startup): the process tree's CPU time and
+      the wall time from spawn to the first batch, and of the untimed warm-up steps, are
+      bounded against the baseline's own start-up and the run's median step.
 
 Out of reach of these rules: in step mode, extra work inside every step (a step that does
 ten updates on its batch is a step ten times as slow, which step mode does not price; time
@@ -135,13 +136,16 @@ def refusal_problem(summary: dict) -> str | None:
 def check_budget(summary: dict, result: dict | None, *, time_budget: float | None, max_steps: int | None,
                  warmup_steps: int | None = None, spawned_at: float | None = None,
                  exited_at: float | None = None, tolerance: float = TIME_TOLERANCE,
-                 min_tolerance_seconds: float = MIN_TOLERANCE_SECONDS) -> tuple[str | None, dict]:
+                 min_tolerance_seconds: float = MIN_TOLERANCE_SECONDS, startup_reference: dict | None = None,
+                 judge_startup: bool = True) -> tuple[str | None, dict]:
     """(problem or None, figures) for one training run; see the module doc for the rules.
 
     `summary` is FeedServer.summary(); `result` the trial's result JSON (None if it wrote
     none); `spawned_at`/`exited_at` are time.monotonic() readings of the controller when
     the training process started and ended (or FeedServer.mark_spawn/mark_exit).
-    `warmup_steps` defaults to the harness's UNTIMED_WARMUP_STEPS.
+    `warmup_steps` defaults to the harness's UNTIMED_WARMUP_STEPS. `startup_reference`: the
+    baseline's start-up (autoloop.trust.startup.startup_reference); `judge_startup=False`
+    (the baseline's first run, which is the reference) records the start-up figures only.
     """
     if warmup_steps is None:
         # Imported here: autoloop.harness brings torch, which the CLI does not need to start.
@@ -208,6 +212,8 @@ def check_budget(summary: dict, result: dict | None, *, time_budget: float | Non
                               last_ticks, summary.get("first_batch"), last_batch, exited, last_step, bps, tolerance,
                               min_tolerance_seconds)
     if problem is None and batches:
+        problem = _startup_rules(figures, summary, warmup_steps, startup_reference, judge_startup)
+    if problem is None and batches:
         problem = _tail_rules(figures, summary, time_budget if not step_mode else None, warmup_steps, n_ticks,
                               last_step, last_batch, last_ticks)
         if problem is not None:
@@ -223,8 +229,11 @@ TAIL_RULE = "tail"
 
 
 def load_sensitive(figures: dict | None) -> bool:
-    """True when a budget verdict came from a rule a busy host can trip (`TAIL_RULE`)."""
-    return bool(figures) and figures.get("rule") == TAIL_RULE
+    """True when a budget verdict came from a rule a busy host can trip (`TAIL_RULE`, and
+    the start-up's wall-time rules)."""
+    from autoloop.trust.startup import STARTUP_WALL_RULE, WARMUP_WALL_RULE
+
+    return bool(figures) and figures.get("rule") in (TAIL_RULE, STARTUP_WALL_RULE, WARMUP_WALL_RULE)
 
 
 def _step_rules(figures, summary, max_steps, batches, tokens, n_ticks, reported_steps, reported_tokens) -> str | None:
@@ -311,6 +320,21 @@ def _time_rules(figures, budget, warmup, batches, n_ticks, times, tick_batches, 
             return (f"ran {tail:.0f} s after its last training batch and step, more than the {tail_allowed:.0f} s "
                     "allowed for saving its results: it trained on without the harness clock")
     return None
+
+
+def _startup_rules(figures, summary, warmup, reference, judge) -> str | None:
+    from autoloop.trust.startup import check_startup, startup_figures
+
+    figures.update(startup_figures(summary, warmup))
+    median_cpu = _cpu_figures(summary, warmup)[0]
+    problem, rule, allowed = check_startup(figures, reference, median_step_seconds=figures.get("median_step_seconds"),
+                                           median_step_cpu_seconds=median_cpu)
+    figures.update(allowed)
+    if not judge:
+        return None
+    if problem is not None and rule is not None:
+        figures["rule"] = rule
+    return problem
 
 
 def _cpu_figures(summary: dict, warmup: int) -> tuple[float | None, float | None, float | None]:

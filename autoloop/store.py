@@ -86,7 +86,6 @@ def _import_sqlite_utils():
 sqlite_utils = _import_sqlite_utils()
 
 BUSY_TIMEOUT_SECONDS = 30
-SQLITE_HEADER = b"SQLite format 3\x00"
 
 
 # ---------------------------------------------------------------------------------------

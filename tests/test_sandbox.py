@@ -685,3 +685,12 @@ def test_no_scored_text_exists_anywhere_a_trial_can_read(tmp_path, embedded_data
     found = [line for line in log.splitlines()[1:] if line.startswith("/") and "grep:" not in line]
     assert not found, f"scored text readable in the sandbox: {found[:10]}"
     assert outcome.returncode == 1, log[-2000:]  # grep's "no match", not an error
+
+
+def test_the_run_says_in_one_line_what_a_sandbox_sees():
+    line = SandboxPolicy("bwrap", bwrap="bwrap", version="0.8.0").describe()
+    assert "\n" not in line and line.startswith("bwrap 0.8.0: sees only /usr, /sys, ")
+    for part in ("the interpreter (", str(Path(autoloop.__file__).resolve().parent), "the project's tracked files",
+                 "run folder", "no network", "no home or cache folder"):
+        assert part in line, (part, line)
+    assert SandboxPolicy("none", "bwrap not installed").describe() == "none: bwrap not installed"

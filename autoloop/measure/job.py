@@ -86,6 +86,8 @@ class MeasureJob:
     # same seed ({"rule": StopRule.to_json(), "incumbent_curve": [...]}, autoloop.loop.stops);
     # the worker stops a clear loser (status "stopped"). None: never stopped.
     early_stop: dict | None = None
+    # What the trial may spend (autoloop.measure.limits.TrialLimits.to_dict); empty: the defaults.
+    limits: dict = field(default_factory=dict)
     # verify jobs: the run's checkpoint and its result JSON (the device it trained on)
     checkpoint: str | None = None
     result: dict | None = None

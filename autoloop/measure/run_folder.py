@@ -99,6 +99,19 @@ class RunFolder:
         for path in (self.out, self.compile, self.feed):
             self.fresh(path)
 
+    def writable(self) -> dict[str, Path]:
+        """The folders training may write on disk, by the name a limit's reason gives them
+        (autoloop.measure.limits)."""
+        return {f"{OUT}/": self.out, "compile/": self.compile}
+
+    def discard_outputs(self) -> None:
+        """Delete what training wrote (a trial over a limit: its junk), links not followed."""
+        for path in (self.out, self.compile):
+            if path.is_symlink() or path.is_file():
+                path.unlink()
+            elif path.exists():
+                shutil.rmtree(path, ignore_errors=True)
+
     def has_checkpoint(self) -> bool:
         """A regular file at out/checkpoint.pt, looked at without following links."""
         try:

@@ -54,7 +54,8 @@ from pathlib import Path
 # Every reason a limit gives starts so (autoloop.loop.disk tells a trial that filled the
 # disk from a disk full for other reasons by it).
 LIMIT_PREFIX = "over a trial limit: "
-DISK_POLL_SECONDS = 1.0  # walking out/ costs ~1 ms per 1,000 files: at most once a second
+DISK_POLL_SECONDS = 1.0  # out/ and compile/ are looked at most once a second ...
+DISK_WALK_SECONDS = 10.0  # ... and walked when the disk's free space or inodes say they may be over, or this often
 MIB = 2**20
 
 
@@ -142,33 +143,63 @@ def _stat_fields(pid: str) -> tuple[int, int, str] | None:
         return None
 
 
-def trial_processes(pid: int, pgid: int | None = None) -> list[int]:
-    """The live processes of a trial: `pid` and its descendants, and the members of its
-    process group (with their descendants); zombies are not counted."""
+def _children_of(pid: int) -> list[int] | None:
+    """The children of every thread of `pid` (/proc/<pid>/task/<tid>/children), [] when it
+    is gone, None where the kernel has no such files (CONFIG_PROC_CHILDREN)."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return []
+    kids: list[int] = []
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children", "rb") as handle:
+                kids += [int(k) for k in handle.read().split()]
+        except FileNotFoundError:
+            if not os.path.exists(f"/proc/{pid}/task/{tid}/stat"):
+                continue  # the thread ended
+            return None
+        except (OSError, ValueError):
+            continue
+    return kids
+
+
+def _descendants_by_scan(pid: int) -> list[int]:
     children: dict[int, list[int]] = {}
-    members: list[int] = []
     try:
         entries = [e.name for e in os.scandir("/proc") if e.name.isdigit()]
     except OSError:
         return []
     for name in entries:
         fields_ = _stat_fields(name)
-        if fields_ is None or fields_[2] in ("Z", "X"):
-            continue
-        ppid, group, _ = fields_
-        children.setdefault(ppid, []).append(int(name))
-        if pgid is not None and group == pgid:
-            members.append(int(name))
-    alive = {p for kids in children.values() for p in kids}
-    found: set[int] = set()
-    todo = [p for p in (pid, *members) if p in alive]
+        if fields_ is not None and fields_[2] not in ("Z", "X"):
+            children.setdefault(fields_[0], []).append(int(name))
+    found, todo = [], [pid]
     while todo:
         p = todo.pop()
-        if p in found:
-            continue
-        found.add(p)
+        found.append(p)
         todo.extend(children.get(p, ()))
-    return sorted(found)
+    return found
+
+
+def trial_processes(pid: int) -> list[int]:
+    """The live processes of a trial: `pid` and its descendants (inside bubblewrap's PID
+    namespace every process of the trial is one; zombies do not count). Read from the
+    children files of the trial's own processes, a cost that grows with the trial, not with
+    the machine; where the kernel has none, from a scan of /proc."""
+    found: list[int] = []
+    todo = [pid]
+    while todo:
+        p = todo.pop()
+        state = _stat_fields(str(p))
+        if state is None or state[2] in ("Z", "X"):
+            continue
+        kids = _children_of(p)
+        if kids is None:
+            return sorted(_descendants_by_scan(pid)) if _stat_fields(str(pid)) else []
+        found.append(p)
+        todo.extend(kids)
+    return sorted(set(found))
 
 
 def resident_bytes(pid: int) -> int:
@@ -204,14 +235,20 @@ def private_tmpfs_bytes(pid: int, folders: Iterable[str] = ("tmp", "dev")) -> in
     return total
 
 
-def _free_bytes(folders: Iterable[Path]) -> int | None:
+def _disk_free(folders: Iterable[Path]) -> tuple[int, int, int] | None:
+    """(free bytes, free inodes, inodes in all) of the disk the first folder lies on."""
     for path in folders:
         try:
             usage = os.statvfs(path if path.exists() else path.parent)
         except OSError:
             continue
-        return usage.f_bavail * usage.f_frsize
+        return usage.f_bavail * usage.f_frsize, usage.f_favail, usage.f_files
     return None
+
+
+def _free_bytes(folders: Iterable[Path]) -> int | None:
+    free = _disk_free(folders)
+    return free[0] if free is not None else None
 
 
 def folder_usage(root: Path, stop_at_files: int | None = None) -> tuple[int, int]:
@@ -265,12 +302,12 @@ class ResourceWatch:
         if self.disk_free is not None and self.disk_free // 2 < self.disk_limit:
             self.disk_limit = self.disk_free // 2
         self.pid: int | None = None
-        self.pgid: int | None = None
         self._next_disk = 0.0
+        self._walked: tuple[float, int, int, int, int] | None = None  # when, bytes, files, disk free, inodes free
         self.peak = {"memory": 0, "processes": 0, "disk": 0, "files": 0}
 
-    def attach(self, pid: int, pgid: int | None) -> None:
-        self.pid, self.pgid = pid, pgid
+    def attach(self, pid: int) -> None:
+        self.pid = pid
 
     def check(self) -> str | None:
         if self.log_over is not None and self.log_over():
@@ -282,8 +319,25 @@ class ResourceWatch:
         now = self.clock()
         if now >= self._next_disk:
             self._next_disk = now + DISK_POLL_SECONDS
-            return self._disk()
+            if self._may_be_over(now):
+                return self._disk()
         return None
+
+    def _may_be_over(self, now: float) -> bool:
+        """Whether out/ and compile/ may have passed a limit since the last walk: the trial
+        cannot have written more bytes (or files) than the disk lost free space (or inodes)
+        meanwhile; another program freeing space can hide some, so a walk every
+        DISK_WALK_SECONDS anyway. A walk of 2,000 files costs ~35 ms: this keeps an honest
+        trial's watch at a statvfs a second."""
+        if self._walked is None or now - self._walked[0] >= DISK_WALK_SECONDS:
+            return True
+        free = _disk_free(self.folders.values())
+        if free is None:
+            return True
+        _, used, files, was_free, was_inodes = self._walked
+        if was_free - free[0] > self.disk_limit - used:
+            return True
+        return free[2] == 0 or was_inodes - free[1] > self.limits.files - files
 
     def final(self) -> str | None:
         """After the trial: the log's cap and the disk once more (what it wrote after the last walk)."""
@@ -296,7 +350,7 @@ class ResourceWatch:
                 "(trial-log-mb)")
 
     def _processes_and_memory(self) -> str | None:
-        pids = trial_processes(self.pid, self.pgid)
+        pids = trial_processes(self.pid)
         self.peak["processes"] = max(self.peak["processes"], len(pids))
         if len(pids) > self.limits.processes:
             return (f"{LIMIT_PREFIX}ran {len(pids)} processes at once, past the {self.limits.processes} a trial may "
@@ -316,6 +370,7 @@ class ResourceWatch:
         return None
 
     def _disk(self) -> str | None:
+        free = _disk_free(self.folders.values())
         used: dict[str, tuple[int, int]] = {}
         files_left = self.limits.files
         for label, path in self.folders.items():
@@ -324,6 +379,8 @@ class ResourceWatch:
         total = sum(b for b, _ in used.values())
         files = sum(n for _, n in used.values())
         self.peak["disk"], self.peak["files"] = max(self.peak["disk"], total), max(self.peak["files"], files)
+        if free is not None:
+            self._walked = (self.clock(), total, files, free[0], free[1])
         biggest = max(used, key=lambda label: used[label][0]) if used else "out/"
         if files > self.limits.files:
             most = max(used, key=lambda label: used[label][1])

@@ -656,7 +656,7 @@ def run_training(
     stopped: str | None = None
     over: str | None = None
     if resources is not None:
-        resources.attach(pid, pgid)
+        resources.attach(pid)
     try:
         if on_start is not None:
             on_start(pid, pgid, start_time)

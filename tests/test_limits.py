@@ -137,6 +137,24 @@ def test_memory_past_the_limit_ends_the_trial_invalid_at_once(tmp_path):
     assert took < 20
 
 
+def test_pages_shared_by_forked_workers_count_once(tmp_path):
+    """A process of 150 MB and three forked children that share its pages: RSS says ~600 MB,
+    over a 400 MB limit; what they hold together (PSS) is ~150 MB, so the run is ok."""
+    source = ("import os, time, json\n"
+              "b = bytearray(150 * 2**20)\n"
+              "kids = []\n"
+              "for _ in range(3):\n"
+              "    pid = os.fork()\n"
+              "    if pid == 0:\n"
+              "        time.sleep(30); os._exit(0)\n"
+              "    kids.append(pid)\n"
+              "time.sleep(2)\n"
+              "json.dump({'val_bpb': 1.0}, open(os.environ['AUTOLOOP_RESULT'], 'w'))\n")
+    outcome, _ = _over(tmp_path, source, _limits(memory_bytes=400 * MIB))
+    assert outcome.status == "ok", outcome.reason
+    assert 150 * MIB <= outcome.resources["memory"] < 400 * MIB and outcome.resources["processes"] == 4
+
+
 def test_processes_past_the_limit_end_the_trial_invalid(tmp_path):
     source = ("import subprocess, time\n"
               "kids = [subprocess.Popen(['sleep', '60']) for _ in range(30)]\n"

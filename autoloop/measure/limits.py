@@ -10,7 +10,9 @@ How each is bounded, and why this way:
 * **Memory**: a watchdog, not an rlimit. It sums, over the trial's processes, the
   resident anonymous and shared memory (RssAnon + RssShmem in /proc/<pid>/status), plus
   what the sandbox's own tmpfs folders (/tmp, /dev/shm) hold, read through
-  /proc/<pid>/root: that is RAM too. RLIMIT_AS breaks CUDA (it reserves tens of GB of
+  /proc/<pid>/root: that is RAM too. RSS counts a page that forked processes share once
+  in each of them, so a sum over the limit is confirmed by the proportional sum (PSS,
+  /proc/<pid>/smaps_rollup: exact, but the kernel walks the page tables to say it). RLIMIT_AS breaks CUDA (it reserves tens of GB of
   address space it never touches), and RLIMIT_DATA is per process and counts address
   space, not memory, so a trial of many processes gets many times it and an honest one
   with many threads' arenas could hit it. The cost of a watchdog is its window: between
@@ -54,6 +56,7 @@ from pathlib import Path
 # Every reason a limit gives starts so (autoloop.loop.disk tells a trial that filled the
 # disk from a disk full for other reasons by it).
 LIMIT_PREFIX = "over a trial limit: "
+PSS_SECONDS = 1.0  # an RSS sum over the memory limit is confirmed by the PSS sum at most this often
 DISK_POLL_SECONDS = 1.0  # out/ and compile/ are looked at most once a second ...
 DISK_WALK_SECONDS = 10.0  # ... and walked when the disk's free space or inodes say they may be over, or this often
 MIB = 2**20
@@ -216,6 +219,26 @@ def resident_bytes(pid: int) -> int:
     return total
 
 
+def proportional_bytes(pid: int) -> int:
+    """Pss_Anon + Pss_Shmem of a process (/proc/<pid>/smaps_rollup; Pss on kernels without
+    them): its share of the anonymous and shared memory, a page shared by n processes (a
+    fork's copy-on-write pages) counted 1/n in each. Exact across processes, but the kernel
+    walks the page tables to say it (~10 ms for 500 MB), so it only confirms an RSS sum
+    that looks over the limit. 0 when the process is gone."""
+    found: dict[bytes, int] = {}
+    try:
+        with open(f"/proc/{pid}/smaps_rollup", "rb") as handle:
+            for line in handle:
+                key, _, rest = line.partition(b":")
+                if key in (b"Pss", b"Pss_Anon", b"Pss_Shmem"):
+                    found[key] = int(rest.split()[0]) * 1024
+    except (OSError, ValueError, IndexError):
+        return 0
+    if b"Pss_Anon" in found:
+        return found[b"Pss_Anon"] + found.get(b"Pss_Shmem", 0)
+    return found.get(b"Pss", 0)
+
+
 def private_tmpfs_bytes(pid: int, folders: Iterable[str] = ("tmp", "dev")) -> int:
     """What the tmpfs folders of a sandboxed process's own mount namespace hold (/tmp,
     /dev with /dev/shm), seen through /proc/<pid>/root; folders that are the controller's
@@ -303,6 +326,7 @@ class ResourceWatch:
             self.disk_limit = self.disk_free // 2
         self.pid: int | None = None
         self._next_disk = 0.0
+        self._pss_until = 0.0  # an RSS sum over the limit was found to be within it by PSS: believed until then
         self._walked: tuple[float, int, int, int, int] | None = None  # when, bytes, files, disk free, inodes free
         self.peak = {"memory": 0, "processes": 0, "disk": 0, "files": 0}
 
@@ -357,12 +381,20 @@ class ResourceWatch:
                     "run (trial-processes)")
         if self.memory is None:
             return None
-        held = sum(resident_bytes(p) for p in pids)
         # The sandbox's /tmp and /dev/shm, seen from a process inside it (bubblewrap's
         # first process stays outside the namespaces; its child is inside).
         inner = [p for p in pids if p != self.pid][:1]
-        if inner:
-            held += private_tmpfs_bytes(inner[0])
+        tmpfs = private_tmpfs_bytes(inner[0]) if inner else 0
+        held = sum(resident_bytes(p) for p in pids) + tmpfs
+        if held > self.memory and len(pids) > 1:
+            # RSS counts a page shared by forked processes once in each: the PSS sum says
+            # what they hold together (dataloader workers of a big process are not over).
+            now = self.clock()
+            if now < self._pss_until:
+                return None
+            held = sum(proportional_bytes(p) for p in pids) + tmpfs
+            if held <= self.memory:
+                self._pss_until = now + PSS_SECONDS
         self.peak["memory"] = max(self.peak["memory"], held)
         if held > self.memory:
             return (f"{LIMIT_PREFIX}held {size(held)} of memory (resident, its /tmp included), past the "

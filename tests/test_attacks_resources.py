@@ -77,6 +77,8 @@ def test_resource_attacks_end_invalid_with_their_limit_and_leave_nothing(tmp_pat
     print(f"controller peak RSS grew by {grew_mb:.0f} MB during the run")
     assert summary.trials_run == 1 + len(names), summary.stop_reason
     trials = _trials(repo)
+    for name, trial in trials.items():
+        print(f"{name}: {trial['status']} ({trial['reason']})")
     assert trials["baseline"]["status"] == "keep", trials["baseline"]["reason"]
 
     def invalid(name: str, *words: str) -> dict:

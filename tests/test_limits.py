@@ -211,3 +211,44 @@ def test_the_sandboxs_tmp_is_memory_and_counts_against_the_limit(tmp_path):
     outcome, took = _over(tmp_path, source, _limits(memory_bytes=150 * MIB), sandbox=detect("auto"))
     assert outcome.status == "invalid" and "(trial-memory-mb)" in outcome.reason, outcome.reason
     assert took < 20
+
+
+# ---------------------------------------------------------------------- a disk the trial filled, through the loop
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A filesystem of 96 MB of its own (a tmpfs mounted for the test: needs root)."""
+    where = tmp_path / "small"
+    where.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=96m", "tmpfs", str(where)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip("needs a small filesystem of its own (mount -t tmpfs, as root)")
+    yield where
+    subprocess.run(["umount", "-l", str(where)], capture_output=True)
+
+
+@pytest.mark.usefixtures("one_run_per_trial")
+def test_a_disk_the_trial_filled_is_its_fault_and_the_run_goes_on(small_disk):
+    """A trial writes into its out/ until the disk is full: `invalid` naming the disk it
+    filled, its out/ deleted, its idea done (not back in the queue), the run not paused,
+    the next idea trained. (A disk that fills for other reasons still pauses the run:
+    tests/test_crash_safety.py.)"""
+    from autoloop.store import Store
+    from tests.conftest import FAKE_TRAIN, make_repo
+    from tests.test_controller import run_loop, seed
+
+    repo = make_repo(small_disk / "repo", FAKE_TRAIN.read_text())
+    seed(repo, "fills the disk", "MODE='fill'")
+    seed(repo, "next idea", "LR=0.012", priority=-1)
+    summary = run_loop(repo, max_trials=3)
+    assert not summary.paused, summary.stop_reason
+    with Store(repo / "experiments.db") as store:
+        run = store.get_run("t")
+        rows = store.trials(run["id"])
+        ideas = {i["text"]: i["status"] for i in store.ideas()}
+    assert [r["status"] for r in rows][:2] == ["keep", "invalid"] and len(rows) == 3, [(r["status"], r["reason"]) for r in rows]
+    assert rows[1]["reason"].startswith(LIMIT_PREFIX) and "the trial filled the disk" in rows[1]["reason"]
+    assert rows[2]["status"] in ("keep", "discard") and ideas == {"fills the disk": "done", "next idea": "done"}
+    assert run["status"] != "paused"
+    assert not list((repo / ".autoloop" / "t" / "trials" / str(rows[1]["number"])).rglob("ckpt*"))  # its junk deleted

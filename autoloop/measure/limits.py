@@ -369,6 +369,17 @@ class ResourceWatch:
             return self._log_reason()
         return self._disk()
 
+    def discard(self) -> None:
+        """Delete what the trial wrote in the watched folders (it went over a limit), links
+        not followed: the folders are removed, whatever lies in them."""
+        import shutil
+
+        for path in self.folders.values():
+            if path.is_symlink() or path.is_file():
+                path.unlink(missing_ok=True)
+            elif path.exists():
+                shutil.rmtree(path, ignore_errors=True)
+
     def _log_reason(self) -> str:
         return (f"{LIMIT_PREFIX}train.log grew past {size(self.limits.log_bytes)}, the most a trial may print "
                 "(trial-log-mb)")

@@ -431,6 +431,7 @@ class LogPipe:
         self.max_bytes = max_bytes
         self.written = 0  # the child's bytes that reached the file
         self.dropped = 0  # the child's bytes past max_bytes
+        self.unwritten = 0  # the child's bytes the file did not take (a full disk)
         self._head = bytearray()
 
     def write(self, line: str) -> None:
@@ -445,7 +446,10 @@ class LogPipe:
                 self.dropped += len(clean)
             else:
                 self.written += len(clean)
-                os.write(self._fd, clean)
+                try:
+                    os.write(self._fd, clean)
+                except OSError:  # a full disk (the trial's own doing, perhaps): keep draining, keep the tail
+                    self.unwritten += len(clean)
         else:
             os.write(self._fd, clean)
         if len(self._head) < LOG_HEAD_KEEP_BYTES:
@@ -705,6 +709,8 @@ def run_training(
         over = resources.final()  # what it wrote after the last look
         if over is not None and stopped is None:
             stopped = "limit"
+    if stopped == "limit":
+        resources.discard()  # its junk, before we write a line more: it may have filled the disk
 
     outcome = _judge(
         log.text(),

@@ -485,8 +485,9 @@ class FeedServer:
             self._held_peak = max(self._held_peak, self._held)
             return None
         self._over_budget_count += 1
+        held = f"{_mib(self._held)} already held" if self._held else "nothing else held"
         refusal = (f"asked the data feed for batches of {batch_size} x {seq_len + 1} tokens, {_mib(need)} with the "
-                   f"batch in flight and the next ({_mib(self._held)} already held): past the feed's "
+                   f"batch in flight and the next ({held}): past the feed's "
                    f"{_mib(self.memory_budget)} budget for a trial (raise feed-memory-mb if an honest batch needs it)")
         if self._over_budget is None:
             self._over_budget = {"time": _round(now), "batch_size": batch_size, "seq_len": seq_len, "bytes": need,

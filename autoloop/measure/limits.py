@@ -2,8 +2,9 @@
 
 A trial over a limit is `invalid` with the limit named, never the controller's problem:
 the runner (autoloop.measure.runner) asks a `ResourceWatch` at every poll and kills the
-trial's process group at once when it answers; the worker deletes its out/ and the log
-keeps a head and a tail (autoloop.measure.runner.LogPipe).
+trial's process group at once when it answers, then deletes its out/ and compile/ (before
+it writes another line: the trial may have filled the disk), and the log keeps a head and
+a tail (autoloop.measure.runner.LogPipe).
 
 How each is bounded, and why this way:
 
@@ -12,20 +13,22 @@ How each is bounded, and why this way:
   what the sandbox's own tmpfs folders (/tmp, /dev/shm) hold, read through
   /proc/<pid>/root: that is RAM too. RSS counts a page that forked processes share once
   in each of them, so a sum over the limit is confirmed by the proportional sum (PSS,
-  /proc/<pid>/smaps_rollup: exact, but the kernel walks the page tables to say it). RLIMIT_AS breaks CUDA (it reserves tens of GB of
-  address space it never touches), and RLIMIT_DATA is per process and counts address
+  /proc/<pid>/smaps_rollup: exact, but the kernel walks the page tables to say it).
+  RLIMIT_AS breaks CUDA (it reserves tens of GB of address space it never touches),
+  and RLIMIT_DATA is per process and counts address
   space, not memory, so a trial of many processes gets many times it and an honest one
   with many threads' arenas could hit it. The cost of a watchdog is its window: between
   two polls (0.2 s) a process can touch perhaps a GB or two more than the limit.
 * **Processes**: a watchdog too, counting the trial's processes (the descendants of the
   process the runner started: inside bubblewrap's PID namespace nothing escapes that
-  tree; its process group too). RLIMIT_NPROC counts every process of the *user*, the
+  tree; unsandboxed, a double-forked daemon does). RLIMIT_NPROC counts every process of the *user*, the
   controller and the user's shell included, and does not apply to root at all (bubblewrap
   run by root keeps uid 0), so it would bind honest trials or nothing.
 * **Disk**: out/ and compile/ (the only folders a sandboxed trial can write on disk),
-  walked at most once a second while the trial runs and once after it, without following
-  links, bytes and files counted (a file's bytes are the larger of its size and its
-  blocks). The limit is the configured one or half of what the disk had free when the
+  walked without following links, bytes and files counted (a file's bytes are the larger
+  of its size and its blocks): while the trial runs, whenever the disk's free space or
+  free inodes (one statvfs a second) dropped by more than the room left under a limit,
+  and every 10 s anyway; and once after it. The limit is the configured one or half of what the disk had free when the
   trial started, whichever is smaller: a trial that fills the disk is over its own limit
   (its fault, `invalid`), while a disk that fills for another reason still pauses the run
   (autoloop.loop.disk).

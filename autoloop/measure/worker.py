@@ -463,6 +463,7 @@ def _evaluate(job: MeasureJob, project_dir: Path, folder: RunFolder, result: dic
               on_start: OnStart | None, abort: _Abort, checkpoint: Path | None = None):
     """val_bpb (and, with verify, held-out) of the run's checkpoint, by the harness's scorer
     in a process of its own, the model in another (autoloop.trust.evaluation)."""
+    from autoloop.measure.limits import TrialLimits
     from autoloop.measure.sandbox import detect
     from autoloop.trust.bytecode import pycache_env, warm_pycache
     from autoloop.trust.evaluation import evaluate_checkpoint
@@ -485,6 +486,7 @@ def _evaluate(job: MeasureJob, project_dir: Path, folder: RunFolder, result: dic
         deadline_seconds=max(EVAL_DEADLINE_FLOOR_SECONDS, job.grace_seconds), on_start=on_start, should_abort=abort,
         env=dict(job.env or {}) or None, hidden=[Path(p) for p in job.hidden],
         pycache=pycache_env("eval", _pycache_root(job)), cache=_cache_root(job),
+        limits=TrialLimits.from_dict(job.limits),
     )
 
 

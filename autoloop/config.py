@@ -125,6 +125,14 @@ class Config:
     # notify_timeout seconds. It may name secrets ($WEBHOOK_URL): it is never stored in the db.
     notify: str | None = None
     notify_timeout: float = 10.0
+    # What one trial may spend (autoloop/measure/limits.py, docs/verification.md); a trial
+    # over a limit is invalid with the limit named. The defaults never bind an honest GPU trial.
+    trial_memory_mb: int | None = None  # resident memory of its processes and its /tmp; default: half the machine's
+    trial_processes: int = 1024  # processes at once
+    trial_disk_mb: int = 8192  # what out/ and compile/ may hold (and never more than half the disk's free space)
+    trial_files: int = 10_000  # files in out/ and compile/
+    trial_log_mb: int = 64  # train.log; past it the trial is stopped and its log cut to a head and a tail
+    feed_memory_mb: int = 256  # the data feed's batches held in the controller for one trial, all streams together
 
     def train_argv(self) -> list[str]:
         argv = shlex.split(self.train_command)
@@ -177,6 +185,12 @@ _RANGES: dict[str, tuple[float, bool, float | None, str, str]] = {
     "workers": (0, True, None, "workers; 0 means one per GPU", "2"),
     "migrate_every": (0, True, None, "trials between migrations; 0 means never", "10"),
     "notify_timeout": (0, False, None, "seconds the notify command may take", "10"),
+    "trial_memory_mb": (1, True, None, "MiB of memory a trial may hold", "16384"),
+    "trial_processes": (1, True, None, "processes a trial may run at once", "1024"),
+    "trial_disk_mb": (1, True, None, "MiB a trial may write to out/ and compile/", "8192"),
+    "trial_files": (1, True, None, "files a trial may write", "10000"),
+    "trial_log_mb": (1, True, None, "MiB of log a trial may print", "64"),
+    "feed_memory_mb": (1, True, None, "MiB the data feed may hold for a trial", "256"),
 }
 
 

@@ -518,3 +518,21 @@ def test_snapshot_names_an_added_pth_file(tmp_path, embedded_dataset):
         f"import hook {site_packages / 'existing.pth'} modified", f"import hook {site_packages / 'zz_evil.pth'} added"]
     assert str(site_packages) not in " ".join(str(d) for d in integrity.site_dirs())  # defaults: the real ones
     assert any(str(d).endswith("site-packages") for d in integrity.site_dirs())
+
+
+# The model process runs the trial's code: its memory, processes and log are the trial's (issue 31, item 6).
+@pytest.mark.parametrize("attack,limit,words", [
+    ("    import sys\n    for _ in range(20_000):\n        print('spam ' * 40, file=sys.stderr)\n",
+     {"log_bytes": 2**20}, ("train.log grew past 1 MiB", "(trial-log-mb)")),
+    ("    global _HOARD\n    _HOARD = bytearray(1536 * 2**20)\n",
+     {"memory_bytes": 2**30}, ("past the 1.0 GiB a trial may hold", "(trial-memory-mb)")),
+])
+def test_a_model_over_the_trials_limits_fails_its_evaluation_with_the_limit_named(fresh, tmp_path, attack, limit,
+                                                                                 words):
+    from autoloop.measure.limits import LIMIT_PREFIX, TrialLimits
+
+    source = edited(tiny_train_source(), PEEK[0], attack + PEEK[0])
+    result = _evaluate(fresh, tmp_path, source, limits=TrialLimits(**{"memory_bytes": 8 * 2**30, **limit}))
+    assert not result.ok and result.reason.startswith(LIMIT_PREFIX), result.reason
+    assert all(word in result.reason for word in words) and "its model, under evaluation" in result.reason
+    assert (tmp_path / "out").exists() and sum(p.stat().st_size for p in (tmp_path / "out").rglob("*")) < 2**20

@@ -23,7 +23,7 @@ import torch
 from autoloop import harness as H
 from autoloop.trust.budget import check_budget, refusal_problem
 from autoloop.harness import feed as F
-from autoloop.harness.data import WITHHELD_MARKER
+from autoloop.harness.data import WITHHELD_MARKER, read_windows
 from test_train import TRAIN_PY, explain, run_train
 
 
@@ -247,3 +247,115 @@ def test_the_feed_reads_the_ticking_process_cpu_time_itself(tmp_path, embedded_d
     waited, worked = cpu[1] - cpu[0], cpu[2] - cpu[1]
     assert waited < 0.15 and worked > 0.45, cpu
     assert [t[2] for t in summary["last_ticks"]] == cpu
+
+
+# ---------------------------------------------------------------------------- the feed's memory (issue 31, item 6)
+
+
+def _old_sequential_starts(n_tokens: int, batch_size: int, seq_len: int, batches: int) -> list[list[int]]:
+    """The walk as it was written before it became one array: a Python int per window."""
+    last_start, position, out = n_tokens - (seq_len + 1), 0, []
+    for _ in range(batches):
+        starts = []
+        for _ in range(batch_size):
+            if position > last_start:
+                position = 0
+            starts.append(position)
+            position += seq_len
+        out.append(starts)
+    return out
+
+
+@pytest.mark.parametrize("n_tokens,batch_size,seq_len", [(1000, 7, 16), (50, 5, 16), (18, 3, 16), (4097, 64, 32)])
+def test_the_sequential_walk_as_one_array_is_the_old_walk(n_tokens, batch_size, seq_len):
+    sampler = H.WindowSampler(n_tokens, batch_size, seq_len, sequential=True)
+    new = [sampler.starts().tolist() for _ in range(9)]
+    assert new == _old_sequential_starts(n_tokens, batch_size, seq_len, 9)
+
+
+def test_windows_gathered_in_one_array_are_the_stacked_slices(embedded_dataset):
+    tokens = embedded_dataset._memmap("train")
+    starts = np.array([0, 5, len(tokens) - 33, 17, 5])
+    windows = read_windows(tokens, starts, 32)
+    assert windows.flags.c_contiguous and windows.dtype == tokens.dtype and windows.shape == (5, 33)
+    assert np.array_equal(windows, np.stack([tokens[s:s + 33] for s in starts]))
+
+
+_FEED_CLIENT = """
+import sys
+from autoloop.harness.feed import FeedClient
+client = FeedClient(sys.argv[1])
+try:
+    stream = client.open_stream("train", int(sys.argv[2]), int(sys.argv[3]))
+    for _ in range(2):
+        stream.next_windows()
+    print("served")
+except Exception as exc:
+    print("refused:", exc)
+client.close()
+"""
+
+
+def _peak_rss_growth_mb(run) -> float:
+    """How far this process's peak RSS rose above its RSS while `run()` ran (VmHWM, reset first)."""
+    def status(field):
+        return next(int(line.split()[1]) for line in Path("/proc/self/status").read_text().splitlines()
+                    if line.startswith(field + ":"))
+
+    before = status("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")
+    run()
+    return (status("VmHWM") - before) / 1024
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's /proc/self/clear_refs")
+def test_the_feed_holds_at_most_its_budget_and_refuses_a_request_over_it(embedded_dataset, tmp_path):
+    """A client in another process asks for 2^19 windows (2 x 26 MB with their starts: within
+    a 64 MiB budget) and then for 2^21 (210 MB: refused). The feed's process grows by less
+    than the budget; on the old feed (a Python list per window, no budget) the first request
+    alone grew it by more, and the second was served."""
+    import sys
+
+    budget = 64 * 2**20
+    itemsize = embedded_dataset._memmap("train").dtype.itemsize
+    assert F.stream_bytes(2**19, 12, itemsize) <= budget < F.stream_bytes(2**21, 12, itemsize)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    with H.FeedServer(embedded_dataset.path, tmp_path / "feed.sock", memory_budget=budget) as server:
+        said = {}
+
+        def ask(batch_size):
+            said[batch_size] = subprocess.run([sys.executable, "-c", _FEED_CLIENT, str(server.address),
+                                               str(batch_size), "12"], env=env, capture_output=True, text=True,
+                                              timeout=120).stdout
+
+        grew = {n: _peak_rss_growth_mb(lambda n=n: ask(n)) for n in (2**19, 2**21)}
+        assert wait_for(lambda: server.summary()["connections"] == 2 and not server._conns)
+        summary = server.summary()
+    assert said[2**19].strip() == "served", said
+    assert said[2**21].startswith("refused:") and "past the feed's 64 MiB budget" in said[2**21], said
+    assert "feed-memory-mb" in said[2**21]
+    assert grew[2**19] < budget / 2**20, grew
+    assert grew[2**21] < 8, grew  # refused before anything was drawn
+    assert summary["batches"] == 2 and summary["memory_peak"] == F.stream_bytes(2**19, 12, itemsize)
+    over = summary["over_budget"]
+    assert (over["batch_size"], over["seq_len"], over["held"]) == (2**21, 12, 0), over  # the first stream was let go
+    assert summary["over_budget_count"] == 1 and summary["memory_budget"] == budget
+
+
+def test_the_budget_counts_every_stream_of_the_trial_together(embedded_dataset, tmp_path):
+    """Streams add up, across connections too; a closed connection gives its share back."""
+    itemsize = embedded_dataset._memmap("train").dtype.itemsize
+    one = F.stream_bytes(1000, 16, itemsize)
+    with H.FeedServer(embedded_dataset.path, tmp_path / "b.sock", memory_budget=2 * one) as server:
+        first, second = F.FeedClient(str(server.address)), F.FeedClient(str(server.address))
+        first.open_stream("train", 1000, 16)
+        second.open_stream("train", 1000, 16)
+        with pytest.raises(H.HarnessError, match="already held"):
+            second.open_stream("train", 1000, 16)
+        first.close()
+        assert wait_for(lambda: len(server._conns) == 1)
+        second.open_stream("train", 1000, 16).next_windows()  # the first connection's share is free again
+        second.close()
+        summary = server.summary()
+    assert summary["over_budget"]["held"] == 2 * one and summary["over_budget_count"] == 1
+    assert len(summary["streams"]) == 3

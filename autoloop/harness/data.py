@@ -350,19 +350,21 @@ class WindowSampler:
     def starts(self) -> np.ndarray:
         if not self.sequential:
             return self.rng.integers(0, self.last_start + 1, size=self.batch_size)
-        starts = []
-        for _ in range(self.batch_size):
-            if self.position > self.last_start:
-                self.position = 0
-            starts.append(self.position)
-            self.position += self.seq_len
-        return np.asarray(starts)
+        # The walk visits 0, L, 2L, ... up to last_start, then wraps to 0: computed as one
+        # array, not a Python int per window (a trial chooses batch_size; the feed serves it).
+        cycle = self.last_start // self.seq_len + 1
+        first = (self.position // self.seq_len) % cycle
+        index = (first + np.arange(self.batch_size, dtype=np.int64)) % cycle
+        self.position = (int(index[-1]) + 1) * self.seq_len if self.batch_size else self.position
+        return index * self.seq_len
 
 
 def read_windows(tokens: np.ndarray, starts: np.ndarray, seq_len: int) -> np.ndarray:
     """The (batch, seq_len + 1) windows at `starts`, in the split's own dtype."""
-    span = seq_len + 1
-    return np.stack([tokens[s : s + span] for s in starts])
+    # One gather from a strided view: the batch's own array and nothing per window (a list
+    # of 2^21 slices cost the controller gigabytes; autoloop.harness.feed bounds the rest).
+    windows = np.lib.stride_tricks.sliding_window_view(tokens, seq_len + 1)
+    return windows[np.asarray(starts, dtype=np.int64)]
 
 
 def check_window_fits(n_tokens: int, seq_len: int, split: str, where) -> None:

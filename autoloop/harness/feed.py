@@ -28,6 +28,16 @@ Unix socket paths are limited to ~107 bytes: a longer address is reached on Linu
 through /proc/self/fd/N/<name> (N an O_PATH descriptor of its folder), so the socket
 stays in the run folder (which the sandbox binds); elsewhere the server falls back to a
 private temporary folder and reports its real `address`.
+
+Memory. The feed runs in the controller, so what a trial asks of it is the controller's
+memory: a batch is drawn as one array (a gather from a strided view of the memory map,
+no Python object per window), and every stream holds at most two batches (the one being
+sent and the next, drawn ahead). Each stream's two batches and their window starts are
+reserved against `memory_budget` (DEFAULT_MEMORY_BUDGET, all streams and connections of
+the trial together) when it opens; a hello over what is left is refused, recorded in
+the summary (`over_budget`), and the trial is invalid with the budget named. The default,
+256 MiB, is ~250 x the largest honest batch train.py asks for on a GPU (64 x 2049 tokens
+of uint16 or uint32: 0.25-0.5 MiB, two of them per stream, a few streams).
 """
 
 from __future__ import annotations
@@ -62,7 +72,10 @@ HELLO, NEXT, TICK, BYE = 1, 2, 3, 4
 OK, BATCH, ERROR = 0x81, 0x82, 0x83
 
 MAX_REQUEST_BYTES = 64 * 2**10  # a HELLO is ~150 bytes
-MAX_BATCH_TOKENS = 2**26  # per batch; keeps a confused request from exhausting the controller's memory
+MAX_BATCH_TOKENS = 2**26  # per batch, whatever the budget: a window count no honest loader asks for
+DEFAULT_MEMORY_BUDGET = 256 * 2**20  # bytes the feed may hold for one trial (see the module doc); feed_memory_mb
+HELD_BATCHES = 2  # per stream: the batch being sent and the next one, drawn ahead
+_START_BYTES = 24  # per window: its int64 start and the sampler's int64 temporaries
 MAX_CONNECTIONS = 8  # at once, per server
 MAX_STREAMS = 64
 MAX_RECORDED_TICKS = 200_000  # tick times kept one by one (a 300 s GPU trial ticks ~1-5k times)
@@ -144,9 +157,20 @@ def _frame(kind: int, payload: bytes = b"") -> bytes:
 # ---------------------------------------------------------------------------- server
 
 
+def stream_bytes(batch_size: int, seq_len: int, itemsize: int) -> int:
+    """What one stream may hold in the feed's process: HELD_BATCHES batches of windows and their starts."""
+    return HELD_BATCHES * batch_size * ((seq_len + 1) * itemsize + _START_BYTES)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.0f} MiB" if n >= 2**20 else f"{n / 2**20:.2f} MiB"
+
+
 class _Stream:
-    def __init__(self, tokens: np.ndarray, batch_size: int, seq_len: int, seed: int, sequential: bool, record: dict):
+    def __init__(self, tokens: np.ndarray, batch_size: int, seq_len: int, seed: int, sequential: bool, record: dict,
+                 reserved: int = 0):
         self.tokens, self.seq_len = tokens, seq_len
+        self.reserved = reserved
         self.sampler = WindowSampler(len(tokens), batch_size, seq_len, seed=seed, sequential=sequential)
         self.tokens_per_batch = batch_size * seq_len
         self.record = record
@@ -158,7 +182,7 @@ class _Stream:
         return windows
 
     def draw(self) -> np.ndarray:
-        return np.ascontiguousarray(read_windows(self.tokens, self.sampler.starts(), self.seq_len))
+        return read_windows(self.tokens, self.sampler.starts(), self.seq_len)  # a new C-ordered array
 
 
 class FeedServer:
@@ -171,14 +195,22 @@ class FeedServer:
 
     `seed` is the seed the controller gave the trial: streams that ask for another one are
     served (the trial's own choice of data order) and listed in the summary.
+    `memory_budget`: the bytes all the trial's streams may hold together (module doc).
     """
 
     def __init__(self, data_dir: Path | str, address: Path | str, *, seed: int | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, memory_budget: int = DEFAULT_MEMORY_BUDGET):
+        if memory_budget < 1:
+            raise HarnessError(f"the data feed's memory budget is {memory_budget} bytes: give it at least one batch's")
         self.data_dir = Path(data_dir)
         self.requested_address = Path(address)
         self.address = self.requested_address
         self.seed = seed
+        self.memory_budget = int(memory_budget)
+        self._held = 0  # bytes reserved by the open streams (stream_bytes), under the lock
+        self._held_peak = 0
+        self._over_budget: dict | None = None  # the first hello refused for the budget
+        self._over_budget_count = 0
         ds = load_dataset(self.data_dir, prepare=False)
         if ds.withheld:
             raise HarnessError(f"{self.data_dir} is a meta-only view of a dataset: give the data feed the prepared dataset itself")
@@ -367,6 +399,14 @@ class FeedServer:
                 self._peers.add(peer)
         streams: dict[int, _Stream] = {}
         try:
+            self._serve_requests(conn, streams, peer)
+        finally:
+            with self._lock:
+                self._held -= sum(stream.reserved for stream in streams.values())
+            streams.clear()
+
+    def _serve_requests(self, conn: socket.socket, streams: dict, peer: int | None) -> None:
+        try:
             while not self._stopping.is_set():
                 header = _recv_exact(conn, _HEADER.size)
                 if header is None:
@@ -424,19 +464,22 @@ class FeedServer:
             elif len(self._streams) >= MAX_STREAMS:
                 refusal = f"the data feed serves at most {MAX_STREAMS} loaders per trial"
             else:
-                refusal = None
+                refusal = self._reserve(batch_size, seq_len, now)
+        reserved = stream_bytes(batch_size, seq_len, self.dtype.itemsize) if refusal is None else 0
         if refusal is None:
             try:
                 check_window_fits(len(self._tokens), seq_len, split, self.data_dir)
             except HarnessError as exc:
                 refusal = str(exc)
+                with self._lock:
+                    self._held -= reserved
         if refusal is not None:
             conn.sendall(_frame(ERROR, refusal.encode()))
             return
         record = {"opened": _round(now), "split": split, "batch_size": batch_size, "seq_len": seq_len, "seed": seed,
                   "sequential": sequential, "device": str(hello.get("device", ""))[:20], "pid": hello.get("pid"),
                   "batches": 0, "tokens": 0}
-        stream = _Stream(self._tokens, batch_size, seq_len, seed, sequential, record)
+        stream = _Stream(self._tokens, batch_size, seq_len, seed, sequential, record, reserved)
         with self._lock:
             self._streams.append(record)
         stream_id = len(streams)
@@ -444,6 +487,23 @@ class FeedServer:
         reply = {"stream": stream_id, "dtype": self.dtype.name, "format": FORMAT}
         conn.sendall(_frame(OK, json.dumps(reply).encode()))
         stream.pending = stream.draw()
+
+    def _reserve(self, batch_size: int, seq_len: int, now: float) -> str | None:
+        """Reserve a new stream's bytes against the budget (the lock held); the refusal when over it."""
+        need = stream_bytes(batch_size, seq_len, self.dtype.itemsize)
+        if self._held + need <= self.memory_budget:
+            self._held += need
+            self._held_peak = max(self._held_peak, self._held)
+            return None
+        self._over_budget_count += 1
+        held = f"{_mib(self._held)} already held" if self._held else "nothing else held"
+        refusal = (f"asked the data feed for batches of {batch_size} x {seq_len + 1} tokens, {_mib(need)} with the "
+                   f"batch in flight and the next ({held}): past the feed's "
+                   f"{_mib(self.memory_budget)} budget for a trial (raise feed-memory-mb if an honest batch needs it)")
+        if self._over_budget is None:
+            self._over_budget = {"time": _round(now), "batch_size": batch_size, "seq_len": seq_len, "bytes": need,
+                                 "held": self._held, "reason": refusal}
+        return refusal
 
     def _next(self, conn: socket.socket, streams: dict, payload: bytes, now: float) -> None:
         stream = streams.get(_STREAM_ID.unpack(payload)[0]) if len(payload) == _STREAM_ID.size else None
@@ -524,6 +584,10 @@ class FeedServer:
                 "last_ticks": [list(t) for t in self._last_ticks],
                 "refused": [dict(r) for r in self._refused],
                 "refused_count": self._refused_count,
+                "memory_budget": self.memory_budget,
+                "memory_peak": self._held_peak,
+                "over_budget": dict(self._over_budget) if self._over_budget is not None else None,
+                "over_budget_count": self._over_budget_count,
                 "errors": list(self._errors),
                 "error_count": self._error_count,
                 "checkpoint": {"first_seen": _round(self._checkpoint_first), "last_change": _round(self._checkpoint_last),

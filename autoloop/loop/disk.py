@@ -1,4 +1,10 @@
-"""A full disk, wherever it surfaces in a trial, is not the proposal's fault.
+"""A full disk, wherever it surfaces in a trial, is not the proposal's fault, unless the
+trial filled it.
+
+A trial that wrote more than half of what the disk had free when it started (or more
+than its own disk limit) is stopped by its resource watch (autoloop.measure.limits) and
+is `invalid` with the limit named: its own fault, its out/ deleted, the run goes on.
+Every other full disk is the machine's:
 
 The training log ("No space left on device" from saving a checkpoint), git (which names
 `index.lock` as the file it could not create), the db or our own writes: `Controller.execute`
@@ -14,6 +20,7 @@ from __future__ import annotations
 import shutil
 
 from autoloop.errors import DiskFull, disk_full_what, is_disk_full
+from autoloop.measure.limits import is_limit_reason
 from autoloop.measure.runner import kill_process_group
 from autoloop.store import IdeaStatus, Kind, Status
 
@@ -32,6 +39,8 @@ def failed_for_full_disk(trial: dict) -> str | None:
     its checks (the verifier's evaluation can run out of space too)."""
     if trial.get("status") not in (Status.CRASH.value, Status.TIMEOUT.value, Status.INVALID.value):
         return None
+    if trial.get("status") == Status.INVALID.value and is_limit_reason(trial.get("reason")):
+        return None  # over its own limits (a disk it filled included): the trial's fault
     return disk_full_line(trial.get("error_tail"), trial.get("reason"))
 
 

@@ -89,6 +89,8 @@ class MeasureJob:
     # The run's baseline start-up ({"cpu_seconds", "wall_seconds"}, autoloop.trust.startup):
     # what the budget allows a trial before its first batch. None: the rule's default.
     startup_reference: dict | None = None
+    # What the trial may spend (autoloop.measure.limits.TrialLimits.to_dict); empty: the defaults.
+    limits: dict = field(default_factory=dict)
     # verify jobs: the run's checkpoint and its result JSON (the device it trained on)
     checkpoint: str | None = None
     result: dict | None = None

@@ -47,6 +47,7 @@ from typing import Protocol
 from autoloop.loop import faults
 from autoloop.errors import AutoloopError
 from autoloop.measure.job import JobResult, MeasureJob
+from autoloop.measure.limits import TrialLimits
 from autoloop.measure.run_folder import RunFolder
 from autoloop.measure.runner import RunOutcome
 from autoloop.store import Status
@@ -218,7 +219,8 @@ class Measurer:
             integrity_python=getattr(verifier, "python", None), cache_root=str(cache_root()),
             compile_seed=str(c.state_dir / c.tag / "compile-seed"), python=sys.executable,
             hidden=[str(p) for p in self._hidden()], db_path=str(c.db_path()),
-            env=dict(getattr(slot, "device_env", None) or {}), startup_reference=self._startup_reference(), **extra,
+            env=dict(getattr(slot, "device_env", None) or {}), startup_reference=self._startup_reference(),
+            limits=TrialLimits.from_config(c.config).to_dict(), **extra,
         )
 
     def _startup_reference(self) -> dict | None:

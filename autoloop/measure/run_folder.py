@@ -8,12 +8,16 @@ binds or runs lies there unless it is read as untrusted data (autoloop.trust.unt
     runs/<k>/
       out/             training's ONLY writable folder: result.json, checkpoint.pt,
                        progress.jsonl (the train-script contract's outputs); read back
-                       without following links, within caps, validated
+                       without following links, within caps, validated; its bytes and
+                       files bounded while training runs (autoloop.measure.limits), and
+                       deleted when a trial goes over a limit
       compile/         training's own torch.compile cache, writable, fresh per run (seeded
-                       from the run's trusted cache, see autoloop.measure.worker), deleted after
+                       from the run's trusted cache, see autoloop.measure.worker), deleted
+                       after; bounded with out/
       feed/            the data feed's socket, read-only to training (connecting needs no write)
       data/            the dataset's meta-only view, read-only to training
-      train.log        training's stdout and stderr, written by us from a pipe (never read back)
+      train.log        training's stdout and stderr, written by us from a pipe (never read back),
+                       capped: past trial-log-mb the trial is stopped and the log cut to head and tail
       source/          the commit's editable files, written by us; read-only to the model process
       eval/, verify/   made fresh by each evaluation (autoloop.trust.evaluation): its log and
                        verdict, written by us; no stage can write there
@@ -98,6 +102,19 @@ class RunFolder:
         self.root.mkdir(parents=True, exist_ok=True)
         for path in (self.out, self.compile, self.feed):
             self.fresh(path)
+
+    def writable(self) -> dict[str, Path]:
+        """The folders training may write on disk, by the name a limit's reason gives them
+        (autoloop.measure.limits)."""
+        return {f"{OUT}/": self.out, "compile/": self.compile}
+
+    def discard_outputs(self) -> None:
+        """Delete what training wrote (a trial over a limit: its junk), links not followed."""
+        for path in (self.out, self.compile):
+            if path.is_symlink() or path.is_file():
+                path.unlink()
+            elif path.exists():
+                shutil.rmtree(path, ignore_errors=True)
 
     def has_checkpoint(self) -> bool:
         """A regular file at out/checkpoint.pt, looked at without following links."""

@@ -65,10 +65,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from autoloop.errors import AutoloopError
 from autoloop.measure.sandbox import SandboxPaths, SandboxPolicy, allowed_environment
+
+if TYPE_CHECKING:
+    from autoloop.measure.limits import TrialLimits
 
 TRIAL_MARKER = "AUTOLOOP_TRIAL_MARKER"
 PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
@@ -113,6 +116,8 @@ class RunOutcome:
     pid: int
     pgid: int
     start_time: int | None = None
+    limit: str | None = None  # the limit it went over (autoloop.measure.limits); status "invalid"
+    resources: dict | None = None  # the peaks the resource watch saw: memory, processes, disk, files
 
 
 # ---------------------------------------------------------------------------------------
@@ -397,14 +402,23 @@ def open_log(path: Path) -> int:
     return os.open(str(path), os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
 
 
+# What a log cut at its cap keeps: its first and last bytes (the start-up and the end).
+LOG_HEAD_KEEP_BYTES = 64 * 1024
+LOG_TAIL_KEEP_BYTES = 256 * 1024
+
+
 class LogPipe:
     """A child's stdout and stderr: a pipe whose reading end a thread of ours drains into
     the log file, line by line, every line stripped of control characters
     (autoloop.trust.text), redacted (autoloop.trust.redact) and capped; the last
     MAX_LOG_MEMORY_BYTES stay in memory for the outcome rules, so the log is written but
-    never read back (a trial cannot swap the file we would read)."""
+    never read back (a trial cannot swap the file we would read).
 
-    def __init__(self, path: Path, *, prefix: str = ""):
+    `max_bytes`: the child's lines stop reaching the file past it (`over` turns true; the
+    pipe is still drained, so the child never blocks before the runner kills it), and
+    `cut()` leaves the file as its head, a line saying where it was cut, and its tail."""
+
+    def __init__(self, path: Path, *, prefix: str = "", max_bytes: int | None = None):
         from autoloop.trust.redact import redact
         from autoloop.trust.text import strip_controls
 
@@ -417,6 +431,11 @@ class LogPipe:
         self._memory = bytearray()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
+        self.max_bytes = max_bytes
+        self.written = 0  # the child's bytes that reached the file
+        self.dropped = 0  # the child's bytes past max_bytes
+        self.unwritten = 0  # the child's bytes the file did not take (a full disk)
+        self._head = bytearray()
 
     def write(self, line: str) -> None:
         """A line of our own (header, footer), cleaned like the child's."""
@@ -426,7 +445,18 @@ class LogPipe:
         clean = self._clean(data.decode("utf-8", "replace")).encode()
         if not ours:
             clean = self.prefix + clean
-        os.write(self._fd, clean)
+            if self.max_bytes is not None and (self.dropped or self.written + len(clean) > self.max_bytes):
+                self.dropped += len(clean)
+            else:
+                self.written += len(clean)
+                try:
+                    os.write(self._fd, clean)
+                except OSError:  # a full disk (the trial's own doing, perhaps): keep draining, keep the tail
+                    self.unwritten += len(clean)
+        else:
+            os.write(self._fd, clean)
+        if len(self._head) < LOG_HEAD_KEEP_BYTES:
+            self._head += clean[: LOG_HEAD_KEEP_BYTES - len(self._head)]
         with self._lock:
             self._memory += clean
             if len(self._memory) > MAX_LOG_MEMORY_BYTES:
@@ -457,6 +487,25 @@ class LogPipe:
                 self._emit(pending + b"\n")
         except OSError:
             pass
+
+    @property
+    def over(self) -> bool:
+        """The child printed more than max_bytes."""
+        return self.dropped > 0
+
+    def cut(self) -> None:
+        """Leave the log as its head, a line saying where and why it was cut, and its tail
+        (from memory: the file is never read back). A no-op unless the log went over."""
+        if not self.over:
+            return
+        with self._lock:
+            tail = bytes(self._memory[-LOG_TAIL_KEEP_BYTES:])
+        tail = tail[tail.find(b"\n") + 1:] if b"\n" in tail else tail  # from a line's start
+        total = self.written + self.dropped
+        note = (f"# autoloop: {max(0, total - len(self._head) - len(tail))} bytes cut here: the log grew past "
+                f"{self.max_bytes} bytes (trial-log-mb); its head and its tail are kept\n").encode()
+        os.ftruncate(self._fd, 0)
+        os.write(self._fd, bytes(self._head) + (b"" if self._head.endswith(b"\n") else b"\n") + note + tail)
 
     def finish(self, timeout: float = 5.0) -> None:
         """Wait for the pipe to drain (a process that escaped and holds it is abandoned after
@@ -522,6 +571,8 @@ def run_training(
     on_poll: Callable[[], None] | None = None,
     pass_fds: tuple[int, ...] = (),
     contract: bool = True,
+    limits: "TrialLimits | None" = None,
+    watched: dict[str, Path] | None = None,
 ) -> RunOutcome:
     """Run `command` until it exits, the deadline passes or `should_abort()` is true.
 
@@ -544,6 +595,11 @@ def run_training(
     `contract=False`: the command is not a training script (the evaluator): the log's
     closing line gives its exit and time, not a verdict by the train-script contract (a
     passed evaluation followed by "crash: finished without a val_bpb metric" misleads).
+
+    `limits` (autoloop.measure.limits): the trial's memory, processes, log and the disk of
+    the `watched` folders ({"out/": path, ...}) are watched at every poll and after the
+    run; a trial over one is SIGKILLed at once and ends "invalid" with the limit named
+    (`RunOutcome.limit`), its log cut to a head and a tail. None: no limit.
     """
     log_path = Path(log_path)
     result_path = Path(env["AUTOLOOP_RESULT"]) if env.get("AUTOLOOP_RESULT") else None
@@ -568,7 +624,12 @@ def run_training(
     else:
         argv = die_with_parent(argv)
 
-    log = LogPipe(log_path)
+    log = LogPipe(log_path, max_bytes=limits.log_bytes if limits is not None else None)
+    resources = None
+    if limits is not None:
+        from autoloop.measure.limits import ResourceWatch
+
+        resources = ResourceWatch(limits, watched or {}, log_over=lambda: log.over)
     where = f" [sandbox: {sandbox.kind}]" if sandbox is not None else ""
     log.write(f"# autoloop {_now()}: {shlex.join(map(str, command))}{where}")
     started = time.monotonic()
@@ -600,6 +661,9 @@ def run_training(
     reap = None if os.path.isdir("/proc/self") else proc.poll
 
     stopped: str | None = None
+    over: str | None = None
+    if resources is not None:
+        resources.attach(pid)
     try:
         if on_start is not None:
             on_start(pid, pgid, start_time)
@@ -612,12 +676,20 @@ def run_training(
             if should_abort is not None and should_abort():
                 stopped = "aborted"
                 break
+            if resources is not None:
+                over = resources.check()
+                if over is not None:
+                    stopped = "limit"
+                    break
             if on_poll is not None:
                 on_poll()
             watch.wait(min(poll_interval, remaining))
         if on_poll is not None:
             on_poll()
-        if stopped is not None:
+        if stopped == "limit":  # memory or processes still growing: no grace
+            _signal_group(pgid, signal.SIGKILL)
+            group_gone = _wait_group_gone(pgid, KILL_WAIT_SECONDS, reap)
+        elif stopped is not None:
             group_gone = _stop_group(pgid, kill_grace_seconds, reap)
         else:
             # The main process is done; anything left in its group is a leftover.
@@ -636,6 +708,12 @@ def run_training(
         reaper.__exit__()
     wall_seconds = time.monotonic() - started
     log.finish()
+    if resources is not None and over is None:
+        over = resources.final()  # what it wrote after the last look
+        if over is not None and stopped is None:
+            stopped = "limit"
+    if stopped == "limit":
+        resources.discard()  # its junk, before we write a line more: it may have filled the disk
 
     outcome = _judge(
         log.text(),
@@ -645,8 +723,11 @@ def run_training(
         deadline_seconds=deadline_seconds,
         sandboxed=sandboxed,
         external_eval=str(env.get("AUTOLOOP_EVAL") or "").strip().lower() == "external",
+        limit=over if stopped == "limit" else None,
     )
     outcome.wall_seconds = wall_seconds
+    if resources is not None:
+        outcome.resources = dict(resources.peak)
     outcome.pid, outcome.pgid, outcome.start_time = pid, pgid, start_time
 
     footer = f"# autoloop {_now()}: {outcome.status}, exit {returncode}, {wall_seconds:.1f} s"
@@ -659,6 +740,7 @@ def run_training(
     if survivors:
         footer += f" (killed {len(survivors)} process(es) that had left the group: {' '.join(map(str, survivors))})"
     log.write(footer)
+    log.cut()
     log.close()
     return outcome
 
@@ -672,6 +754,7 @@ def _judge(
     deadline_seconds: float,
     sandboxed: bool = False,
     external_eval: bool = False,
+    limit: str | None = None,
 ) -> RunOutcome:
     """Apply the outcome rules to what the process left behind.
 
@@ -723,6 +806,10 @@ def _judge(
             pgid=0,
         )
 
+    if stopped == "limit":
+        over = outcome("invalid", limit)
+        over.limit = over.reason
+        return over
     if stopped == "timeout":
         return outcome("timeout", f"killed at the {deadline_seconds:g} s deadline")
     if stopped == "aborted":

@@ -312,9 +312,11 @@ def _copy_regular_files(source: Path, dest: Path) -> None:
 
 def _train_job(job: MeasureJob, project_dir: Path, run_dir: Path, on_start: OnStart | None, abort: _Abort,
                runner: Callable[..., RunOutcome]) -> JobResult:
+    from autoloop.measure.limits import TrialLimits
     from autoloop.measure.probe import around_training
     from autoloop.measure.sandbox import SandboxPaths, project_files
 
+    limits = TrialLimits.from_dict(job.limits)
     folder = RunFolder(run_dir)
     folder.prepare_training()
     data_dir = Path(job.data_dir)
@@ -335,7 +337,7 @@ def _train_job(job: MeasureJob, project_dir: Path, run_dir: Path, on_start: OnSt
         from autoloop.trust.bytecode import pycache_dir, pycache_env, warm_pycache
 
         sandbox = detect(job.sandbox)
-        feed = FeedServer(data_dir, folder.feed / "feed.sock", seed=job.seed)
+        feed = FeedServer(data_dir, folder.feed / "feed.sock", seed=job.seed, memory_budget=limits.feed_bytes)
         watch = CheckpointWatch(folder, feed)
         env["AUTOLOOP_FEED"] = None
         readonly.append(folder.feed)
@@ -378,6 +380,7 @@ def _train_job(job: MeasureJob, project_dir: Path, run_dir: Path, on_start: OnSt
             deadline_seconds=job.time_budget + job.grace_seconds, on_start=started,
             should_abort=stop.wrap(abort) if stop is not None else abort,
             sandbox=sandbox, sandbox_paths=sandbox_paths, **({"on_poll": watch.poll} if watch is not None else {}),
+            limits=limits, watched=folder.writable(),
         )
     finally:
         if feed is not None:
@@ -407,6 +410,10 @@ def _train_job(job: MeasureJob, project_dir: Path, run_dir: Path, on_start: OnSt
         problem, out.pause, out.repaired = _integrity_problem(job, before, outcome, summary)
         if problem:
             return ended("invalid", problem)
+    over = outcome.limit or _feed_over_budget(summary)
+    if over:
+        folder.discard_outputs()  # its junk: nothing of a trial over a limit is read or kept
+        return ended("invalid", over)
     if stopped:
         out.fields["stopped_at"] = stop.reached
         return ended("stopped", stop.why)
@@ -446,10 +453,19 @@ def _train_job(job: MeasureJob, project_dir: Path, run_dir: Path, on_start: OnSt
     return ended("ok", None)
 
 
+def _feed_over_budget(summary: dict | None) -> str | None:
+    """The data feed refused a stream for its memory budget: the trial's request, its fault."""
+    from autoloop.measure.limits import LIMIT_PREFIX
+
+    over = (summary or {}).get("over_budget")
+    return LIMIT_PREFIX + str(over.get("reason") or "asked the data feed for more than its budget") if over else None
+
+
 def _evaluate(job: MeasureJob, project_dir: Path, folder: RunFolder, result: dict, *, verify: bool,
               on_start: OnStart | None, abort: _Abort, checkpoint: Path | None = None):
     """val_bpb (and, with verify, held-out) of the run's checkpoint, by the harness's scorer
     in a process of its own, the model in another (autoloop.trust.evaluation)."""
+    from autoloop.measure.limits import TrialLimits
     from autoloop.measure.sandbox import detect
     from autoloop.trust.bytecode import pycache_env, warm_pycache
     from autoloop.trust.evaluation import evaluate_checkpoint
@@ -472,6 +488,7 @@ def _evaluate(job: MeasureJob, project_dir: Path, folder: RunFolder, result: dic
         deadline_seconds=max(EVAL_DEADLINE_FLOOR_SECONDS, job.grace_seconds), on_start=on_start, should_abort=abort,
         env=dict(job.env or {}) or None, hidden=[Path(p) for p in job.hidden],
         pycache=pycache_env("eval", _pycache_root(job)), cache=_cache_root(job),
+        limits=TrialLimits.from_dict(job.limits),
     )
 
 

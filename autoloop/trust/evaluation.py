@@ -94,7 +94,8 @@ class _Child:
     """A process in its own group, logging through a pipe of ours, dying with us."""
 
     def __init__(self, argv: list[str], *, cwd: Path, env: dict[str, str], log_path: Path, prefix: str,
-                 pass_fds: tuple[int, ...], sandbox, readonly: list[Path], hidden: list[Path]):
+                 pass_fds: tuple[int, ...], sandbox, readonly: list[Path], hidden: list[Path],
+                 max_log_bytes: int | None = None):
         import subprocess
 
         from autoloop.measure.runner import LogPipe, die_with_parent
@@ -103,7 +104,7 @@ class _Child:
             argv, env = sandbox.wrap(argv, env=env, cwd=cwd, writable=[], readonly=readonly, hidden=hidden)
         if sandbox is None or sandbox.kind != "bwrap":
             argv = die_with_parent(argv)
-        self.log = LogPipe(log_path, prefix=prefix)
+        self.log = LogPipe(log_path, prefix=prefix, max_bytes=max_log_bytes)
         try:
             self.proc = subprocess.Popen(argv, cwd=str(cwd), env=env, stdin=subprocess.DEVNULL, stdout=self.log.write_fd,
                                          stderr=subprocess.STDOUT, start_new_session=True, pass_fds=pass_fds)
@@ -125,6 +126,8 @@ class _Child:
     def close(self) -> None:
         self.kill()
         self.proc.wait()
+        self.log.finish()
+        self.log.cut()  # a log over its cap: its head and tail (autoloop.measure.runner.LogPipe)
         self.log.close()
 
 
@@ -149,6 +152,7 @@ def evaluate_checkpoint(
     pycache: dict[str, str | None] | None = None,
     cache: Path | None = None,
     probe_batches: int | None = None,
+    limits=None,
 ) -> EvalResult:
     """Evaluate `checkpoint_base/checkpoint` (the trial's output, opened without following
     links) with the model of `source_dir/script`, by the harness, in two processes.
@@ -157,7 +161,10 @@ def evaluate_checkpoint(
     exist: nothing an earlier stage wrote is reused). `hidden`: what neither process may see
     (the project's .git, .autoloop, the db, secret files); the model process also does not
     see `data_dir`. `env`: extra environment for both (the slot's CUDA_VISIBLE_DEVICES).
-    `pycache`: the bytecode settings (read-only prefix, no writing) for both."""
+    `pycache`: the bytecode settings (read-only prefix, no writing) for both. `limits`
+    (autoloop.measure.limits.TrialLimits): the model process runs the trial's code, so its
+    memory, processes and log are the trial's, watched as in training; over one, the
+    evaluation fails with the limit named."""
     from autoloop.harness.channel import make_region
     from autoloop.measure.runner import process_start_time
     from autoloop.measure.sandbox import allowed_environment
@@ -199,6 +206,7 @@ def evaluate_checkpoint(
             cwd=Path(source_dir), env=dict(base_env), log_path=log_path, prefix="[model] ",
             pass_fds=(checkpoint_fd, model_end.fileno(), region), sandbox=sandbox,
             readonly=[Path(source_dir), prefix], hidden=[*hidden, Path(data_dir), *_dataset_roots(data_dir)],
+            max_log_bytes=limits.log_bytes if limits is not None else None,
         )
         if on_start is not None:
             on_start(model.pid, model.pid, process_start_time(model.pid))
@@ -224,7 +232,14 @@ def evaluate_checkpoint(
     verdict_text: list[bytes] = []
     reader = threading.Thread(target=_read_capped, args=(verdict_read, verdict_text), daemon=True)
     reader.start()
-    stopped = None
+    stopped = over = None
+    watch = None
+    if limits is not None:
+        from autoloop.measure.limits import ResourceWatch
+
+        watch = ResourceWatch(limits, {}, log_over=lambda: model.log.over)
+        watch.attach(model.pid)
+    next_look = 0.0
     try:
         deadline = started + deadline_seconds
         while scorer.proc.poll() is None:
@@ -234,6 +249,12 @@ def evaluate_checkpoint(
             if should_abort is not None and should_abort():
                 stopped = "aborted"
                 break
+            if watch is not None and time.monotonic() >= next_look:
+                next_look = time.monotonic() + 0.2  # as often as the runner looks at training
+                over = watch.check()
+                if over is not None:
+                    stopped = "limit"
+                    break
             time.sleep(0.05)
     finally:
         scorer.close()
@@ -249,6 +270,8 @@ def evaluate_checkpoint(
 
     if stopped == "aborted":
         return result(False, "the evaluation was interrupted", "aborted")
+    if stopped == "limit":
+        return result(False, f"{over} (its model, under evaluation)", "failed")
     if stopped == "timeout":
         return result(False, f"the evaluation did not finish within {deadline_seconds:.0f} s (see {log_path})", "timeout")
     code = scorer.proc.returncode

@@ -19,7 +19,7 @@ import time
 LR = 0.02  # learning rate; range 0.0001..1 log
 WIDTH = 64  # model width; power of two
 SLEEP = 0.0  # seconds to pretend to train
-MODE = "ok"  # ok | crash | hang | nan | nometric | reported | stubborn_child | fail
+MODE = "ok"  # ok | crash | hang | nan | nometric | reported | stubborn_child | fail | enospc | fill
 NOISE = 0.0  # sd of a per-seed draw added to val_bpb (seed noise, as in real training)
 SALT = 0  # which random stream the seed draws from: a change re-draws the noise (an init-only change)
 OFFSET_FILE = ""  # a file holding a number added to val_bpb (a machine that drifts)
@@ -97,6 +97,15 @@ def main() -> None:
             open(os.path.join(os.path.dirname(os.environ["AUTOLOOP_RESULT"]), "DISK_FULL"), "w").close()
         print("Traceback (most recent call last):\n  File \"train.py\", line 1, in save_checkpoint", flush=True)
         print("OSError: [Errno 28] No space left on device", flush=True)
+        sys.exit(1)
+    if MODE == "fill":  # writes checkpoints into its out/ until the disk is full: a disk the trial filled
+        block = b"x" * 2**20
+        try:
+            for i in range(10**6):
+                with open(os.path.join(os.path.dirname(os.environ["AUTOLOOP_RESULT"]), f"ckpt{i}"), "wb") as handle:
+                    handle.write(block)
+        except OSError as exc:
+            print(f"OSError: {exc}", flush=True)
         sys.exit(1)
     if MODE == "fail":
         print("FAIL: loss is nan", flush=True)

@@ -41,7 +41,8 @@ def _from_dict(cls, data: dict[str, Any]):
 class MeasureJob:
     """One training run of one commit at one seed (kind "train"), or the evaluation of a
     run's existing checkpoint (kind "verify": val, held-out and causality, what a keep
-    candidate's runs go through).
+    candidate's runs go through; with `verify` False val and its probes only, the
+    determinism re-check of a keep candidate under --no-verify).
 
     Paths are the controller's unless a remote executor rewrote them; None means the
     worker's own default (its interpreter, its harness, its cache folders)."""

@@ -359,9 +359,14 @@ class Measurer:
         if run_dir is None or not RunFolder(run_dir).has_checkpoint():
             return False, f"the checkpoint of its run at seed {row.get('seed')} is gone, so it cannot be verified", None
         c = self.c
+        # A proposal's keep gets probes with power (autoloop.harness.probe_power), sized by the
+        # run's paired noise; the baseline is the user's own script.
+        power = row.get("role") != "baseline"
+        noise = c.noise.current() if power and c.noise is not None else None
         job = self.job("verify", owner["trial_commit"] or c.run_row["base_commit"], int(row.get("seed") or 0),
                        role=row.get("role") or "candidate", slot=slot, verify=heldout,
-                       checkpoint=str(RunFolder(run_dir).checkpoint), result=_result_of(run_dir))
+                       checkpoint=str(RunFolder(run_dir).checkpoint), result=_result_of(run_dir),
+                       probe_power=power, probe_noise=noise.pair_sd if noise is not None else None)
 
         def on_start(pid: int, pgid: int, start_time: int | None) -> None:
             c.store.update_trial(running["id"], pid=pid, pgid=pgid, pid_start_time=start_time)
@@ -371,6 +376,11 @@ class Measurer:
         if result.status == "lost":
             c.notifier.worker_lost(getattr(slot, "name", None), running, result.reason)
             return None, f"the worker was lost during verification: {result.reason}", None
+        if power and (result.fields or {}).get("probe_power"):
+            from autoloop.harness.probe_power import describe
+
+            c.event("probes", f"trial {running['number']}, seed {row.get('seed')}: "
+                              f"{describe(result.fields['probe_power'])}", trial_id=running["id"])
         if not result.ok:
             if result.status == "aborted" or c.abort_requested:
                 return False, f"failed verification: {result.reason}", None

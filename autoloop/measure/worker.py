@@ -470,6 +470,7 @@ def _evaluate(job: MeasureJob, project_dir: Path, folder: RunFolder, result: dic
         deadline_seconds=max(EVAL_DEADLINE_FLOOR_SECONDS, job.grace_seconds), on_start=on_start, should_abort=abort,
         env=dict(job.env or {}) or None, hidden=[Path(p) for p in job.hidden],
         pycache=pycache_env("eval", _pycache_root(job)), cache=_cache_root(job),
+        probe_power=bool(getattr(job, "probe_power", False)), probe_noise=getattr(job, "probe_noise", None),
     )
 
 
@@ -485,7 +486,7 @@ def _verify_job(job: MeasureJob, project_dir: Path, run_dir: Path, on_start: OnS
                          result=result)
     evaluated = _evaluate(job, project_dir, folder, result, verify=job.verify, on_start=on_start, abort=abort,
                           checkpoint=checkpoint)
-    fields = {"eval_seconds": evaluated.seconds}
+    fields = {"eval_seconds": evaluated.seconds, "probe_power": (evaluated.causality or {}).get("power")}
     if not evaluated.ok:
         status = "aborted" if evaluated.status == "aborted" or abort() else "invalid"
         return JobResult(status, evaluated.reason, heldout=evaluated.heldout_bpb, fields=fields, result=result,

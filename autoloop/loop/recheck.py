@@ -10,12 +10,18 @@ number of its own, would be kept on a figure nobody reproduced. This keeps the o
 part: each run of a keep candidate is evaluated once more by the harness (val and its
 probes, one evaluation per run; the baseline, the user's own script, is not) and must give
 the figure it was measured at (autoloop.measure.measurer.verify, heldout=False).
+
+A run that saved no checkpoint cannot be evaluated again: --no-verify does not require one
+(a third-party script's result JSON is enough), so its figure stays the script's own,
+shown as unverified, as before. docs/verification.md says so.
 """
 
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
+from autoloop.measure.run_folder import RunFolder
 from autoloop.store import Kind
 
 
@@ -28,6 +34,8 @@ def recheck_keep(c, slot, trial: dict, fields: dict) -> tuple[bool | None, str |
     for row in c.store.measurements(trial["id"]):
         if row.get("role") != "candidate" or row.get("status") != "ok" or row.get("metric") is None:
             continue
+        if not row.get("log_path") or not RunFolder(Path(row["log_path"]).parent).has_checkpoint():
+            continue  # nothing to evaluate again: the script's own figure, unverified
         ok, reason, _ = c.measurer.verify(trial, trial, row, slot=slot, heldout=False)
         fields["verify_seconds"] = time.monotonic() - started
         if not ok:

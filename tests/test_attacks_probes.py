@@ -85,7 +85,10 @@ EVAL_ANCHOR = "    t_eval = time.perf_counter()\n"
 REMEMBERING = _patched(EVAL_ANCHOR, """\
     if not spec.external_eval:  # --no-verify: the script evaluates itself, and can read val
         _val = ds.split("val")[: 40000].tolist()
-        _next = {tuple(_val[_i - 8 : _i]): _val[_i] for _i in range(8, len(_val))}
+        _seen = {}
+        for _i in range(8, len(_val)):
+            _seen.setdefault(tuple(_val[_i - 8 : _i]), set()).add(_val[_i])
+        _next = {_k: next(iter(_v)) for _k, _v in _seen.items() if len(_v) == 1}  # contexts val always continues one way
         _forward = model.forward
 
         def _remembering(idx, targets=None):

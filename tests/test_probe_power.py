@@ -5,8 +5,9 @@ The evaluations run the real harness code path in one process: the scorer's `eva
 (autoloop.harness.evaluate) on the embedded dataset, the model process's `serve`
 (autoloop.harness.model_server) in a thread, the real channel and shared region between
 them. The model is a causal bigram table plus a next-token peek at the positions whose
-context (the last three tokens) hashes below f: the same positions at every evaluation,
-as a proposal's peek would choose them. Its f on the probed positions is measured exactly,
+context (the last eight tokens) hashes below a threshold that covers a fraction f of the
+probed positions: the same positions at every evaluation, as a proposal's peek would
+choose them. Its f on the probed positions is measured exactly,
 so the detection rate has a known expected value: 1 - (1 - f)^n for n tested positions.
 """
 
@@ -76,25 +77,34 @@ def test_the_sharper_bound_from_the_models_own_losses():
 # known peek fractions through the scorer
 # ---------------------------------------------------------------------------------------
 
-_HASH = (1_000_003, 7_919, 104_729)
-_MODULUS = 1 << 20
+def _context_hash(idx: torch.Tensor) -> torch.Tensor:
+    """A hash of each position's last eight tokens (fewer at the start of a row)."""
+    padded = torch.nn.functional.pad(idx, (7, 0))
+    h = torch.zeros_like(idx)
+    for k in range(8):
+        h = (h * 1_000_003 + padded[:, k : k + idx.size(1)] + 1) % 2_147_483_647
+    return (h * 48_271) % 2_147_483_647
 
 
 class HashPeek(torch.nn.Module):
-    """A causal bigram model that, where the hash of its last three tokens falls below
-    `fraction`, adds 30 to the logit of the NEXT token (a peek)."""
+    """A causal bigram model that, where the hash of its last eight tokens falls below a
+    threshold, adds 30 to the logit of the NEXT token (a peek). The threshold is the
+    `fraction` quantile of the hashes of `windows`' positions (the probed ones), so the
+    peek covers about that fraction of them; 0 and 1 peek nowhere and everywhere."""
 
-    def __init__(self, vocab_size: int, fraction: float):
+    def __init__(self, vocab_size: int, fraction: float, windows: torch.Tensor | None = None):
         super().__init__()
         generator = torch.Generator().manual_seed(0)
         self.table = torch.nn.Parameter(torch.randn(vocab_size, vocab_size, generator=generator))
-        self.threshold = int(fraction * _MODULUS)
+        if fraction <= 0 or fraction >= 1 or windows is None:
+            self.threshold = 0 if fraction <= 0 else 2_147_483_647
+        else:
+            hashes = _context_hash(windows)[:, :-1].double().flatten()
+            self.threshold = int(torch.quantile(hashes, fraction))
 
     def peeked(self, idx: torch.Tensor) -> torch.Tensor:
         """(B, T) True where the model peeks (the last position has no next token to see)."""
-        padded = torch.nn.functional.pad(idx, (2, 0))
-        h = (padded[:, 2:] * _HASH[0] + padded[:, 1:-1] * _HASH[1] + padded[:, :-2] * _HASH[2]) % _MODULUS
-        chosen = h < self.threshold
+        chosen = _context_hash(idx) < self.threshold
         chosen[:, -1] = False
         return chosen
 
@@ -129,11 +139,13 @@ def _evaluate_in_process(model, data_dir, *, seed: int, noise: float | None, spl
         b.close()
 
 
+def _probed_windows(ds, splits) -> torch.Tensor:
+    return torch.from_numpy(np.concatenate([evaluation_windows(ds.split(s), "cpu")[:, :-1] for s in splits]))
+
+
 def _fraction_on_probed_positions(model: HashPeek, ds, splits) -> float:
     """f as the probes draw it: positions 0..T-2 of every evaluation window."""
-    windows = np.concatenate([evaluation_windows(ds.split(s), "cpu")[:, :-1] for s in splits])
-    peeked = model.peeked(torch.from_numpy(windows))
-    return float(peeked[:, :-1].float().mean())
+    return float(model.peeked(_probed_windows(ds, splits))[:, :-1].double().mean())
 
 
 def _binomial_bounds(k: int, p: float, alpha: float = 1e-3) -> tuple[int, int]:
@@ -147,30 +159,33 @@ def _binomial_bounds(k: int, p: float, alpha: float = 1e-3) -> tuple[int, int]:
 @pytest.mark.slow
 @pytest.mark.parametrize("fraction, evaluations", [(0.01, 40), (0.001, 24)])
 def test_a_sparse_peek_is_caught_at_the_stated_power(embedded_dataset, fraction, evaluations):
-    """The noise is set so that the smallest peek worth it is at `fraction` of positions:
-    the plan then sends ln(0.05)/ln(1-f) probes or more, the verdict states a power >= 95%,
+    """The noise is set so that the smallest peek worth it is at the model's own f (about
+    `fraction`): the plan then sends ln(0.05)/ln(1-f) probes or more, the verdict states a power >= 95%,
     and over seeded evaluations the detections follow Binomial(k, 1 - (1 - f)^n) for the
     model's exact f: a plan that tested fewer positions, or placed them where the peek is
     not, falls below the lower bound."""
     ds = embedded_dataset
     splits = ("val", "heldout")
-    model = HashPeek(ds.vocab_size, fraction)
+    model = HashPeek(ds.vocab_size, fraction, _probed_windows(ds, splits))
     f = _fraction_on_probed_positions(model, ds, splits)
-    assert 0.5 * fraction < f < 1.5 * fraction, f  # the hash picks about the fraction asked for
+    assert 0.7 * fraction < f < 1.3 * fraction, f  # repeated contexts make it only about the fraction asked for
     targets = np.concatenate([evaluation_windows(ds.split(s), "cpu")[:, 1:].reshape(-1) for s in splits])
     table = np.asarray(ds.token_bytes)
     bytes_per_token = table[targets][table[targets] > 0].mean()
-    noise = fraction * P.bits_per_peek(ds.vocab_size) / bytes_per_token  # f_min == fraction
+    noise = f * P.bits_per_peek(ds.vocab_size) / bytes_per_token  # f_min == the model's own f
     caught, tested = 0, []
     for seed in range(evaluations):
         verdict = _evaluate_in_process(model, ds.path, seed=1000 + seed, noise=noise)
         power = verdict["causality"]["power"]
-        assert power["f_min"] == pytest.approx(fraction) and power["power"] >= 0.95, power
+        assert power["f_min"] == pytest.approx(f) and power["power"] >= 0.95, power
         tested.append(power["tested_positions"])
         caught += verdict["stage"] == "causality" and verdict["reason"].startswith("leaks future tokens")
     n = min(tested)
-    assert n >= P.probes_needed(fraction)
+    assert n >= P.probes_needed(f)
     expected = 1 - (1 - f) ** n
+    assert expected >= 0.95
+    print(f"peek at f = {f:.5f}: {caught} of {evaluations} evaluations caught it, {n} positions tested each, "
+          f"expected rate {expected:.3f}")  # pytest -s shows the figures
     low, high = _binomial_bounds(evaluations, expected)
     assert low <= caught <= high, (caught, evaluations, expected, f, n)
     assert caught >= 0.8 * evaluations

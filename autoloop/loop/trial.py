@@ -424,7 +424,7 @@ def verify_keep(c, ctx: TrialContext, trial: dict, outcome: TrialOutcome) -> Tri
     for row in c.store.measurements(trial["id"]):
         if row.get("role") != role or row.get("status") != "ok":
             continue
-        ok, reason, heldout = c.measurer.verify(trial, trial, row, slot=ctx.slot)
+        ok, reason, heldout = c.measurer.verify(trial, trial, row, slot=ctx.slot, power=not heldouts)
         if not ok:
             fields["verify_seconds"] = time.monotonic() - started
             return _verification_failed(c, ok, reason, fields)

@@ -343,8 +343,8 @@ class Measurer:
             return self._record(owner, running, m, "lost", result.reason or "the worker was lost")
         return self._record(owner, running, m, result.status, result.reason)
 
-    def verify(self, owner: dict, running: dict, row: dict, *, slot,
-               heldout: bool = True) -> tuple[bool | None, str | None, float | None]:
+    def verify(self, owner: dict, running: dict, row: dict, *, slot, heldout: bool = True,
+               power: bool = True) -> tuple[bool | None, str | None, float | None]:
         """Held-out and causality for an already measured run (a keep candidate's), on `slot`.
         Returns (ok, reason, heldout) and marks the row verified; ok is None when the
         worker was lost (not the trial's fault: the trial is interrupted).
@@ -354,14 +354,15 @@ class Measurer:
         what it was shown, or a script that printed a number of its own, does not). With
         `heldout` False (--no-verify) only val and its probes are evaluated. A run that
         fails is recorded `invalid` with no metric: its figure is in the reason, never a
-        val_bpb."""
+        val_bpb. `power`: probes with power (one run of a keep is enough: its code peeks at the
+        same positions in every run)."""
         run_dir = Path(row["log_path"]).parent if row.get("log_path") else None
         if run_dir is None or not RunFolder(run_dir).has_checkpoint():
             return False, f"the checkpoint of its run at seed {row.get('seed')} is gone, so it cannot be verified", None
         c = self.c
         # A proposal's keep gets probes with power (autoloop.harness.probe_power), sized by the
         # run's paired noise; the baseline is the user's own script.
-        power = row.get("role") != "baseline"
+        power = power and row.get("role") != "baseline"
         noise = c.noise.current() if power and c.noise is not None else None
         job = self.job("verify", owner["trial_commit"] or c.run_row["base_commit"], int(row.get("seed") or 0),
                        role=row.get("role") or "candidate", slot=slot, verify=heldout,

@@ -115,13 +115,15 @@ def _shown(repo, trial: dict) -> tuple[str, str]:
 
 
 def _assert_no_val_bpb_shown(repo, trial: dict) -> None:
-    """The trial has no metric, and `log` and `show` give it none (its figures stay in its reason)."""
+    """The trial has no metric, and `log` and `show` give it no val_bpb and no delta (its
+    figures stay in its reason)."""
     assert trial["metric"] is None and trial["metric_source"] is None, trial
     log, show = _shown(repo, trial)
     line = next(l for l in log.splitlines() if re.match(rf"\s*{trial['number']}\s", l))
-    assert not re.search(r"\d\.\d{4}", line.split("invalid")[0]), line  # no figure before the status
-    val_line = next(l for l in show.splitlines() if l.strip().startswith("val_bpb"))
-    assert not re.search(r"\d\.\d{4}", val_line), val_line
+    assert not re.search(r"\d\.\d{4}", line), line  # neither a val_bpb nor a delta
+    for field in ("val_bpb", "delta"):
+        shown = next(l for l in show.splitlines() if l.strip().startswith(field))
+        assert not re.search(r"\d\.\d{4}", shown), shown
 
 
 @pytest.mark.slow

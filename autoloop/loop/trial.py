@@ -455,6 +455,9 @@ def _verification_failed(c, ok: bool | None, reason: str | None, fields: dict) -
     if ok is None:  # the worker was lost: not the trial's fault
         return TrialOutcome(Status.INTERRUPTED, reason or "the worker was lost during verification", fields)
     fields.update(metric=None, metric_sd=None, metric_source=None, delta=None, heldout_metric=None, heldout_sd=None)
+    decision = fields.get("decision")
+    if isinstance(decision, dict) and "mean_diff" in decision:  # the log's delta: a failed figure's gain
+        fields["decision"] = {**decision, "mean_diff": None, "unverified_mean_diff": decision["mean_diff"]}
     return TrialOutcome(Status.INVALID, reason or "failed verification", fields)
 
 

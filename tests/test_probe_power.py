@@ -212,3 +212,13 @@ def test_a_peek_at_every_position_is_caught_by_the_default_probes(embedded_datas
     power = verdict["causality"]["power"]
     assert power["f_min"] is None and power["power"] is None  # no noise given: nothing claimed
     assert power["tested_positions"] == verdict["causality"]["tested_positions"] > 0
+
+
+def test_the_scorers_probe_noise_option_names_a_bad_figure(capsys):
+    from autoloop.harness.evaluate import _noise, main
+
+    assert _noise("unknown") is None and _noise("0.002") == 0.002
+    for bad in ("abc", "-0.1", "nan"):
+        with pytest.raises(SystemExit):
+            main(["--channel-fd", "0", "--region-fd", "0", "--verdict-fd", "0", "--probe-noise", bad])
+        assert f"--probe-noise takes a bpb figure >= 0 or 'unknown', not '{bad}'" in capsys.readouterr().err

@@ -825,7 +825,7 @@ OLD_LOG = """\
                                                     ↳ 1.100000 is not better than the best 1.031000 (+0.069000)
    5 rerun     discard      1.031200   +0.0002    0.5  re-run of the incumbent
                                                     ↳ re-run of the incumbent
-? kept without verification (--no-verify): measured by the script's harness, not re-checked
+? kept without verification (--no-verify): the script's own figure, no held-out check
 """
 
 

@@ -49,6 +49,7 @@ from autoloop.harness.data import load_dataset
 from autoloop.harness.errors import HarnessError
 from autoloop.harness.fingerprint import compute_harness_fingerprint
 from autoloop.harness.metric import counted_sums, evaluation_windows, target_nats
+from autoloop.harness.probe_power import peek_fraction_from_losses, power_record, probe_plan
 from autoloop.harness.scoring import Causality, make_plan, witness_log_probs
 
 # val and held-out bpb equal to this many significant digits are not two measurements.
@@ -116,8 +117,13 @@ def _outputs(channel: Channel, region: Region, batch_id: int, b: int, t: int, vo
 
 
 def evaluate(channel: Channel, region: Region, *, data_dir: Path | None, device_name: str,
-             splits: tuple[str, ...] = ("val",), seed: int | None = None, probe_batches: int | None = None) -> dict:
-    """Run the plan against the model process; returns the verdict (never raises for a trial's fault)."""
+             splits: tuple[str, ...] = ("val",), seed: int | None = None, probe_batches: int | None = None,
+             power: bool = False, probe_noise: float | None = None) -> dict:
+    """Run the plan against the model process; returns the verdict (never raises for a trial's fault).
+
+    `power`: as many probes as catch a next-token peek worth `probe_noise` bpb (the run's
+    paired noise; None: unknown, so the most the cap allows) with probability 95%
+    (autoloop.harness.probe_power); otherwise the default share."""
     seconds: dict[str, float | None] = {"startup": _process_age()}
     verdict: dict = {
         "ok": False, "reason": None, "stage": "load", "val_bpb": None, "heldout_bpb": None, "causality": None,
@@ -131,10 +137,17 @@ def evaluate(channel: Channel, region: Region, *, data_dir: Path | None, device_
     token_bytes = torch.as_tensor(np.asarray(ds.token_bytes), dtype=torch.int64, device=scorer)
     vocab = ds.vocab_size
     seed = secrets.randbits(63) if seed is None else seed
+    table = np.asarray(ds.token_bytes)
+    targets = np.concatenate([w[:, 1:].reshape(-1) for w in windows.values()])
+    counted = table[targets] > 0
+    bytes_per_token = float(table[targets][counted].sum()) / max(int(counted.sum()), 1)
+    probe_rows, f_min = (probe_plan(probe_noise, bytes_per_token, vocab, sum(len(w) for w in windows.values()))
+                         if power else (None, None))
     plan = make_plan(windows, BATCH_SIZE["cuda" if device_name == "cuda" else "cpu"], vocab, seed,
-                     probe_batches=probe_batches)
+                     probe_batches=probe_batches, probe_rows=probe_rows)
     causality = Causality(tolerance_for(torch.bfloat16 if device_name == "cuda" else None))
     totals = {split: [0.0, 0] for split in splits}
+    target_bits: list[np.ndarray] = []  # every counted target's loss, for the power's sharper bound
     seconds["load"] = time.perf_counter() - started
 
     verdict["stage"] = "ready"
@@ -158,18 +171,23 @@ def evaluate(channel: Channel, region: Region, *, data_dir: Path | None, device_
             channel.request(batch_id, batch.tokens)
             out = _outputs(channel, region, batch_id, b, t, vocab, scorer)
             verdict["batches"] = batch_id + 1
+            lse = torch.logsumexp(out, dim=-1)  # once per batch: thousands of probe rows read it
             if batch.kind == "scored":
                 y = torch.from_numpy(batch.targets.astype(np.int64)).to(scorer)
-                nats, nbytes = counted_sums(target_nats(out, y, vocab), y, token_bytes)
+                per_target = target_nats(out, y, vocab)
+                nats, nbytes = counted_sums(per_target, y, token_bytes)
                 totals[batch.split][0] += nats
                 totals[batch.split][1] += nbytes
+                target_bits.append((per_target[token_bytes[y.reshape(-1)] > 0] / math.log(2)).cpu().numpy())
                 for k in range(b):
                     for row in plan.by_source.get((batch.split, batch.first + k), ()):
-                        row.base = witness_log_probs(out[k * t : k * t + row.cut + 1], row.witnesses, vocab)
+                        at = slice(k * t + row.lo, k * t + row.cut + 1)
+                        row.base = witness_log_probs(out[at], row.witnesses, vocab, lse[at])
                         causality.record(row)
             else:
                 for k, row in enumerate(batch.rows):
-                    row.probe = witness_log_probs(out[k * t : k * t + row.cut + 1], row.witnesses, vocab)
+                    at = slice(k * t + row.lo, k * t + row.cut + 1)
+                    row.probe = witness_log_probs(out[at], row.witnesses, vocab, lse[at])
                     causality.record(row)
     except ModelFailed as exc:
         verdict["reason"] = str(exc)[:500]
@@ -184,6 +202,12 @@ def evaluate(channel: Channel, region: Region, *, data_dir: Path | None, device_
         channel.bye()
     seconds["score"] = time.perf_counter() - started
     verdict["causality"] = causality.as_dict(plan.seed, length)
+    bits = np.concatenate(target_bits) if target_bits else np.zeros(0)
+    f_losses = (peek_fraction_from_losses(bits, sum(n for _, n in totals.values()), probe_noise)
+                if probe_noise is not None and probe_noise > 0 else None)
+    verdict["causality"]["power"] = power_record(noise_bpb=probe_noise, bytes_per_token=bytes_per_token,
+                                                 vocab_size=vocab, tested=causality.tested, f_min=f_min,
+                                                 f_losses=f_losses)
     for split, (nats, nbytes) in totals.items():
         if nbytes == 0:
             raise HarnessError(f"the {split} evaluation set has no bytes to score: prepare the dataset again")
@@ -207,6 +231,18 @@ def parse_splits(text: str) -> tuple[str, ...]:
     return splits
 
 
+def _noise(text: str) -> float | None:
+    if text == "unknown":
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"--probe-noise takes a bpb figure >= 0 or 'unknown', not {text!r}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m autoloop.harness.evaluate", description=__doc__.splitlines()[0])
     parser.add_argument("--data-dir", type=Path, default=None, help="the prepared dataset; the default one if omitted")
@@ -216,13 +252,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--region-fd", type=int, required=True, help="the shared output region")
     parser.add_argument("--verdict-fd", type=int, required=True, help="where the verdict JSON goes")
     parser.add_argument("--probe-batches", type=int, default=None, help="causality probe batches (default: harness's)")
+    parser.add_argument("--probe-noise", type=_noise, default=False,
+                        help="probes with power: enough to catch a next-token peek worth this many bpb (the run's "
+                             "paired noise, or 'unknown' for the most the cap allows) with probability 95%%")
     args = parser.parse_args(argv)
     started = time.perf_counter()
     channel = Channel(args.channel_fd, timeout=BATCH_TIMEOUT_SECONDS)
     region = Region(args.region_fd)
     try:
         verdict = evaluate(channel, region, data_dir=args.data_dir, device_name=args.device, splits=args.splits,
-                           probe_batches=args.probe_batches)
+                           probe_batches=args.probe_batches, power=args.probe_noise is not False,
+                           probe_noise=args.probe_noise if args.probe_noise is not False else None)
     except HarnessError as exc:  # the data, not the trial: say so and let the controller report it
         print(f"ERROR: {exc}", flush=True)
         return 2

@@ -20,9 +20,15 @@ order it cannot predict. (The seed is recorded in the verdict afterwards.)
 
 What is compared, per position: the log-probabilities of a few *witness* tokens — the
 window's own next token, the probe's next token, and a fixed random set — under each
-output (logit minus log-sum-exp over the vocabulary). A leak raises the probability of the
-token it peeked at, which is always a witness; comparing witnesses instead of whole rows
-keeps the memory per probe small at any vocabulary.
+output (logit minus log-sum-exp over the vocabulary), at the last LOOKBACK positions up
+to the cut. A leak raises the probability of the token it peeked at, which is always a
+witness; comparing witnesses instead of whole rows, near the cut, keeps the memory per
+probe small at any vocabulary and context, so an evaluation can afford thousands.
+
+How many: each changed row tests the cut's position for a next-token peek (the token
+after the cut always differs from the window's) and the positions before it for longer
+leaks; `probe_rows` asks for that many changed rows, which the scorer derives from the
+run's noise (autoloop.harness.probe_power has the arithmetic and the power).
 
 What this cannot see: a model that remembers the windows it was shown and replays its
 earlier outputs when a window's prefix comes again (see docs/verification.md).
@@ -42,6 +48,12 @@ MIN_PROBE_BATCHES = 2
 PROBE_SHARE = 0.02
 UNCHANGED_PER_PROBE = 2  # windows of a probe batch left as they are (batch independence, determinism)
 RANDOM_WITNESSES = 8
+# Positions compared per probe row, ending at the cut: a next-token peek shows at the cut,
+# a leak from further ahead at every position it reaches back to.
+LOOKBACK = 64
+# Donors tried for a token after the cut that differs from the window's own, before that
+# one token is drawn at random instead.
+DONOR_TRIES = 8
 
 
 @dataclass
@@ -51,9 +63,16 @@ class ProbeRow:
     split: str
     source: int  # index of the evaluation window it was made from
     cut: int  # positions 0..cut must give the scored window's outputs (T-1: unchanged)
-    witnesses: np.ndarray  # (cut + 1, k) token ids whose log-probabilities are compared
-    base: np.ndarray | None = None  # (cut + 1, k) from the scored window
-    probe: np.ndarray | None = None  # (cut + 1, k) from the probe
+    lo: int  # the first position compared: positions lo..cut (LOOKBACK of them at most)
+    witnesses: np.ndarray  # (cut + 1 - lo, k) token ids whose log-probabilities are compared
+    base: np.ndarray | None = None  # (cut + 1 - lo, k) from the scored window
+    probe: np.ndarray | None = None  # (cut + 1 - lo, k) from the probe
+    length: int = 0  # the window's length T
+
+    @property
+    def changed(self) -> bool:
+        """A changed row tests position `cut` for a next-token peek; an unchanged one, batch mixing."""
+        return self.base is not None and self.witnesses.shape[0] > 0 and self.cut < self.length - 1
 
 
 @dataclass
@@ -79,10 +98,12 @@ def _probe_batches(n_scored: int) -> int:
 
 
 def make_plan(windows: dict[str, np.ndarray], batch_size: int, vocab_size: int, seed: int, *,
-              probe_batches: int | None = None) -> Plan:
+              probe_batches: int | None = None, probe_rows: int | None = None) -> Plan:
     """The scored batches of every split and the probe batches, shuffled together.
 
-    `windows[split]` is a (N, T + 1) array of token ids (metric.evaluation_windows)."""
+    `windows[split]` is a (N, T + 1) array of token ids (metric.evaluation_windows).
+    `probe_rows`: at least this many changed probe rows (tested positions); else
+    `probe_batches` batches, else the default share."""
     rng = np.random.Generator(np.random.PCG64(seed))
     batches: list[Batch] = []
     shapes: dict[int, list[str]] = {}
@@ -92,7 +113,11 @@ def make_plan(windows: dict[str, np.ndarray], batch_size: int, vocab_size: int, 
             batches.append(Batch("scored", chunk[:, :-1], split=split, targets=chunk[:, 1:], first=first))
             shapes.setdefault(len(chunk), []).append(split)
     n_scored = len(batches)
-    wanted = probe_batches if probe_batches is not None else _probe_batches(n_scored)
+    if probe_rows is not None:
+        per_batch = max(max(shapes) - UNCHANGED_PER_PROBE, 1)
+        wanted = max(MIN_PROBE_BATCHES, math.ceil(probe_rows / per_batch))
+    else:
+        wanted = probe_batches if probe_batches is not None else _probe_batches(n_scored)
     sizes = [max(shapes)] * max(wanted - (len(shapes) - 1), 1) + [s for s in shapes if s != max(shapes)]
     fixed = rng.choice(vocab_size, size=min(RANDOM_WITNESSES, vocab_size), replace=False)
     probes: list[ProbeRow] = []
@@ -111,14 +136,21 @@ def make_plan(windows: dict[str, np.ndarray], batch_size: int, vocab_size: int, 
                 cut, probe_x = length - 1, x.copy()
             else:
                 cut = int(rng.integers(0, length - 1))
-                donor = int(rng.integers(len(w) - 1))
-                donor += donor >= source
+                # The token after the cut must differ, or the cut's position tests nothing.
+                for _ in range(DONOR_TRIES):
+                    donor = int(rng.integers(len(w) - 1))
+                    donor += donor >= source
+                    if w[donor, cut + 1] != x[cut + 1]:
+                        break
                 probe_x = np.concatenate([x[: cut + 1], w[donor, cut + 1 : length]])
+                if probe_x[cut + 1] == x[cut + 1]:
+                    probe_x[cut + 1] = (x[cut + 1] + rng.integers(1, vocab_size)) % vocab_size
+            lo = max(0, cut + 1 - LOOKBACK)
             # Witnesses at position p: the window's next token, the probe's next token, the fixed set.
             probe_next = np.append(probe_x[1:], y[-1])
-            ids = np.concatenate([y[: cut + 1, None], probe_next[: cut + 1, None],
-                                  np.broadcast_to(fixed, (cut + 1, len(fixed)))], axis=1)
-            row = ProbeRow(split, source, cut, ids.astype(np.int64))
+            ids = np.concatenate([y[lo : cut + 1, None], probe_next[lo : cut + 1, None],
+                                  np.broadcast_to(fixed, (cut + 1 - lo, len(fixed)))], axis=1)
+            row = ProbeRow(split, source, cut, lo, ids.astype(np.int64), length=length)
             rows.append(row)
             tokens.append(probe_x)
             probes.append(row)
@@ -128,12 +160,15 @@ def make_plan(windows: dict[str, np.ndarray], batch_size: int, vocab_size: int, 
     return Plan([batches[i] for i in order], probes, by_source, seed)
 
 
-def witness_log_probs(rows: torch.Tensor, ids: np.ndarray, vocab_size: int) -> np.ndarray:
-    """log-probabilities of `ids` (P, k) under the output rows (P, width), float64 on the host."""
+def witness_log_probs(rows: torch.Tensor, ids: np.ndarray, vocab_size: int,
+                      lse: torch.Tensor | None = None) -> np.ndarray:
+    """log-probabilities of `ids` (P, k) under the output rows (P, width), float64 on the host.
+    `lse`: the rows' log-sum-exp over the vocabulary, when the caller computed it for a whole batch."""
     logits = rows[:, :vocab_size].float()
-    lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+    if lse is None:
+        lse = torch.logsumexp(logits, dim=-1)
     picked = torch.gather(logits, 1, torch.as_tensor(ids, device=logits.device))
-    return (picked - lse).double().cpu().numpy()
+    return (picked - lse.reshape(-1, 1)).double().cpu().numpy()
 
 
 @dataclass
@@ -142,6 +177,7 @@ class Causality:
 
     tolerance: float
     compared: int = 0
+    tested: int = 0  # changed rows compared: positions tested for a next-token peek
     max_leak: float = 0.0
     worst: dict | None = None
     cuts: list[int] = field(default_factory=list)
@@ -153,10 +189,11 @@ class Causality:
         if not math.isfinite(diff):
             diff = math.inf
         self.compared += 1
+        self.tested += row.changed
         self.cuts.append(row.cut)
         if diff > self.max_leak:
             self.max_leak = diff
-            position = int(np.argmax(np.max(np.abs(row.base - row.probe), axis=1))) if row.base.size else 0
+            position = row.lo + int(np.argmax(np.max(np.abs(row.base - row.probe), axis=1))) if row.base.size else 0
             self.worst = {"split": row.split, "window": row.source, "cut": row.cut, "position": position,
                           "change": diff}
 
@@ -178,5 +215,5 @@ class Causality:
 
     def as_dict(self, seed: int, length: int) -> dict:
         return {"ok": self.ok, "reason": self.reason(length), "tolerance": self.tolerance, "probes": self.compared,
-                "max_leak": self.max_leak, "worst": self.worst, "cuts": sorted(self.cuts)[:64],
+                "tested_positions": self.tested, "max_leak": self.max_leak, "worst": self.worst, "cuts": sorted(self.cuts)[:64],
                 "schedule_seed": seed}

@@ -42,6 +42,7 @@ from autoloop.decide.rule import DecisionConfig, estimate
 from autoloop.errors import is_disk_full
 from autoloop.loop import faults, stops
 from autoloop.loop.noise import paired_decision, runs_of
+from autoloop.loop.recheck import recheck_keep
 from autoloop.measure.measurer import Measurement, trial_status
 from autoloop.measure.run_folder import RunFolder
 from autoloop.measure.runner import gpu_busy_report
@@ -411,6 +412,9 @@ def verify_keep(c, ctx: TrialContext, trial: dict, outcome: TrialOutcome) -> Tri
               "it is kept as reported (unverified)", "yellow")
         return outcome
     if not guard_on(c):
+        failed = recheck_keep(c, ctx.slot, trial, fields) if c.verifier is not None else None
+        if failed is not None:
+            return _verification_failed(c, *failed, fields)
         fields["metric_source"] = source or MetricSource.HARNESS.value
         return outcome
     started = time.monotonic()
@@ -420,14 +424,10 @@ def verify_keep(c, ctx: TrialContext, trial: dict, outcome: TrialOutcome) -> Tri
     for row in c.store.measurements(trial["id"]):
         if row.get("role") != role or row.get("status") != "ok":
             continue
-        ok, reason, heldout = c.measurer.verify(trial, trial, row, slot=ctx.slot)
+        ok, reason, heldout = c.measurer.verify(trial, trial, row, slot=ctx.slot, power=not heldouts)
         if not ok:
             fields["verify_seconds"] = time.monotonic() - started
-            if c.abort_requested:
-                return TrialOutcome(Status.INTERRUPTED, "interrupted by the user during verification", fields)
-            if ok is None:  # the worker was lost: not the trial's fault
-                return TrialOutcome(Status.INTERRUPTED, reason, fields)
-            return TrialOutcome(Status.INVALID, reason, fields)
+            return _verification_failed(c, ok, reason, fields)
         heldouts[int(row["seed"])] = heldout
     fields["verify_seconds"] = time.monotonic() - started
     fields["metric_source"] = MetricSource.VERIFIED.value
@@ -444,6 +444,21 @@ def verify_keep(c, ctx: TrialContext, trial: dict, outcome: TrialOutcome) -> Tri
     c.say(f"trial {trial['number']} verified in {fields['verify_seconds']:.1f} s: held-out "
           f"{fields.get('heldout_metric', float('nan')):.6f}, causal", "green")
     return outcome
+
+
+def _verification_failed(c, ok: bool | None, reason: str | None, fields: dict) -> TrialOutcome:
+    """A keep candidate whose verification failed. Its figures were not reproduced or not
+    causal, so none of them is the trial's val_bpb: the row's metric is NULL and the failed
+    figures are in the reason (and the failed run's measurement row)."""
+    if c.abort_requested:
+        return TrialOutcome(Status.INTERRUPTED, "interrupted by the user during verification", fields)
+    if ok is None:  # the worker was lost: not the trial's fault
+        return TrialOutcome(Status.INTERRUPTED, reason or "the worker was lost during verification", fields)
+    fields.update(metric=None, metric_sd=None, metric_source=None, delta=None, heldout_metric=None, heldout_sd=None)
+    decision = fields.get("decision")
+    if isinstance(decision, dict) and "mean_diff" in decision:  # the log's delta: a failed figure's gain
+        fields["decision"] = {**decision, "mean_diff": None, "unverified_mean_diff": decision["mean_diff"]}
+    return TrialOutcome(Status.INVALID, reason or "failed verification", fields)
 
 
 def heldout_problem(c, trial, incumbent, heldouts: dict, inc_heldouts: dict) -> str | None:

@@ -41,7 +41,8 @@ def _from_dict(cls, data: dict[str, Any]):
 class MeasureJob:
     """One training run of one commit at one seed (kind "train"), or the evaluation of a
     run's existing checkpoint (kind "verify": val, held-out and causality, what a keep
-    candidate's runs go through).
+    candidate's runs go through; with `verify` False val and its probes only, the
+    determinism re-check of a keep candidate under --no-verify).
 
     Paths are the controller's unless a remote executor rewrote them; None means the
     worker's own default (its interpreter, its harness, its cache folders)."""
@@ -70,6 +71,10 @@ class MeasureJob:
     harness_mode: bool = True
     external_eval: bool = True
     verify: bool = False
+    # A keep candidate's verification: probes enough to catch a next-token peek worth the
+    # run's paired noise (`probe_noise`, bpb; None: unknown) with probability 95%.
+    probe_power: bool = False
+    probe_noise: float | None = None
     sandbox: str = "auto"  # the sandbox mode (autoloop.measure.sandbox.detect)
     harness_dir: str | None = None  # the harness whose files the integrity snapshot hashes
     integrity_python: str | None = None  # the interpreter of the trusted re-warm of bytecode

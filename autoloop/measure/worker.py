@@ -489,26 +489,29 @@ def _evaluate(job: MeasureJob, project_dir: Path, folder: RunFolder, result: dic
         env=dict(job.env or {}) or None, hidden=[Path(p) for p in job.hidden],
         pycache=pycache_env("eval", _pycache_root(job)), cache=_cache_root(job),
         limits=TrialLimits.from_dict(job.limits),
+        probe_power=bool(getattr(job, "probe_power", False)), probe_noise=getattr(job, "probe_noise", None),
     )
 
 
 def _verify_job(job: MeasureJob, project_dir: Path, run_dir: Path, on_start: OnStart | None,
                 abort: _Abort) -> JobResult:
-    """Held-out (and val again, with its causality probes) for a run's existing checkpoint."""
+    """Held-out (and val again, with its causality probes) for a run's existing checkpoint;
+    val and its probes only when the job does not `verify` (the --no-verify re-check)."""
     folder = RunFolder(run_dir)
     checkpoint = Path(job.checkpoint) if job.checkpoint else folder.checkpoint
     result = job.result or {}
     if not RunFolder(checkpoint.parent.parent).has_checkpoint():
         return JobResult("invalid", f"the checkpoint of its run at seed {job.seed} is gone, so it cannot be verified",
                          result=result)
-    evaluated = _evaluate(job, project_dir, folder, result, verify=True, on_start=on_start, abort=abort,
+    evaluated = _evaluate(job, project_dir, folder, result, verify=job.verify, on_start=on_start, abort=abort,
                           checkpoint=checkpoint)
-    fields = {"eval_seconds": evaluated.seconds}
+    fields = {"eval_seconds": evaluated.seconds, "probe_power": (evaluated.causality or {}).get("power")}
     if not evaluated.ok:
         status = "aborted" if evaluated.status == "aborted" or abort() else "invalid"
         return JobResult(status, evaluated.reason, heldout=evaluated.heldout_bpb, fields=fields, result=result,
                          device=device_name(result, job.env))
-    return JobResult("ok", None, metric=evaluated.val_bpb, metric_source=MetricSource.VERIFIED.value,
+    source = MetricSource.VERIFIED.value if job.verify else MetricSource.HARNESS.value
+    return JobResult("ok", None, metric=evaluated.val_bpb, metric_source=source,
                      heldout=evaluated.heldout_bpb, fields=fields, result=result, device=device_name(result, job.env))
 
 

@@ -82,7 +82,7 @@ def format_log(run: dict, rows: list[dict], *, total: int | None = None) -> str:
     if any(r.get("metric_source") == "reported" for r in rows):
         lines.append("* unverified: only printed by the script, not measured by the harness")
     if any(r.get("status") == "keep" and r.get("metric_source") == "harness" for r in rows):
-        lines.append("? kept without verification (--no-verify): measured by the script's harness, not re-checked")
+        lines.append("? kept without verification (--no-verify): the script's own figure, no held-out check")
     if total is not None and total > len(rows):
         lines.append(f"showing {len(rows)} of {total} trials of run '{run['tag']}' (--last N or --status to choose)")
     return "\n".join(lines)

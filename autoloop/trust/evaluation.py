@@ -153,6 +153,8 @@ def evaluate_checkpoint(
     cache: Path | None = None,
     probe_batches: int | None = None,
     limits=None,
+    probe_power: bool = False,
+    probe_noise: float | None = None,
 ) -> EvalResult:
     """Evaluate `checkpoint_base/checkpoint` (the trial's output, opened without following
     links) with the model of `source_dir/script`, by the harness, in two processes.
@@ -164,7 +166,9 @@ def evaluate_checkpoint(
     `pycache`: the bytecode settings (read-only prefix, no writing) for both. `limits`
     (autoloop.measure.limits.TrialLimits): the model process runs the trial's code, so its
     memory, processes and log are the trial's, watched as in training; over one, the
-    evaluation fails with the limit named."""
+    evaluation fails with the limit named. `probe_power`: as many causality probes as catch
+    a next-token peek worth `probe_noise` bpb (None: unknown) with probability 95%
+    (autoloop.harness.probe_power): a keep's verification."""
     from autoloop.harness.channel import make_region
     from autoloop.measure.runner import process_start_time
     from autoloop.measure.sandbox import allowed_environment
@@ -215,6 +219,8 @@ def evaluate_checkpoint(
                    "--verdict-fd", str(verdict_write)]
         if probe_batches is not None:
             command += ["--probe-batches", str(probe_batches)]
+        if probe_power:
+            command += ["--probe-noise", "unknown" if probe_noise is None else repr(float(probe_noise))]
         scorer = _Child(command, cwd=out_dir, env=dict(base_env), log_path=log_path, prefix="[scorer] ",
                         pass_fds=(scorer_end.fileno(), region, verdict_write), sandbox=sandbox,
                         readonly=[Path(data_dir), out_dir, prefix], hidden=list(hidden))

@@ -212,10 +212,14 @@ def test_no_folder_that_holds_the_project_the_cache_or_a_home_is_given_whole(tmp
     project.mkdir(parents=True)
     monkeypatch.setattr(sys, "path", [*sys.path, str(tmp_path / "work"), str(tmp_path), "/",
                                       str(Path(autoloop.__file__).resolve().parents[1])])
-    chosen = sb.interpreter_paths({"PYTHONPATH": str(tmp_path / "work")}, keep_out=[project])
+    monkeypatch.setattr(sys, "path", [*sys.path, "/tmp"])  # a script run from /tmp
+    chosen = sb.interpreter_paths({"PYTHONPATH": str(tmp_path / "work")}, keep_out=[project, Path("/tmp")])
     assert Path(autoloop.__file__).resolve().parent in chosen  # autoloop itself
-    for whole in (tmp_path / "work", tmp_path, Path("/"), Path(autoloop.__file__).resolve().parents[1]):
+    for whole in (tmp_path / "work", tmp_path, Path("/"), Path("/tmp"), Path(autoloop.__file__).resolve().parents[1]):
         assert whole.resolve() not in chosen, whole
+    policy = SandboxPolicy("bwrap", bwrap="bwrap", version="x")
+    argv, _ = policy.wrap(["true"], env={"PYTHONPATH": "/tmp"}, cwd=project, readonly=[project])
+    assert "/tmp" not in [argv[i + 1] for i in range(len(argv) - 1) if argv[i] == "--ro-bind"]
 
 
 def test_hidden_and_writable_at_once_is_refused(tmp_path):

@@ -276,7 +276,9 @@ class SandboxPolicy:
         for path in map(Path, writable):
             if not path.exists():
                 path.mkdir(parents=True)
-        readonly = [*readonly, *interpreter_paths(env, keep_out=[Path(cwd), *_private_roots()])]
+        # /tmp: the sandbox's own tmpfs; a host /tmp on the import path (a script run from
+        # there) must not replace it, nor bring every other project under /tmp with it.
+        readonly = [*readonly, *interpreter_paths(env, keep_out=[Path(cwd), Path("/tmp"), *_private_roots()])]
         args = bwrap_arguments(cwd=cwd, writable=writable, readonly=readonly, hidden=hidden,
                                gpu_nodes=gpu_device_nodes())
         env["HOME"] = SANDBOX_HOME

@@ -48,8 +48,10 @@ def autoloop_options() -> tuple[set[str], set[str]]:
 
 
 def script_options() -> set[str]:
+    """The flags of the benches, the scripts and autoloop's internal entry points
+    (`python -m autoloop.harness.evaluate --probe-noise ...`), read from their argparse calls."""
     found: set[str] = set()
-    for path in [*(ROOT / "bench").glob("*.py"), *(ROOT / "scripts").glob("*.py")]:
+    for path in [*(ROOT / "bench").glob("*.py"), *(ROOT / "scripts").glob("*.py"), *(ROOT / "autoloop").rglob("*.py")]:
         found.update(re.findall(r"add_argument\(\s*\"(--[a-z0-9-]+)\"", path.read_text()))
     return found
 

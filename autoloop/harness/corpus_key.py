@@ -77,7 +77,7 @@ def _make_folder(folder: Path) -> None:
         folder.mkdir(mode=0o700, parents=True, exist_ok=True)
     except OSError as exc:
         raise HarnessError(
-            f"cannot create the corpus key's folder {folder} ({exc.strerror}): "
+            f"cannot write the data cache at {folder} ({exc.strerror}), where the corpus key goes: "
             "set AUTOLOOP_CACHE_DIR to a writable folder"
         ) from None
 
@@ -87,8 +87,8 @@ def _create(path: Path) -> None:
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{KEY_FILE}.", dir=path.parent)  # mode 0600
     except OSError as exc:
-        raise HarnessError(f"cannot write the corpus key in {path.parent} ({exc.strerror}): "
-                           "set AUTOLOOP_CACHE_DIR to a writable folder") from None
+        raise HarnessError(f"cannot write the data cache at {path.parent} ({exc.strerror}), where the corpus key "
+                           "goes: set AUTOLOOP_CACHE_DIR to a writable folder") from None
     try:
         try:
             os.write(fd, os.urandom(KEY_BYTES))

@@ -40,13 +40,14 @@ import numpy as np
 
 LANGUAGE_VERSION = 1
 
-# Letters: onsets x nuclei x codas, of which the key picks the syllables in use.
-ONSETS = ("", "b", "d", "f", "g", "h", "k", "l", "m", "n", "p", "r", "s", "t", "v", "z", "br", "dr", "fl", "gr",
-          "kl", "pl", "st", "tr", "sh", "ch", "th", "w")
-NUCLEI = ("a", "e", "i", "o", "u", "ai", "ou", "ea", "y")
-CODAS = ("", "", "", "", "n", "r", "s", "l", "m", "k", "t")
-SYLLABLES = 160  # syllables in use, Zipf-distributed (exponent SYLLABLE_ZIPF)
-SYLLABLE_ZIPF = 0.7
+# Letters: a syllable is an onset, a nucleus and a coda, drawn with these fixed weights
+# (the key picks which syllables make which word, not how letters are distributed: that
+# would make the entropy per byte depend on the key).
+ONSETS = {"": 8, "b": 5, "d": 6, "f": 3, "g": 3, "h": 4, "k": 5, "l": 6, "m": 5, "n": 7, "p": 4, "r": 6, "s": 7,
+          "t": 8, "v": 2, "z": 1, "w": 3, "br": 1, "dr": 1, "fl": 1, "gr": 1, "kl": 1, "pl": 1, "st": 2, "tr": 2,
+          "sh": 2, "ch": 1, "th": 3}
+NUCLEI = {"a": 8, "e": 9, "i": 6, "o": 6, "u": 3, "ai": 1, "ou": 1, "ea": 1, "y": 1}
+CODAS = {"": 24, "n": 5, "r": 4, "s": 4, "l": 3, "m": 2, "k": 1, "t": 3, "nd": 1, "st": 1}
 
 VOCABULARY = 4096  # words, ranked by frequency
 WORD_ZIPF, WORD_ZIPF_SHIFT = 1.05, 2.7  # p(rank r) ~ (r + shift)^-zipf
@@ -116,10 +117,14 @@ class Language:
     @classmethod
     def from_key(cls, key: bytes) -> "Language":
         rng = _rng(_digest(b"autoloop synthetic language", LANGUAGE_VERSION.to_bytes(2, "big"), key))
-        combos = [o + n + c for o in ONSETS for n in NUCLEI for c in CODAS]
-        combos = sorted(set(combos))
-        syllables = [combos[i] for i in rng.choice(len(combos), SYLLABLES, replace=False)]
-        syllable_cdf = _cdf(_zipf(SYLLABLES, SYLLABLE_ZIPF))
+        parts = [(list(table), _cdf(np.array(list(table.values()), dtype=float) / sum(table.values())))
+                 for table in (ONSETS, NUCLEI, CODAS)]
+
+        def syllables(count: int) -> str:
+            u = rng.random((count, 3))
+            return "".join(names[np.searchsorted(cdf, u[i, j], side="right")]
+                           for i in range(count) for j, (names, cdf) in enumerate(parts))
+
         forms: list[str] = []
         seen: set[str] = set()
         for rank in range(VOCABULARY):
@@ -127,11 +132,15 @@ class Language:
             q = min(0.8, 0.2 * np.log10(rank + 1))
             while True:
                 length = 1 + int(rng.binomial(2, q))
-                form = "".join(syllables[i] for i in np.searchsorted(syllable_cdf, rng.random(length), side="right"))
+                form = syllables(length)
                 if form not in seen:
                     break
             seen.add(form)
             forms.append(form)
+        # The shortest forms to the most frequent ranks: the bytes a word costs, and so the
+        # entropy per byte, then depend on the key only through 4096 draws, not through the
+        # spelling of the top few words.
+        forms.sort(key=len)
         forms[NUMBER_RANK] = "#"
         proper = (np.arange(VOCABULARY) >= PROPER_FROM_RANK) & (rng.random(VOCABULARY) < PROPER_SHARE)
         forms = [f.capitalize() if is_proper else f for f, is_proper in zip(forms, proper)]

@@ -202,7 +202,7 @@ def test_data_fingerprint_mismatch_fails_clearly(executor, embedded_dataset, tmp
     assert result.status == "crash"
     assert "data fingerprint mismatch" in result.reason
     assert embedded_dataset.fingerprint[:16] in result.reason and wrong[:16] in result.reason
-    assert "standard library" in result.reason  # the embedded corpus: the fix is the same Python
+    assert "corpus.key" in result.reason  # the embedded corpus: the fix is the controller's key
     assert not (tmp_path / "run" / "out" / "result.json").exists()  # it never trained
 
 

@@ -1,0 +1,146 @@
+"""Issue 31, item 1 (the corpus half): the scored text must exist nowhere a sandbox can read.
+
+The old embedded corpus was the interpreter's standard library, which every sandbox must
+read for Python to run: a model process that rebuilt the evaluation windows from those
+files and predicted each one by a causal lookup of its own prefix scored 0.08 bpb against an
+honest 3.72, kept and confirmed. The corpus is now generated from a secret key in the cache
+folder, which no stage of a trial sees. Two attacks through the real sandboxed loop, one run:
+
+* "rebuild stdlib": the issue's attack, as it was written against the old corpus (the
+  stdlib's files in path order, split by a hash of the path): kept and confirmed on the old
+  main (see the commit that added this file for its figures); now its tables hold text that
+  is not val, and it is the honest model's number.
+* "regenerate from the key": the same lookup on val and held-out regenerated with the
+  harness's own generator from the corpus key, read in training and in the model process:
+  the key is not there to read.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from autoloop.loop.controller import Controller
+from tests.conftest import make_repo, write_test_corpus_key
+from tests.test_attacks import (
+    BUILD_ANCHOR, IMPORT_ANCHOR, TRAIN_PY, _log, _patched, _run, _seed_attacks, _trials, needs_bwrap,
+)
+
+# A causal lookup: a window whose first K tokens start a window of the rebuilt text gets that
+# text's continuation at +15 logits. Its outputs at a position depend only on the window's
+# first K tokens, so no causality probe sees it; `tables` holds the rebuilt splits' tokens.
+_LOOKUP = (
+    "def _lookup_forward(forward, config, texts, K=7):\n"
+    "    T = config['seq_len']\n"
+    "    tables = []\n"
+    "    for toks in texts:\n"
+    "        starts = np.arange(0, len(toks) - T - 1, T)\n"
+    "        keys = np.zeros(len(starts), dtype=np.int64)\n"
+    "        for j in range(K):\n"
+    "            keys = keys * 263 + toks[starts + j]\n"
+    "        order = np.argsort(keys)\n"
+    "        tables.append((keys[order], starts[order], toks))\n"
+    "\n"
+    "    def lookup(idx, targets=None):\n"
+    "        logits = forward(idx, targets)\n"
+    "        if targets is not None or not tables:\n"
+    "            return logits\n"
+    "        x = idx.cpu().numpy()\n"
+    "        out = logits.clone()\n"
+    "        B, T = x.shape\n"
+    "        for b in range(B):\n"
+    "            key = 0\n"
+    "            for j in range(K):\n"
+    "                key = key * 263 + int(x[b, j])\n"
+    "            for keys, starts, toks in tables:\n"
+    "                i = int(np.searchsorted(keys, key))\n"
+    "                if i < len(keys) and keys[i] == key:\n"
+    "                    nxt = torch.as_tensor(toks[starts[i] + K: starts[i] + T + 1], device=out.device)\n"
+    "                    out[b, K - 1:] = -15.0\n"
+    "                    out[b, torch.arange(K - 1, T, device=out.device), nxt[: T - K + 1]] = 15.0\n"
+    "                    break\n"
+    "        return out\n"
+    "    return lookup\n\n\n"
+)
+
+
+def _tokens(docs) -> str:
+    return "np.concatenate([np.concatenate([[256], np.frombuffer(d, dtype=np.uint8)]) for d in " + docs + "]).astype(np.int64)"
+
+
+# The model process (no AUTOLOOP_RESULT) rebuilds val and held-out as the old harness made them.
+REBUILD_STDLIB = _patched(BUILD_ANCHOR, (
+    "    if not __import__('os').environ.get('AUTOLOOP_RESULT'):\n"
+    "        model.forward = _lookup_forward(model.forward, config, _rebuilt_stdlib())\n"
+    "    return model\n\n\n"
+    "def _rebuilt_stdlib(cap=10 * 2**20):\n"
+    "    import hashlib, pathlib, sysconfig\n"
+    "    root = pathlib.Path(sysconfig.get_paths()['stdlib'])\n"
+    "    skip = {'site-packages', 'dist-packages', 'test', 'tests', 'idle_test', '__pycache__'}\n"
+    "    docs, total = {'val': [], 'heldout': []}, 0\n"
+    "    for path in sorted(root.rglob('*.py')):\n"
+    "        rel = path.relative_to(root)\n"
+    "        if skip.intersection(rel.parts[:-1]) or rel.name.startswith('test_'):\n"
+    "            continue\n"
+    "        size = path.stat().st_size\n"
+    "        if total + size > cap:\n"
+    "            break\n"
+    "        total += size\n"
+    "        bucket = int.from_bytes(hashlib.sha256(rel.as_posix().encode()).digest()[:4], 'big') % 100\n"
+    "        split = 'val' if 90 <= bucket < 95 else 'heldout' if bucket >= 95 else None\n"
+    "        if split:\n"
+    "            docs[split].append(path.read_bytes())\n"
+    "    print('rebuilt stdlib splits:', {k: len(v) for k, v in docs.items()})\n"
+    "    return [" + _tokens("docs['val']") + ", " + _tokens("docs['heldout']") + "]\n\n\n"
+    + _LOOKUP))
+
+# Training and the model process both look for the corpus key; with it, val and held-out are
+# the harness's own generator away (a model process's lookup, or training on val).
+REGENERATE_FROM_KEY = _patched(IMPORT_ANCHOR, IMPORT_ANCHOR + (
+    "def _regenerated():\n"
+    "    try:\n"
+    "        from autoloop.harness import synthetic\n"
+    "        from autoloop.harness.constants import EMBEDDED_DOCUMENTS\n"
+    "        from autoloop.harness.corpus_key import corpus_key\n"
+    "        key = corpus_key(create=False)\n"
+    "    except Exception as exc:\n"
+    "        print('no corpus key:', type(exc).__name__, exc)\n"
+    "        return []\n"
+    "    print('CORPUS KEY READ')\n"
+    "    return [" + _tokens("synthetic.generate(key, s, EMBEDDED_DOCUMENTS[s])") + " for s in ('val', 'heldout')]\n\n\n"
+    "if __import__('os').environ.get('AUTOLOOP_RESULT'):\n"
+    "    _regenerated()\n"),
+    _patched(BUILD_ANCHOR, (
+        "    if not __import__('os').environ.get('AUTOLOOP_RESULT'):\n"
+        "        model.forward = _lookup_forward(model.forward, config, _regenerated())\n"
+        "    return model\n\n\n" + _LOOKUP)))
+
+ATTACKS = {"rebuild stdlib": REBUILD_STDLIB, "regenerate from the key": REGENERATE_FROM_KEY}
+
+
+@pytest.mark.slow
+@needs_bwrap
+def test_no_stage_of_a_trial_can_rebuild_the_scored_text(tmp_path, monkeypatch):
+    """Both attacks, sandboxed, verification on, one run: neither kept, each scored as the
+    honest model it wraps (its lookups find nothing), and the key read by neither stage."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("AUTOLOOP_CACHE_DIR", str(cache))
+    monkeypatch.setenv("AUTOLOOP_COMPILE_CACHE", str(cache / "compile"))
+    write_test_corpus_key(cache)
+    repo = make_repo(tmp_path / "repo", TRAIN_PY.read_text())
+    names = list(ATTACKS)
+    config = _run(repo, monkeypatch, max_steps=6, max_trials=1 + len(names))
+    _seed_attacks(repo, config, names, ATTACKS)
+    Controller(config, repo).run()
+    trials = _trials(repo)
+    baseline = trials["baseline"]
+    assert baseline["status"] == "keep", baseline["reason"]
+    figures = {name: (trials[name]["status"], trials[name]["metric"], trials[name]["reason"]) for name in names}
+    assert not [name for name in names if trials[name]["status"] == "keep"], figures
+    for name in names:
+        # The wrapped model is the baseline's: the same number, to the last digit, when no lookup hits.
+        assert trials[name]["metric"] == pytest.approx(baseline["metric"], abs=1e-9), figures
+    log = _log(repo, trials["regenerate from the key"])
+    # Its training log and its model process's log ([model] lines) both say so.
+    assert "no corpus key" in log and "CORPUS KEY READ" not in log, log[-2000:]

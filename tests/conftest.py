@@ -110,7 +110,11 @@ def embedded_dataset(session_cache):
     path = session_cache / "data" / embedded_dataset_name()
     if (path / "meta.json").exists():
         return H.load_dataset(path, prepare=False)
-    return H.prepare_embedded(path)
+    # A session fixture runs before the autouse one that points the cache at the session's:
+    # the key must come from there too, never from the user's cache.
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("AUTOLOOP_CACHE_DIR", str(session_cache))
+        return H.prepare_embedded(path)
 
 
 FAKE_TRAIN = Path(__file__).resolve().parent / "fakes" / "fake_train.py"

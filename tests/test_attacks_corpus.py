@@ -27,39 +27,35 @@ from tests.test_attacks import (
     BUILD_ANCHOR, IMPORT_ANCHOR, TRAIN_PY, _log, _patched, _run, _seed_attacks, _trials, needs_bwrap,
 )
 
-# A causal lookup: a window whose first K tokens start a window of the rebuilt text gets that
-# text's continuation at +15 logits. Its outputs at a position depend only on the window's
-# first K tokens, so no causality probe sees it; `tables` holds the rebuilt splits' tokens.
+# A causal lookup: at each position, the windows of the rebuilt text (cut where the scorer
+# cuts its evaluation windows) that start with the same tokens so far, and the next token
+# most of them have, at +15 logits. Its output at a position depends only on the tokens up
+# to there, so no causality probe sees it; `texts` holds the rebuilt splits' tokens.
 _LOOKUP = (
-    "def _lookup_forward(forward, config, texts, K=7):\n"
+    "def _lookup_forward(forward, config, texts):\n"
+    "    import bisect, collections\n"
     "    T = config['seq_len']\n"
-    "    tables = []\n"
-    "    for toks in texts:\n"
-    "        starts = np.arange(0, len(toks) - T - 1, T)\n"
-    "        keys = np.zeros(len(starts), dtype=np.int64)\n"
-    "        for j in range(K):\n"
-    "            keys = keys * 263 + toks[starts + j]\n"
-    "        order = np.argsort(keys)\n"
-    "        tables.append((keys[order], starts[order], toks))\n"
+    "    rows = sorted(toks[s: s + T + 1].astype('>u2').tobytes() for toks in texts\n"
+    "                  for s in range(0, len(toks) - T - 1, T))\n"
     "\n"
     "    def lookup(idx, targets=None):\n"
     "        logits = forward(idx, targets)\n"
-    "        if targets is not None or not tables:\n"
+    "        if targets is not None or not rows:\n"
     "            return logits\n"
-    "        x = idx.cpu().numpy()\n"
+    "        x = idx.cpu().numpy().astype('>u2')\n"
     "        out = logits.clone()\n"
-    "        B, T = x.shape\n"
-    "        for b in range(B):\n"
-    "            key = 0\n"
-    "            for j in range(K):\n"
-    "                key = key * 263 + int(x[b, j])\n"
-    "            for keys, starts, toks in tables:\n"
-    "                i = int(np.searchsorted(keys, key))\n"
-    "                if i < len(keys) and keys[i] == key:\n"
-    "                    nxt = torch.as_tensor(toks[starts[i] + K: starts[i] + T + 1], device=out.device)\n"
-    "                    out[b, K - 1:] = -15.0\n"
-    "                    out[b, torch.arange(K - 1, T, device=out.device), nxt[: T - K + 1]] = 15.0\n"
+    "        for b in range(x.shape[0]):\n"
+    "            row, lo, hi = x[b].tobytes(), 0, len(rows)\n"
+    "            for t in range(x.shape[1]):\n"
+    "                prefix = row[: 2 * (t + 1)]\n"
+    "                lo = bisect.bisect_left(rows, prefix, lo, hi)\n"
+    "                hi = bisect.bisect_right(rows, prefix + b'\\xff', lo, hi)\n"
+    "                if lo >= hi:\n"
     "                    break\n"
+    "                votes = collections.Counter(rows[i][2 * t + 2: 2 * t + 4] for i in range(lo, min(hi, lo + 16)))\n"
+    "                nxt = int.from_bytes(votes.most_common(1)[0][0], 'big')\n"
+    "                out[b, t] = -15.0\n"
+    "                out[b, t, nxt] = 15.0\n"
     "        return out\n"
     "    return lookup\n\n\n"
 )

@@ -115,8 +115,8 @@ def _read(path: Path) -> bytes:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     except OSError as exc:
-        if isinstance(exc, FileNotFoundError):
-            raise
+        if isinstance(exc, (FileNotFoundError, NotADirectoryError)):
+            raise FileNotFoundError(path) from None  # no key yet (or no cache folder): make one
         raise HarnessError(f"cannot read the corpus key {path} ({exc.strerror}): it must be a regular file "
                            "of yours; delete it to make a new key (a new corpus)") from None
     try:

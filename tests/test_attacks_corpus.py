@@ -7,9 +7,9 @@ honest 3.72, kept and confirmed. The corpus is now generated from a secret key i
 folder, which no stage of a trial sees. Two attacks through the real sandboxed loop, one run:
 
 * "rebuild stdlib": the issue's attack, as it was written against the old corpus (the
-  stdlib's files in path order, split by a hash of the path): kept and confirmed on the old
-  main (see the commit that added this file for its figures); now its tables hold text that
-  is not val, and it is the honest model's number.
+  stdlib's files in path order, split by a hash of the path, which rebuilds the old val
+  split bit for bit): kept and verified on the old main; now its tables hold text that is
+  not val.
 * "regenerate from the key": the same lookup on val and held-out regenerated with the
   harness's own generator from the corpus key, read in training and in the model process:
   the key is not there to read.
@@ -118,8 +118,11 @@ ATTACKS = {"rebuild stdlib": REBUILD_STDLIB, "regenerate from the key": REGENERA
 @pytest.mark.slow
 @needs_bwrap
 def test_no_stage_of_a_trial_can_rebuild_the_scored_text(tmp_path, monkeypatch):
-    """Both attacks, sandboxed, verification on, one run: neither kept, each scored as the
-    honest model it wraps (its lookups find nothing), and the key read by neither stage."""
+    """Both attacks, sandboxed, verification on, one run: neither kept, neither better than
+    the honest model it wraps, and the key read by neither stage.
+
+    On the old main (7763598) the same run kept "rebuild stdlib", verified: 4.113 -> 0.291
+    bpb at 6 steps. Here: 4.265 against the baseline's 3.984 (its few hits are wrong)."""
     cache = tmp_path / "cache"
     monkeypatch.setenv("AUTOLOOP_CACHE_DIR", str(cache))
     monkeypatch.setenv("AUTOLOOP_COMPILE_CACHE", str(cache / "compile"))
@@ -128,15 +131,18 @@ def test_no_stage_of_a_trial_can_rebuild_the_scored_text(tmp_path, monkeypatch):
     names = list(ATTACKS)
     config = _run(repo, monkeypatch, max_steps=6, max_trials=1 + len(names))
     _seed_attacks(repo, config, names, ATTACKS)
-    Controller(config, repo).run()
+    summary = Controller(config, repo).run()
     trials = _trials(repo)
     baseline = trials["baseline"]
     assert baseline["status"] == "keep", baseline["reason"]
+    assert set(names) <= set(trials), (summary.stop_reason, {k: (t["status"], t["reason"]) for k, t in trials.items()})
     figures = {name: (trials[name]["status"], trials[name]["metric"], trials[name]["reason"]) for name in names}
     assert not [name for name in names if trials[name]["status"] == "keep"], figures
-    for name in names:
-        # The wrapped model is the baseline's: the same number, to the last digit, when no lookup hits.
-        assert trials[name]["metric"] == pytest.approx(baseline["metric"], abs=1e-9), figures
+    # Text that is not val gains the lookup nothing: what it finds (a window that starts, as
+    # the stdlib's first val window did, with a document's BOS) only costs it.
+    assert trials["rebuild stdlib"]["metric"] >= baseline["metric"], figures
+    # No key, no tables: the wrapped model is the baseline's, to the last digit.
+    assert trials["regenerate from the key"]["metric"] == pytest.approx(baseline["metric"], abs=1e-9), figures
     log = _log(repo, trials["regenerate from the key"])
     # Its training log and its model process's log ([model] lines) both say so.
     assert "no corpus key" in log and "CORPUS KEY READ" not in log, log[-2000:]

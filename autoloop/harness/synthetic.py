@@ -100,6 +100,30 @@ def _cdf(p: np.ndarray) -> np.ndarray:
     return c
 
 
+def _spellings(rng: np.random.Generator, parts: list, lengths: list[int] | None = None) -> list[str]:
+    """VOCABULARY distinct word forms by rank, shortest first: frequent words are short, as in
+    natural languages (1 syllable at the top, ~2.4 in the tail). With `lengths`, the form of
+    rank r is drawn again until it has lengths[r] letters."""
+
+    def syllables(count: int) -> str:
+        u = rng.random((count, 3))
+        return "".join(names[np.searchsorted(cdf, u[i, j], side="right")]
+                       for i in range(count) for j, (names, cdf) in enumerate(parts))
+
+    forms: list[str] = []
+    seen: set[str] = set()
+    for rank in range(VOCABULARY):
+        q = min(0.8, 0.2 * np.log10(rank + 1))
+        while True:
+            form = syllables(1 + int(rng.binomial(2, q)))
+            if form not in seen and (lengths is None or len(form) == lengths[rank]):
+                break
+        seen.add(form)
+        forms.append(form)
+    # The shortest forms to the most frequent ranks.
+    return sorted(forms, key=len) if lengths is None else forms
+
+
 @dataclass
 class Language:
     """The parameters a key gives: spellings, successors, topics, punctuation propensities."""
@@ -120,27 +144,13 @@ class Language:
         parts = [(list(table), _cdf(np.array(list(table.values()), dtype=float) / sum(table.values())))
                  for table in (ONSETS, NUCLEI, CODAS)]
 
-        def syllables(count: int) -> str:
-            u = rng.random((count, 3))
-            return "".join(names[np.searchsorted(cdf, u[i, j], side="right")]
-                           for i in range(count) for j, (names, cdf) in enumerate(parts))
-
-        forms: list[str] = []
-        seen: set[str] = set()
-        for rank in range(VOCABULARY):
-            # Frequent words are short, as in natural languages: 1 syllable at the top, ~2.4 in the tail.
-            q = min(0.8, 0.2 * np.log10(rank + 1))
-            while True:
-                length = 1 + int(rng.binomial(2, q))
-                form = syllables(length)
-                if form not in seen:
-                    break
-            seen.add(form)
-            forms.append(form)
-        # The shortest forms to the most frequent ranks: the bytes a word costs, and so the
-        # entropy per byte, then depend on the key only through 4096 draws, not through the
-        # spelling of the top few words.
-        forms.sort(key=len)
+        # Every key spells its words with the same lengths, rank by rank (a profile drawn
+        # once, from no key): bytes per word, and so an honest model's bits per byte, then do
+        # not move with the key; with free lengths the corpus's size moved by +-4%, and its
+        # val_bpb with it.
+        lengths = [len(f) for f in _spellings(_rng(_digest(b"autoloop synthetic lengths",
+                                                             LANGUAGE_VERSION.to_bytes(2, "big"))), parts)]
+        forms = _spellings(rng, parts, lengths)
         forms[NUMBER_RANK] = "#"
         proper = (np.arange(VOCABULARY) >= PROPER_FROM_RANK) & (rng.random(VOCABULARY) < PROPER_SHARE)
         forms = [f.capitalize() if is_proper else f for f, is_proper in zip(forms, proper)]
@@ -182,12 +192,17 @@ class _Draws:
     numbers: np.ndarray  # the value of a number word here
 
     @classmethod
-    def draw(cls, lang: Language, seed: bytes) -> "_Draws":
+    def draw(cls, lang: Language, seed: bytes, index: int) -> "_Draws":
         rng = _rng(seed)
-        outline = bool(rng.random() < P_OUTLINE)
-        width = int(WIDTHS[rng.integers(len(WIDTHS))])
-        topic = int(rng.integers(TOPICS))
-        n = int(rng.integers(WORDS_PER_DOCUMENT[0], WORDS_PER_DOCUMENT[1] + 1))
+        # A document's shape (prose or outline, width, topic, length) follows its index, not
+        # the key: the few documents the CPU evaluation reads are then the same mix whatever
+        # the key, and the key moves the honest val_bpb by the language alone. Its words do
+        # follow the key.
+        outline = (index * 7) % 10 < round(P_OUTLINE * 10)
+        width = WIDTHS[index % len(WIDTHS)]
+        topic = (index * 5) % TOPICS
+        low, high = WORDS_PER_DOCUMENT
+        n = low + int(((index * 0.6180339887498949) % 1.0) * (high - low + 1))
         u = rng.random((6, n))
         return cls(
             outline=outline, width=width, n=n, mode=u[0], pick=np.searchsorted(lang.successor_cdf, u[1], side="right"),
@@ -295,7 +310,7 @@ def generate(key: bytes, split: str, count: int, *, language: Language | None = 
     """The `count` documents of `split`, in order (document i depends on the key, the split and i only)."""
     lang = language or Language.from_key(key)
     for first in range(0, count, BATCH):
-        docs = [_Draws.draw(lang, document_seed(key, split, i)) for i in range(first, min(count, first + BATCH))]
+        docs = [_Draws.draw(lang, document_seed(key, split, i), i) for i in range(first, min(count, first + BATCH))]
         words, ends = _chain(lang, docs)
         for i, d in enumerate(docs):
             yield _render(lang, d, words[i, : d.n], ends[i, : d.n])

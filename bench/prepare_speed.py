@@ -2,8 +2,8 @@
 
     python bench/prepare_speed.py [--mb 8] [--vocab-size 8192] [--threads N]
 
-Needs no network: the text is this interpreter's standard library source (the embedded
-corpus's files). Prints, for the byte tokenizer and a BPE tokenizer trained here:
+Needs no network: the text is this interpreter's standard library source (real code,
+read from disk). Prints, for the byte tokenizer and a BPE tokenizer trained here:
 - encode:   one document at a time, in one thread;
 - batch:    tiktoken's threaded batch encoding (`autoloop prepare` uses it on 4+ cores);
 - prepare:  a whole `prepare_dataset` of those files as a local .jsonl source (reading,
@@ -17,15 +17,28 @@ import argparse
 import json
 import os
 import sys
+import sysconfig
 import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from autoloop.harness.data import stdlib_source_files  # noqa: E402
 from autoloop.harness.tokenizer import ByteTokenizer  # noqa: E402
 from autoloop.prepare import encode_threads, prepare_dataset, train_bpe  # noqa: E402
+
+
+def stdlib_files(byte_cap: int) -> list[Path]:
+    """This interpreter's standard library .py files, in path order, up to `byte_cap` bytes:
+    real text that needs no download (it is not the embedded corpus, which is generated)."""
+    chosen, total = [], 0
+    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py")):
+        size = path.stat().st_size
+        if total + size > byte_cap:
+            break
+        chosen.append(path)
+        total += size
+    return chosen
 
 
 def timed(fn) -> float:
@@ -41,7 +54,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=max(2, encode_threads()), help="Threads for batch encoding.")
     args = parser.parse_args()
 
-    docs = [path.read_bytes() for _, path in stdlib_source_files(byte_cap=int(args.mb * 1e6))]
+    docs = [path.read_bytes() for path in stdlib_files(byte_cap=int(args.mb * 1e6))]
     total = sum(map(len, docs))
     mb = total / 1e6
     print(f"text: {len(docs)} files, {mb:.1f} MB; cpus: {os.cpu_count()}; batch threads: {args.threads}")

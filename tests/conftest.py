@@ -1,8 +1,8 @@
 """Shared fixtures.
 
 Every test runs with the harness cache pointed at one session-wide temporary folder
-(the embedded corpus is prepared there once, in about a second), so no test reads or
-writes the user's ~/.cache and no test downloads anything.
+(the embedded corpus is prepared there once, in a few seconds, from a fixed key), so no
+test reads or writes the user's ~/.cache and no test downloads anything.
 """
 
 from __future__ import annotations
@@ -41,9 +41,24 @@ _CONTRACT_VARS = (
 )
 
 
+# The embedded corpus is generated from the key in the cache folder; tests use this one, so
+# their corpus, and every figure a test compares, is the same in every session. Only the
+# tests of the key's creation make a random one.
+TEST_CORPUS_KEY = bytes(range(32))
+
+
+def write_test_corpus_key(cache: Path) -> Path:
+    """Put the tests' fixed corpus key into the cache folder `cache` (before anything prepares the corpus)."""
+    from autoloop.harness.corpus_key import corpus_key_path, write_key
+
+    return write_key(corpus_key_path(cache), TEST_CORPUS_KEY)
+
+
 @pytest.fixture(scope="session")
 def session_cache(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("autoloop-cache")
+    cache = tmp_path_factory.mktemp("autoloop-cache")
+    write_test_corpus_key(cache)
+    return cache
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -95,7 +110,11 @@ def embedded_dataset(session_cache):
     path = session_cache / "data" / embedded_dataset_name()
     if (path / "meta.json").exists():
         return H.load_dataset(path, prepare=False)
-    return H.prepare_embedded(path)
+    # A session fixture runs before the autouse one that points the cache at the session's:
+    # the key must come from there too, never from the user's cache.
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("AUTOLOOP_CACHE_DIR", str(session_cache))
+        return H.prepare_embedded(path)
 
 
 FAKE_TRAIN = Path(__file__).resolve().parent / "fakes" / "fake_train.py"

@@ -20,7 +20,7 @@ from autoloop.loop.controller import Controller
 from autoloop.measure.sandbox import detect
 from autoloop.proposers.seeding import seed_idea
 from autoloop.store import Store
-from tests.conftest import make_repo
+from tests.conftest import make_repo, write_test_corpus_key
 
 TRAIN_PY = Path(__file__).resolve().parents[1] / "train.py"
 SECRET = "s3cr3t-value-that-must-not-leak"
@@ -579,6 +579,7 @@ def test_attacks_in_step_mode_end_invalid_or_fail_inside_the_sandbox_and_leak_no
     cache = tmp_path / "cache"
     monkeypatch.setenv("AUTOLOOP_CACHE_DIR", str(cache))
     monkeypatch.setenv("AUTOLOOP_COMPILE_CACHE", str(cache / "compile"))
+    write_test_corpus_key(cache)
     repo = make_repo(tmp_path / "repo", TRAIN_PY.read_text())
     far = Path("/var/tmp") / f"autoloop-attack-{os.getpid()}-{time.time_ns()}"
     request.addfinalizer(lambda: __import__("shutil").rmtree(far, ignore_errors=True))

@@ -15,6 +15,7 @@ import random
 import socket
 import subprocess
 import sys
+import sysconfig
 import time
 from collections import Counter
 from pathlib import Path
@@ -522,6 +523,19 @@ def byte_entropy(data: bytes) -> float:
     return float(-(p * np.log2(p)).sum())
 
 
+def stdlib_files(byte_cap: int) -> list[Path]:
+    """This interpreter's standard library .py files, in path order, up to `byte_cap` bytes:
+    real text that needs no download (it is not the embedded corpus, which is generated)."""
+    chosen, total = [], 0
+    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py")):
+        size = path.stat().st_size
+        if total + size > byte_cap:
+            break
+        chosen.append(path)
+        total += size
+    return chosen
+
+
 @pytest.mark.slow
 def test_train_py_trains_on_a_bpe_prepared_local_dataset(tmp_path):
     pytest.importorskip("rustbpe")
@@ -530,7 +544,7 @@ def test_train_py_trains_on_a_bpe_prepared_local_dataset(tmp_path):
     if not train_py.exists():
         pytest.skip("train.py is not written yet")
     # ~3 MB of real text (this interpreter's standard library) as a .jsonl the test writes.
-    files = [path for _, path in H.data.stdlib_source_files(byte_cap=3 * 2**20)]
+    files = stdlib_files(byte_cap=3 * 2**20)
     write_jsonl(tmp_path / "src" / "stdlib.jsonl", [path.read_text(errors="replace") for path in files])
     ds = P.prepare_dataset(str(tmp_path / "src"), tokenizer="bpe", vocab_size=2048, name="stdlib-bpe").dataset
     result_path = tmp_path / "result.json"

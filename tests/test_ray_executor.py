@@ -27,7 +27,7 @@ ray = pytest.importorskip("ray")
 
 from autoloop.measure.executors import ray as R  # noqa: E402
 from autoloop.measure.job import MeasureJob  # noqa: E402
-from conftest import FAKE_TRAIN, ray_temp_dir  # noqa: E402
+from conftest import FAKE_TRAIN, ray_temp_dir, write_test_corpus_key  # noqa: E402
 
 CHECKPOINT_BYTES = b"pretend checkpoint \x00\x01\x02"
 
@@ -57,6 +57,7 @@ def make_job(ds, **changes) -> MeasureJob:
 @pytest.fixture(scope="module")
 def node_cache():
     path = Path(tempfile.mkdtemp(prefix="autoloop-node-cache-"))
+    write_test_corpus_key(path)  # the controller's key copied to the node: the same embedded corpus
     yield path
     shutil.rmtree(path, ignore_errors=True)
 
@@ -202,7 +203,7 @@ def test_data_fingerprint_mismatch_fails_clearly(executor, embedded_dataset, tmp
     assert result.status == "crash"
     assert "data fingerprint mismatch" in result.reason
     assert embedded_dataset.fingerprint[:16] in result.reason and wrong[:16] in result.reason
-    assert "standard library" in result.reason  # the embedded corpus: the fix is the same Python
+    assert "corpus.key" in result.reason  # the embedded corpus: the fix is the controller's key
     assert not (tmp_path / "run" / "out" / "result.json").exists()  # it never trained
 
 

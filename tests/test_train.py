@@ -349,7 +349,7 @@ def test_thirty_second_run_learns(tmp_path, session_cache, embedded_dataset):
     val = np.asarray(embedded_dataset.split("val"))
     counts = np.bincount(val[val < 256], minlength=256).astype(np.float64)
     p = counts[counts > 0] / counts.sum()
-    unigram_bits = float(-(p * np.log2(p)).sum())  # ~4.7 bits for Python source
+    unigram_bits = float(-(p * np.log2(p)).sum())  # ~4.3 bits for the embedded corpus
     path = tmp_path / "r.json"
     start = time.monotonic()
     proc = run_train(TRAIN_PY, session_cache, timeout=180, AUTOLOOP_TIME_BUDGET=30, AUTOLOOP_RESULT=path)
@@ -357,8 +357,10 @@ def test_thirty_second_run_learns(tmp_path, session_cache, embedded_dataset):
     assert proc.returncode == 0, explain(proc)
     result = json.loads(path.read_text())
     assert wall < 90, f"a 30 s budget took {wall:.0f} s of wall time"
-    # ~2.5 on an idle 2-core machine; a heavily shared one gets fewer steps in its 30 s.
-    assert result["val_bpb"] < unigram_bits - 1.0, (
+    # ~2.5 on an idle 2-core machine; a heavily shared one gets fewer steps in its 30 s. The
+    # embedded language's unigram entropy is lower than Python source's (4.3 bits, not 4.7)
+    # and a model gets below it more slowly: after 21 steps 0.73 bits below (Python: 1.05).
+    assert result["val_bpb"] < unigram_bits - 0.6, (
         f"val_bpb {result['val_bpb']:.3f} vs unigram entropy {unigram_bits:.3f} bits after "
         f"{result['num_steps']} steps at {result['tokens_per_second']:.0f} tokens/s"
     )

@@ -21,9 +21,10 @@ SEQ_LEN = {"cuda": 2048, "cpu": 256}
 # 30-second run still has time to evaluate.
 EVAL_TOKENS = {"cuda": 2**23, "cpu": 2**15}
 
-# The embedded default corpus: the running interpreter's own standard library source.
-EMBEDDED_BYTE_CAP = 10 * 2**20
-# Split assignment of a source file, by a hash of its relative path: buckets out of 100.
+# The embedded default corpus (autoloop/harness/synthetic.py): documents per split, about
+# 2.3 KB each, so about 10 MB in all, 5% val and 5% held-out as a prepared dataset's buckets.
+EMBEDDED_DOCUMENTS = {"train": 4032, "val": 224, "heldout": 224}
+# Split assignment of a prepared dataset's document, by a hash of its text: buckets out of 100.
 VAL_BUCKETS = range(90, 95)
 HELDOUT_BUCKETS = range(95, 100)
 SPLITS = ("train", "val", "heldout")

@@ -7,7 +7,6 @@ by hand. The controller sets all of them for a trial.
 from __future__ import annotations
 
 import os
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,10 +36,13 @@ def cache_root() -> Path:
     return Path(base) / "autoloop"
 
 
+# The embedded corpus's name carries its generator's version (autoloop/harness/synthetic.py):
+# a change to the language is a new name. Its key is in its fingerprint.
+EMBEDDED_DATASET = "synthetic-v1"
+
+
 def embedded_dataset_name() -> str:
-    # The corpus is this interpreter's standard library, so its name carries the version:
-    # a different Python gives a different corpus and a different fingerprint, by design.
-    return f"stdlib-py{sys.version_info.major}{sys.version_info.minor}"
+    return EMBEDDED_DATASET
 
 
 def default_data_dir() -> Path:

@@ -15,9 +15,11 @@ feed (autoloop/harness/feed.py), which counts what it serves. A folder is writte
 renamed into place, so a crash or a concurrent preparation never leaves a half-written
 dataset where a complete one was.
 
-The embedded default corpus is the running interpreter's standard library source
-(sorted paths, test suites excluded, capped at EMBEDDED_BYTE_CAP bytes), split by a hash
-of each file's relative path. It needs no download and is prepared on first use.
+The embedded default corpus is text in a made-up language generated from a secret key in
+the cache folder (autoloop/harness/synthetic.py, autoloop/harness/corpus_key.py), so that
+no file a sandbox can read holds its val or held-out text. It needs no download and is
+prepared on first use; its meta.json names the key by a one-way digest, which the
+dataset's fingerprint covers.
 """
 
 from __future__ import annotations
@@ -26,15 +28,14 @@ import hashlib
 import json
 import os
 import shutil
-import sysconfig
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Iterable
 
 import numpy as np
 
-from autoloop.harness.constants import EMBEDDED_BYTE_CAP, HELDOUT_BUCKETS, SPLITS, VAL_BUCKETS
+from autoloop.harness.constants import EMBEDDED_DOCUMENTS, SPLITS
 from autoloop.harness.contract import ENV_DATA_DIR, cache_root, default_data_dir, embedded_dataset_name
 from autoloop.harness.errors import HarnessError
 from autoloop.harness.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
@@ -43,7 +44,6 @@ META_FORMAT = 1
 # Set by the controller for a training process: the unix socket of the harness's data
 # feed (autoloop/harness/feed.py), from which TokenLoader(ds, "train", ...) gets batches.
 ENV_FEED = "AUTOLOOP_FEED"
-_EXCLUDED_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
 
 
 # ---------------------------------------------------------------------------- loading
@@ -191,10 +191,12 @@ def verify_dataset(ds: Dataset) -> list[str]:
 # ---------------------------------------------------------------------------- writing
 
 
-def _dataset_fingerprint(tokenizer_spec: dict, splits: dict) -> str:
+def _dataset_fingerprint(tokenizer_spec: dict, splits: dict, key_id: str | None = None) -> str:
     digest = hashlib.sha256(json.dumps(tokenizer_spec, sort_keys=True).encode())
     for name in SPLITS:
         digest.update(f"{name}:{splits[name]['sha256']}".encode())
+    if key_id:  # a generated corpus: the key it came from, by its digest (corpus_key.key_id)
+        digest.update(f"key:{key_id}".encode())
     return digest.hexdigest()
 
 
@@ -257,8 +259,8 @@ def write_dataset(
             "bos_id": tokenizer.bos_id,
             "dtype": np.dtype(dtype).name,
             "splits": splits,
-            "fingerprint": _dataset_fingerprint(tokenizer.spec(), splits),
             **extra,
+            "fingerprint": _dataset_fingerprint(tokenizer.spec(), splits, extra.get("key_id")),
         }
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
         if (data_dir / "meta.json").exists():
@@ -284,47 +286,26 @@ def write_dataset(
     return load_dataset(data_dir, prepare=False)
 
 
-def stdlib_source_files(byte_cap: int = EMBEDDED_BYTE_CAP) -> list[tuple[str, Path]]:
-    """(relative path, path) of the stdlib .py files in the embedded corpus, in order."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    chosen, total = [], 0
-    for path in sorted(root.rglob("*.py")):
-        rel = path.relative_to(root)
-        if _EXCLUDED_DIRS.intersection(rel.parts[:-1]) or rel.name.startswith("test_"):
-            continue
-        size = path.stat().st_size
-        if total + size > byte_cap:
-            break
-        chosen.append((rel.as_posix(), path))
-        total += size
-    return chosen
-
-
-def split_of(relative_path: str) -> str:
-    bucket = int.from_bytes(hashlib.sha256(relative_path.encode()).digest()[:4], "big") % 100
-    if bucket in VAL_BUCKETS:
-        return "val"
-    if bucket in HELDOUT_BUCKETS:
-        return "heldout"
-    return "train"
-
-
 def prepare_embedded(data_dir: Path | None = None) -> Dataset:
-    """Prepare the embedded default corpus (a few seconds, no network)."""
+    """Prepare the embedded default corpus from the cache folder's key (a few seconds, no network).
+
+    The key is made on first use (autoloop/harness/corpus_key.py); the same key always
+    gives the same corpus, bit for bit.
+    """
+    from autoloop.harness import synthetic
+    from autoloop.harness.corpus_key import corpus_key, key_id
+
     data_dir = Path(data_dir) if data_dir is not None else cache_root() / "data" / embedded_dataset_name()
-    files = stdlib_source_files()
-
-    def docs(split: str) -> Iterator[bytes]:
-        for rel, path in files:
-            if split_of(rel) == split:
-                yield path.read_bytes()
-
+    key = corpus_key()
+    language = synthetic.Language.from_key(key)
     return write_dataset(
         data_dir,
         embedded_dataset_name(),
         ByteTokenizer(),
-        {split: docs(split) for split in SPLITS},
-        source=f"Python standard library source ({len(files)} files, cap {EMBEDDED_BYTE_CAP} bytes)",
+        {split: synthetic.generate(key, split, EMBEDDED_DOCUMENTS[split], language=language) for split in SPLITS},
+        source=(f"a made-up language generated from the key in the cache folder (synthetic v{synthetic.LANGUAGE_VERSION}, "
+                f"{sum(EMBEDDED_DOCUMENTS.values())} documents)"),
+        extra_meta={"key_id": key_id(key)},
     )
 
 

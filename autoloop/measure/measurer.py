@@ -180,13 +180,16 @@ class Measurer:
             return path
 
     def _hidden(self) -> list[Path]:
-        """What no stage of a trial sees: .git, .autoloop, the db, and the project's files that
-        hold secrets by convention (.env, keys, credentials: autoloop.trust.redact)."""
+        """What no stage of a trial sees: .git, .autoloop, the db, the embedded corpus's key (with
+        it, val is rebuilt: autoloop/harness/corpus_key.py), and the project's files that hold
+        secrets by convention (.env, keys, credentials: autoloop.trust.redact)."""
+        from autoloop.harness.corpus_key import corpus_key_path
         from autoloop.trust.redact import secret_files
 
         c = self.c
         db = c.db_path()
-        hidden = [c.git_dir(), c.state_dir, db, db.with_name(db.name + "-wal"), db.with_name(db.name + "-shm")]
+        hidden = [c.git_dir(), c.state_dir, db, db.with_name(db.name + "-wal"), db.with_name(db.name + "-shm"),
+                  corpus_key_path().parent]
         if self._secret_files is None:
             self._secret_files = secret_files(c.project_dir)
         return hidden + self._secret_files

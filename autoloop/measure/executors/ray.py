@@ -160,7 +160,7 @@ def dataset_spec(job) -> dict:
         "recipe": meta.get("recipe"),
         "fingerprint": getattr(job, "data_fingerprint", None) or meta.get("fingerprint"),
         "controller_dir": str(data_dir) if data_dir is not None else None,
-        "embedded": name.startswith("stdlib-py") and not meta.get("recipe"),
+        "embedded": name == embedded_dataset_name() and not meta.get("recipe"),
     }
 
 
@@ -185,15 +185,11 @@ def _prepare_command(spec: dict) -> str:
 def _prepare_on_node(spec: dict, path: Path) -> str | None:
     """Prepare the controller's dataset into the node's cache as `path`, from the recipe in
     the controller's meta.json (autoloop.prepare.prepare_dataset, the code of `autoloop
-    prepare`). Returns why it cannot, or None."""
-    from autoloop.harness.contract import embedded_dataset_name
-
+    prepare`). Returns why it cannot, or None. The embedded corpus is generated from the
+    node's own key (autoloop/harness/corpus_key.py): the same corpus only where the
+    controller's key was copied; the fingerprint check after says so otherwise."""
     name = spec["name"]
     if spec.get("embedded"):
-        if name != embedded_dataset_name():
-            return (f"the controller uses the embedded corpus {name}, but this node's Python makes "
-                    f"{embedded_dataset_name()} (the corpus is the interpreter's standard library): use the same "
-                    "Python version on every node, or a prepared dataset (autoloop prepare)")
         from autoloop.harness.data import prepare_embedded
 
         prepare_embedded(path)
@@ -293,8 +289,11 @@ def ensure_node_dataset(spec: dict, verified: set | None = None) -> tuple[Path |
             return None, f"the dataset {name} on node {host} cannot be read: {_one_line(exc)}"
         if wanted and ds.fingerprint != wanted:
             if spec.get("embedded"):
-                fix = ("the embedded corpus is the interpreter's standard library, so run the controller's Python "
-                       "build on the node, or use a prepared dataset (autoloop prepare)")
+                from autoloop.harness.corpus_key import corpus_key_path
+
+                fix = (f"the embedded corpus is generated from the key in the cache folder, so copy the controller's "
+                       f"key to {corpus_key_path()} on the node (mode 0600) and remove {path} there, "
+                       "or use a prepared dataset (autoloop prepare)")
             else:
                 fix = (f"prepare the controller's data on the node (`{_prepare_command(spec)}`) or remove {path} "
                        "there so that it is prepared again")

@@ -31,7 +31,7 @@ pytest.importorskip("openai")
 SECRET = "sk-test-0a1b2c3d4e5f-DO-NOT-STORE"
 LR_LINE = "LR = 0.02  # learning rate; range 0.0001..1 log"
 WIDTH_LINE = "WIDTH = 64  # model width; power of two"
-MODE_LINE = 'MODE = "ok"  # ok | crash | hang | nan | nometric | reported | stubborn_child | fail'
+MODE_LINE = 'MODE = "ok"  # ok | crash | hang | nan | nometric | reported | stubborn_child | fail | enospc | fill'
 PROGRAM = "# program.md (test)\nLower val_bpb within the budget. Edit train.py only.\n"
 
 

@@ -256,7 +256,7 @@ def test_verify_job_ships_the_checkpoint(executor, embedded_dataset, tmp_path):
     (run_dir / "out" / "checkpoint.pt").write_bytes(CHECKPOINT_BYTES)
     (run_dir / "train.log").write_text("the training's log\n")
     job = make_job(embedded_dataset, kind="verify", checkpoint=str(run_dir / "out" / "checkpoint.pt"),
-                   result={"device": "cpu"}, harness_mode=True, external_eval=True)
+                   result={"device": "cpu"}, harness_mode=True, external_eval=True, verify=True)
     result = executor.slots[0].run(job, run_dir)
     assert result.status == "invalid", result.reason
     assert "is gone" not in result.reason and "checkpoint" in result.reason

@@ -291,6 +291,8 @@ class Controller:
     def run(self) -> RunSummary:
         """Run trials until a stop condition; always leaves git on the best commit."""
         self.chain()  # a misconfigured proposer (no model, agent not installed) fails now, before the baseline
+        if self.verifier is not None and self.measurer.sandbox.kind == "bwrap":
+            self.say(f"sandbox: {self.measurer.describe_sandbox()}")  # what a trial can see, once a night
         summary = RunSummary(tag=self.tag)
         previous = {}
         for sig in (signal.SIGINT, signal.SIGTERM):

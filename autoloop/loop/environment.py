@@ -83,7 +83,6 @@ def record_rules(c, existing: dict | None) -> None:
         if not sandbox.startswith("bwrap"):
             c.event("unsandboxed", f"trials run unsandboxed: {sandbox}")
             c.say(f"trials run unsandboxed: {sandbox} (docs/verification.md)", "yellow")
-        else:
-            c.say(f"sandbox: {sandbox}")  # what a trial can see, said once (docs/verification.md)
+
     c.store.update_run(c.run_row["id"], **fields)
     c.run_row = c.store.get_run(c.tag)

@@ -291,8 +291,6 @@ class Controller:
     def run(self) -> RunSummary:
         """Run trials until a stop condition; always leaves git on the best commit."""
         self.chain()  # a misconfigured proposer (no model, agent not installed) fails now, before the baseline
-        if self.verifier is not None and self.measurer.sandbox.kind == "bwrap":
-            self.say(f"sandbox: {self.measurer.describe_sandbox()}")  # what a trial can see, once a night
         summary = RunSummary(tag=self.tag)
         previous = {}
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -308,6 +306,8 @@ class Controller:
             raise
         try:
             preflight.check_before_the_night(self)
+            if self.verifier is not None and self.measurer.sandbox.kind == "bwrap":
+                self.say(f"sandbox: {self.measurer.describe_sandbox()}")  # what a trial can see, once a night
             self.scheduler = Scheduler(self)
             started = time.time()
             slots = [self.serial_slot()]

@@ -173,7 +173,7 @@ def project_files(project: Path | str, *, limit: int = 20_000) -> list[Path]:
     experiment), as few paths as cover them exactly (a folder all of whose contents are
     tracked is one path). Never what git does not track (a .env, experiments.db, .autoloop,
     a virtual environment, data), nor a tracked file named like a secret
-    (autoloop.trust.redact.is_secret_file), nor .git. A folder that is no git repository
+    (autoloop.trust.secret_names.is_secret_file), nor .git. A folder that is no git repository
     (a Ray node's copy of the job's files) is given whole: it holds only those files.
     Over `limit` tracked files, each of the project's top-level entries that holds no
     untracked file is given whole and the rest file by file, up to the limit."""

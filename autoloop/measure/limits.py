@@ -248,15 +248,23 @@ def private_tmpfs_bytes(pid: int, folders: Iterable[str] = ("tmp", "dev")) -> in
     own (an unsandboxed trial's /tmp is the disk) do not count."""
     total, seen = 0, set()
     for folder in folders:
-        path = f"/proc/{pid}/root/{folder}"
+        # One descriptor for both questions: while bubblewrap builds the namespace the path
+        # names one folder, then another (its setup tmpfs, the old root), and a stat then a
+        # statvfs of the path could ask about two, counting the host's disk as the trial's.
         try:
-            inside = os.stat(path).st_dev
-            if inside == os.stat(f"/{folder}").st_dev or inside in seen:
-                continue
-            seen.add(inside)
-            st = os.statvfs(path)
+            fd = os.open(f"/proc/{pid}/root/{folder}", os.O_RDONLY | os.O_DIRECTORY)
         except OSError:
             continue
+        try:
+            inside = os.fstat(fd).st_dev
+            if inside in (os.stat(f"/{folder}").st_dev, os.stat("/").st_dev) or inside in seen:
+                continue
+            seen.add(inside)
+            st = os.fstatvfs(fd)
+        except OSError:
+            continue
+        finally:
+            os.close(fd)
         total += (st.f_blocks - st.f_bfree) * st.f_frsize
     return total
 

@@ -44,13 +44,13 @@ class Config:
     db: str = "experiments.db"  # trial log, relative to the repository
     train_command: str = "python train.py"  # a leading `python` means this interpreter
     editable: list[str] = field(default_factory=lambda: ["train.py"])  # files proposals may change
-    protected: list[str] = field(
+    protected: list[str] = field(  # files no proposal may change, whatever `editable` says
         default_factory=lambda: ["autoloop/**", "program.md", "pyproject.toml", ".autoloop/**", "experiments.db*"]
     )
     time_budget: float = 300.0  # seconds of timed training per trial
     max_steps: int | None = None  # step budget instead (deterministic; for tests and quick runs)
     grace_seconds: float = 180.0  # start-up, compile and evaluation allowance on top of the budget
-    seed: int = 1337
+    seed: int = 1337  # the first training seed; the k-th run of a trial trains at seed + k
     dataset: str | None = None  # prepared dataset name or folder; default: the embedded corpus
     max_trials: int | None = None  # stop after this many trials in this invocation (baseline included)
     hours: float | None = None  # stop before a trial that could not finish within this many hours
@@ -91,7 +91,7 @@ class Config:
     # `autoloop check` (overfit one batch, LR range test, budget plan) before a new run's
     # baseline; a script that cannot overfit one batch stops the run before the night is spent.
     check: bool = True
-    oom_repairs: int = 3
+    oom_repairs: int = 3  # halvings of the batch after out-of-memory
     # LLM and coding-agent proposers (docs/llm.md). Setting llm_model or agent_command puts
     # that proposer into the default chain ("auto"). API keys are read from the environment
     # variable named by llm_api_key_env and never stored in the config, the db or logs.
@@ -118,13 +118,13 @@ class Config:
     # advances its own lineage (branch autoloop/<tag>-w<k>), the best lineage migrating to
     # the others every `migrate_every` trials of the run (0: never).
     search_mode: str = "shared"
-    migrate_every: int = 10
+    migrate_every: int = 10  # trials between migrations of the best lineage (islands); 0: never
     allow_mixed_devices: bool = False  # workers on different GPU models in one run (their numbers differ)
     # A command run on the night's events (a keep, a confirmed gain, a pause, a lost worker,
     # the end), the event as JSON on stdin (autoloop/loop/notify.py); killed after
     # notify_timeout seconds. It may name secrets ($WEBHOOK_URL): it is never stored in the db.
     notify: str | None = None
-    notify_timeout: float = 10.0
+    notify_timeout: float = 10.0  # seconds the notify command may take
     # What one trial may spend (autoloop/measure/limits.py, docs/verification.md); a trial
     # over a limit is invalid with the limit named. The defaults never bind an honest GPU trial.
     trial_memory_mb: int | None = None  # resident memory of its processes and its /tmp; default: half the machine's

@@ -131,3 +131,59 @@ def test_no_doc_installs_autoloop_from_the_registry():
     sources = [*DOCS, *(ROOT / "autoloop").rglob("*.py"), *(ROOT / "scripts").glob("*"), *(ROOT / "bench").glob("*.py")]
     found = [f"{p.relative_to(ROOT)}: {m.group()}" for p in sources if p.is_file() for m in pattern.finditer(p.read_text())]
     assert not found, found
+
+
+# ---------------------------------------------------------------------- docs made from, or checked against, the code
+
+
+def test_the_settings_page_is_the_configuration():
+    """docs/settings.md is made from autoloop/config.py and the CLI: every setting, its
+    variable, its flag where there is one, its default and its comment."""
+    from autoloop.cli import settings_page
+
+    assert settings_page.PAGE.read_text() == settings_page.page(), \
+        "docs/settings.md is out of date: run python -m autoloop.cli.settings_page"
+    assert "docs/settings.md" in (ROOT / "README.md").read_text()
+    rows = settings_page.rows()
+    assert all(row[4] for row in rows), [row[0] for row in rows if not row[4]]  # each setting says what it does
+
+
+def test_the_settings_page_reads_a_fields_own_comment():
+    source = ("from dataclasses import dataclass\n@dataclass\nclass Config:\n"
+              "    a: int = 1  # beside a\n"
+              "    # above b,\n    # two lines\n    b: int = 2\n"
+              "    c: int = 3\n")
+    from autoloop.cli.settings_page import field_comments
+
+    assert field_comments(source) == {"a": "beside a", "b": "above b, two lines"}
+
+
+def _backticked(text: str) -> list[str]:
+    return re.findall(r"`([^`]+)`", text)
+
+
+def test_architecture_names_every_migration_in_order():
+    from autoloop.store import MIGRATIONS
+
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    named = re.findall(r"`(\d{4}_\w+)`", text)
+    assert named == [name for name, _ in MIGRATIONS]
+
+
+def test_architecture_names_every_measurement_status():
+    from autoloop.measure.measurer import MEASUREMENT_STATUSES, trial_status
+
+    text = " ".join((ROOT / "docs" / "architecture.md").read_text().split())
+    listed = re.search(r"A measurement's status \(([^)]*)\)", text).group(1)
+    assert _backticked(listed) == list(MEASUREMENT_STATUSES)
+    # Each ends a trial somewhere; only ok is not a failure.
+    assert {trial_status(s).value for s in MEASUREMENT_STATUSES if s != "ok"} <= {"crash", "timeout", "invalid",
+                                                                                  "interrupted", "discard"}
+
+
+def test_the_readme_names_every_fault_point():
+    from autoloop.loop.faults import POINTS
+
+    text = " ".join((ROOT / "README.md").read_text().split())
+    listed = re.search(r"kills the controller at a named point \(([^)]*)\)", text).group(1)
+    assert _backticked(listed) == list(POINTS)

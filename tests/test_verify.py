@@ -267,7 +267,7 @@ def test_overfitting_is_flagged_once_and_shown_in_status(tmp_path):
     for val, held in pairs:
         trial = store.new_trial(run["id"], Kind.PROPOSAL, metric=val, heldout_metric=held, metric_source="verified")
         store.update_trial(trial["id"], status=Status.KEEP)
-        flagged.append(watch(store, run["id"]) is not None)
+        flagged.append(watch(store.trials(run["id"], status=Status.KEEP)) is not None)
     assert flagged == [False, False, False, False, True, False]  # raised once, not again while it stays up
     info = run_status(store, store.get_run(TAG), tmp_path)
     assert info["overfitting"].startswith("overfitting watch: the last 3 keeps (trials 4, 5, 6)")

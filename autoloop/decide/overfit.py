@@ -41,19 +41,10 @@ def overfitting_signal(kept: list[dict], window: int = WINDOW) -> dict | None:
     }
 
 
-def watch(store, run_id: int) -> dict | None:
-    """After a keep: the signal if it has just gone up (it was down one keep earlier), else None."""
-    from autoloop.store import Status
-
-    kept = store.trials(run_id, status=Status.KEEP)
+def watch(kept: list[dict]) -> dict | None:
+    """After a keep (the kept chain, the new keep last): the signal if it has just gone up
+    (it was down one keep earlier), else None."""
     signal = overfitting_signal(kept)
     if signal is None or overfitting_signal(kept[:-1]) is not None:
         return None
     return signal
-
-
-def current_signal(store, run_id: int) -> dict | None:
-    """The flag as it stands now (for `autoloop status`)."""
-    from autoloop.store import Status
-
-    return overfitting_signal(store.trials(run_id, status=Status.KEEP))

@@ -586,7 +586,7 @@ def _finish_now(c, trial: dict, outcome: TrialOutcome) -> dict:
 def _watch_overfitting(c, trial: dict) -> None:
     from autoloop.decide.overfit import watch
 
-    signal_ = watch(c.store, c.run_row["id"])
+    signal_ = watch(c.store.trials(c.run_row["id"], status=Status.KEEP))
     if signal_ is not None:
         c.event("overfitting", signal_["message"], trial_id=trial["id"])
         c.say(signal_["message"], "yellow")

@@ -54,7 +54,9 @@ from autoloop.store import Status
 
 # A measurement's status: ok | crash | timeout | invalid | aborted (the user stopped it) |
 # lost (its worker died: a process, a Ray node) | stopped (the early stop ended a clear
-# loser's run: autoloop.loop.stops). How each ends the trial is `trial_status`.
+# loser's run: autoloop.loop.stops). How each ends the trial is `trial_status`;
+# docs/architecture.md names them all (tests/test_docs.py).
+MEASUREMENT_STATUSES = ("ok", "crash", "timeout", "invalid", "aborted", "lost", "stopped")
 _OWN_RUN_ENDS = {"aborted": Status.INTERRUPTED, "lost": Status.INTERRUPTED, "timeout": Status.TIMEOUT,
                  "invalid": Status.INVALID, "stopped": Status.DISCARD}
 

@@ -498,7 +498,7 @@ def run_status(store, run: dict, repo: Path) -> dict:
         "trials": len(trials), "counts": counts, "running": None,
     }
     # verification (autoloop.trust.watch, autoloop.decide.overfit): is the best checked, and is held-out still improving?
-    from autoloop.decide.overfit import current_signal
+    from autoloop.decide.overfit import overfitting_signal
 
     info["best_metric_source"] = best.get("metric_source") if best else None
     info["best_tier"] = best.get("tier") if best else None
@@ -512,7 +512,7 @@ def run_status(store, run: dict, repo: Path) -> dict:
     from autoloop.loop.lock import holder
 
     info["controller"] = holder(repo)
-    info["overfitting"] = (current_signal(store, run["id"]) or {}).get("message")
+    info["overfitting"] = (overfitting_signal(store.trials(run["id"], status=Status.KEEP)) or {}).get("message")
     running = [t for t in trials if t["status"] == "running"]
     budget = (run.get("config") or {}).get("time_budget")
     info["running_all"] = [_running_info(t, budget) for t in running]  # one per worker

@@ -60,8 +60,8 @@ from pathlib import Path
 from typing import Any
 
 from autoloop.errors import AutoloopError, NotFound
-from autoloop.trust.redact import redact
-from autoloop.trust.text import CODE_COLUMNS, strip_controls, strip_controls_in
+from autoloop.base.redact import redact
+from autoloop.base.text import CODE_COLUMNS, strip_controls, strip_controls_in
 
 
 def _import_sqlite_utils():
@@ -642,8 +642,8 @@ class Store:
         """Validate column names and vocabularies; serialise JSON columns and enums; make
         every value one SQLite takes (`_storable`: a number out of range or not finite is
         NULL), strip every text of control characters but in the code columns
-        (autoloop.trust.text: a trial's text is data) and then redact it
-        (autoloop.trust.redact: no secret is ever stored)."""
+        (autoloop.base.text: a trial's text is data) and then redact it
+        (autoloop.base.redact: no secret is ever stored)."""
         columns = self._columns[table]
         json_columns = JSON_COLUMNS.get(table, frozenset())
         enums = ENUM_COLUMNS.get(table, {})

@@ -4,7 +4,7 @@
     python bench/eval_cost.py --repeats 5 --trial-seconds 300
 
 Under the controller train.py no longer evaluates (AUTOLOOP_EVAL=external). Two processes
-do (autoloop.trust.evaluation): the model process imports the trial's train.py, rebuilds
+do (autoloop.measure.evaluation): the model process imports the trial's train.py, rebuilds
 the model and runs its forward on the windows it is sent; the scorer holds the data,
 computes the loss and mixes causality probes among the scored batches. What is added per
 trial, against train.py evaluating itself, is: the two processes' start-up and imports
@@ -87,7 +87,7 @@ def main() -> None:
     from autoloop.harness.constants import EVAL_TOKENS, seq_len
     from autoloop.harness.scoring import MIN_PROBE_BATCHES, PROBE_SHARE
     from autoloop.trust.bytecode import pycache_env, warm_pycache
-    from autoloop.trust.evaluation import evaluate_checkpoint
+    from autoloop.measure.evaluation import evaluate_checkpoint
 
     ds = H.load_dataset()
     with tempfile.TemporaryDirectory(prefix="autoloop-evalcost-") as tmp:

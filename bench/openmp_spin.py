@@ -1,4 +1,4 @@
-"""The OpenMP spin count beside CPU burners (autoloop/measure/openmp.py's figures).
+"""The OpenMP spin count beside CPU burners (autoloop/base/openmp.py's figures).
 
 Times train.py's real CPU training step (`autoloop check`'s set-up of it) for --steps
 steps in a fresh process per setting, quiet and beside --burners `while True: pass`

@@ -70,7 +70,7 @@ def main() -> None:
         return
 
     from autoloop.trust.bytecode import pycache_env, warm_pycache
-    from autoloop.trust.evaluation import evaluate_checkpoint
+    from autoloop.measure.evaluation import evaluate_checkpoint
 
     with tempfile.TemporaryDirectory(prefix="autoloop-probepower-") as tmp:
         tmp = Path(tmp)

@@ -1,4 +1,4 @@
-"""What stripping a trial's text of control characters costs (autoloop.trust.text).
+"""What stripping a trial's text of control characters costs (autoloop.base.text).
 
     python bench/strip_cost.py                  # 20,000 lines, median of 5 rounds
     python bench/strip_cost.py --lines 100000 --rounds 7
@@ -22,8 +22,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from autoloop.trust.redact import redact  # noqa: E402
-from autoloop.trust.text import strip_controls  # noqa: E402
+from autoloop.base.redact import redact  # noqa: E402
+from autoloop.base.text import strip_controls  # noqa: E402
 
 STEP = ("step 01234 ( 41.1%) | loss 3.4567 | lr x1.000 | grad norm 0.512 | 312 ms | 1,234,567 tok/s"
         " | mfu 41.2%\n")

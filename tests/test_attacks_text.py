@@ -6,7 +6,7 @@ override, invisible tag characters) to their log; one crashes with them in its e
 message, the other is merely discarded. Their ideas' descriptions (what a model would
 write) carry them too, and the source carries them raw in a comment. Afterwards no
 control character but newline and tab is in the db (but the code columns, which hold the
-exact diff: autoloop.trust.text.CODE_COLUMNS), a trial's log file, the console of the
+exact diff: autoloop.base.text.CODE_COLUMNS), a trial's log file, the console of the
 run, `autoloop show N`, `log`, `status`, `ideas`, or a model's brief.
 """
 
@@ -58,7 +58,7 @@ def _seed(repo: Path, config) -> None:
 
 def _db_controls(db: Path) -> dict[str, list[str]]:
     """Every text cell of every table with a control character in it, but the code columns."""
-    from autoloop.trust.text import CODE_COLUMNS
+    from autoloop.base.text import CODE_COLUMNS
 
     found = {}
     conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)

@@ -22,7 +22,7 @@ import pytest
 from autoloop import harness as H
 from autoloop.harness import synthetic
 from autoloop.harness.corpus_key import KEY_BYTES, corpus_key, corpus_key_path, key_id, write_key
-from autoloop.measure.sandbox import allowed_environment
+from autoloop.base.environment import allowed_environment
 from tests.conftest import REPO_ROOT, TEST_CORPUS_KEY
 
 KEY_A, KEY_B = bytes(range(32)), bytes(range(100, 132))

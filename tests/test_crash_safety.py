@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from autoloop.loop.faults import POINTS
+from autoloop.base.faults import POINTS
 from autoloop.measure.runner import process_group_alive
 from autoloop.store import Store
 
@@ -234,7 +234,7 @@ def test_git_failing_on_a_full_disk_is_not_reported_as_a_lock(fake_repo, tmp_pat
 
 @pytest.mark.parametrize("point", [p for p in POINTS if p != "between_measurements"])
 def test_no_space_left_at_any_point_of_a_trial_pauses_with_a_consistent_db(fake_repo, monkeypatch, point):
-    from autoloop.loop import faults
+    from autoloop.base import faults
 
     monkeypatch.setattr(faults, "_hits", {})
     # The baseline passes every point but after_commit once: fail in the proposal's trial.

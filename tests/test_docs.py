@@ -171,7 +171,8 @@ def test_architecture_names_every_migration_in_order():
 
 
 def test_architecture_names_every_measurement_status():
-    from autoloop.measure.measurer import MEASUREMENT_STATUSES, trial_status
+    from autoloop.base.status import MEASUREMENT_STATUSES
+    from autoloop.measure.measurer import trial_status
 
     text = " ".join((ROOT / "docs" / "architecture.md").read_text().split())
     listed = re.search(r"A measurement's status \(([^)]*)\)", text).group(1)
@@ -182,7 +183,7 @@ def test_architecture_names_every_measurement_status():
 
 
 def test_the_readme_names_every_fault_point():
-    from autoloop.loop.faults import POINTS
+    from autoloop.base.faults import POINTS
 
     text = " ".join((ROOT / "README.md").read_text().split())
     listed = re.search(r"kills the controller at a named point \(([^)]*)\)", text).group(1)

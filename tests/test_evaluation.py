@@ -28,7 +28,7 @@ from test_verify import edited, tiny_train_source
 from autoloop.trust import integrity
 from autoloop.decide.heldout import HELDOUT_Z, heldout_guard, heldout_threshold, suspicious_identity
 from autoloop.trust.bytecode import pycache_dir, pycache_env
-from autoloop.trust.evaluation import evaluate_checkpoint
+from autoloop.measure.evaluation import evaluate_checkpoint
 from autoloop.measure.runner import _judge, run_training
 
 STEPS = 4

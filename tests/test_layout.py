@@ -1,5 +1,7 @@
 """The package's shape is checked, not just described.
 
+* Every package imports only from the floors below its own (FLOORS: base at the bottom,
+  cli at the top), function-level imports counted.
 * No import circle among autoloop's modules outside `autoloop/harness/` (whose two circles
   go with a harness version bump): every `import autoloop...` and `from autoloop... import`
   counts, at module level and inside functions, because a function-level import is still a
@@ -84,6 +86,75 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
             if cycle:
                 return cycle
     return None
+
+
+# The floors, lowest first: a package imports only from the floors below it (and itself),
+# counting imports inside functions. The root `autoloop` (its version, and `load_trials`
+# imported lazily) is the package's face, not a floor. review is above loop: `ablate` and
+# the re-measurement of the best are clients of the loop (each drives the one Controller
+# through a short night of its own, with the same rule, sandbox and harness), and the loop
+# never calls the review; serve is above review and reads the run the way the commands do.
+FLOORS = [
+    ("errors", "pyast", "envinfo"),  # no autoloop imports at all
+    ("base",),  # the ground floor: processes, the allowed environment, statuses, redaction, faults
+    ("harness",),  # train.py's half: torch, numpy, the standard library
+    ("config", "pyconst", "gitops", "prepare"),
+    ("decide",),  # statistics on what it is given: no db, no git
+    ("store",),
+    ("trust",),
+    ("measure",),
+    ("check", "proposers"),
+    ("loop",),
+    ("review",),
+    ("serve",),
+    ("cli",),
+    ("__main__",),
+]
+
+
+def package_of(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def floor_of(package: str) -> int:
+    for number, floor in enumerate(FLOORS):
+        if package in floor:
+            return number
+    raise AssertionError(f"autoloop.{package} is on no floor of tests/test_layout.py: add it to FLOORS")
+
+
+def arrows_against_the_floors(graph: dict[str, set[str]]) -> list[str]:
+    """Every import from a package to one on its own floor or above (the root excepted)."""
+    wrong = []
+    for module, imported in sorted(graph.items()):
+        here = package_of(module)
+        for target in sorted(imported):
+            there = package_of(target)
+            if not here or not there or here == there:
+                continue
+            if floor_of(there) >= floor_of(here):
+                wrong.append(f"{module} -> {target}")
+    return wrong
+
+
+def test_every_package_imports_only_from_the_floors_below():
+    wrong = arrows_against_the_floors(import_graph())
+    assert not wrong, "imports against the floors of tests/test_layout.py:\n" + "\n".join(wrong)
+
+
+def test_every_package_is_on_a_floor():
+    for name in all_modules():
+        if package_of(name):
+            floor_of(package_of(name))
+
+
+def test_the_floor_check_finds_an_arrow_upward():
+    graph = {"autoloop.trust.integrity": {"autoloop.measure.runner", "autoloop.base.status"},
+             "autoloop.store": {"autoloop.decide.rule"}, "autoloop.decide.rule": {"autoloop.store"},
+             "autoloop.loop.run": {"autoloop"}, "autoloop": {"autoloop.review.export"}}
+    assert arrows_against_the_floors(graph) == ["autoloop.decide.rule -> autoloop.store",
+                                                "autoloop.trust.integrity -> autoloop.measure.runner"]
 
 
 def outside_harness(name: str) -> bool:

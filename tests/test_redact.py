@@ -1,8 +1,8 @@
-"""Redaction (autoloop.trust.redact): which values are secrets, and that they never reach the db."""
+"""Redaction (autoloop.base.redact): which values are secrets, and that they never reach the db."""
 
 from __future__ import annotations
 
-from autoloop.trust.redact import REDACTED, Redactor, environment_secrets, file_secrets, redact, register_project
+from autoloop.base.redact import REDACTED, Redactor, environment_secrets, file_secrets, redact, register_project
 
 
 def never_allowed(name: str) -> bool:

@@ -280,7 +280,7 @@ def processes_with_argument(tag: str) -> list[int]:
 
 
 def our_zombies() -> set[int]:
-    return {int(e) for e in os.listdir("/proc") if e.isdigit() and (s := runner._proc_stat(e)) and s[0] == "Z"
+    return {int(e) for e in os.listdir("/proc") if e.isdigit() and (s := runner.proc_stat(e)) and s[0] == "Z"
             and int(s[1]) == os.getpid()}
 
 

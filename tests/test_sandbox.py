@@ -24,7 +24,8 @@ import autoloop
 from autoloop.measure import sandbox as sb
 from autoloop.errors import AutoloopError
 from autoloop.measure.runner import process_group_alive, run_training
-from autoloop.measure.sandbox import SandboxPaths, SandboxPolicy, allowed_environment, bwrap_arguments, detect
+from autoloop.base.environment import allowed_environment
+from autoloop.measure.sandbox import SandboxPaths, SandboxPolicy, bwrap_arguments, detect
 from tests.conftest import make_repo
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -98,7 +99,7 @@ def test_environment_comes_from_an_allow_list():
               "MKL_NUM_THREADS", "OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE", "PYTHONHASHSEED", "TORCHINDUCTOR_CACHE_DIR",
               "TRITON_CACHE_DIR", "PYTHONPYCACHEPREFIX", "PYTORCH_CUDA_ALLOC_CONF", "CUBLAS_WORKSPACE_CONFIG",
               "AUTOLOOP_CACHE_DIR"}
-    # LANG: unset on purpose; GOMP_SPINCOUNT: OpenMP's idle threads sleep soon (autoloop/measure/openmp.py)
+    # LANG: unset on purpose; GOMP_SPINCOUNT: OpenMP's idle threads sleep soon (autoloop/base/openmp.py)
     assert set(env) == passed | {"PYTHONUNBUFFERED", "AUTOLOOP_SEED", "GOMP_SPINCOUNT"}
     assert all(env[name] == environ[name] for name in passed)
     assert env["AUTOLOOP_SEED"] == "7" and env["PYTHONUNBUFFERED"] == "1" and env["GOMP_SPINCOUNT"] == "10000"
@@ -110,7 +111,7 @@ def test_environment_comes_from_an_allow_list():
     ({"OMP_WAIT_POLICY": "ACTIVE"}, None),  # so does their wait policy, with no count beside it
 ])
 def test_openmp_threads_sleep_soon_unless_the_user_chose(users, expected):
-    from autoloop.measure.openmp import apply_openmp_defaults
+    from autoloop.base.openmp import apply_openmp_defaults
 
     env = allowed_environment({}, environ={"PATH": "/usr/bin", **users})
     assert env.get("GOMP_SPINCOUNT") == expected and env.get("OMP_WAIT_POLICY") == users.get("OMP_WAIT_POLICY")

@@ -1,4 +1,4 @@
-"""Text from a trial is data (autoloop.trust.text): known answers for every class of control."""
+"""Text from a trial is data (autoloop.base.text): known answers for every class of control."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import unicodedata
 
 import pytest
 
-from autoloop.trust.text import has_controls, strip_controls, strip_controls_in
+from autoloop.base.text import has_controls, strip_controls, strip_controls_in
 
 ESC = "\x1b"
 
@@ -113,7 +113,7 @@ SHOWN = "HIDDENx\nyexe"  # what is left of ATTACK: its text, as text
 
 def controls(text: str | None) -> list[str]:
     """The control characters of `text` but newline and tab, by Unicode's own categories
-    (an oracle independent of autoloop.trust.text)."""
+    (an oracle independent of autoloop.base.text)."""
     return [f"U+{ord(c):04X}" for c in text or ""
             if unicodedata.category(c) in ("Cc", "Cf", "Cs") and c not in "\n\t\u200c\u200d"]
 

@@ -14,7 +14,7 @@ import typer
 
 from autoloop.cli.common import config_for, echo, explicit_tag, handles_errors, open_store, pick_run, run_settings
 from autoloop.errors import AutoloopError
-from autoloop.trust.text import strip_controls_in
+from autoloop.base.text import strip_controls_in
 
 app = typer.Typer(
     help="autoloop: an autonomous, verified research loop over train.py. "
@@ -274,7 +274,7 @@ _register_commands()
 
 
 def main() -> None:
-    from autoloop.measure.openmp import apply_openmp_defaults
+    from autoloop.base.openmp import apply_openmp_defaults
 
     apply_openmp_defaults()  # before anything imports torch: `autoloop check` trains in this process
     app()

@@ -18,9 +18,9 @@ from autoloop.errors import AutoloopError, NotFound
 
 def echo(text: str, **kwargs) -> None:
     """typer.echo for text that may quote a trial or a model (a reason, a log's tail, a
-    description): without control characters but newline and tab (autoloop.trust.text),
+    description): without control characters but newline and tab (autoloop.base.text),
     so that a row or a log written before they were stripped on the way in prints clean."""
-    from autoloop.trust.text import strip_controls
+    from autoloop.base.text import strip_controls
 
     typer.echo(strip_controls(text), **kwargs)
 
@@ -62,17 +62,9 @@ def explicit_tag(tag: str | None) -> str | None:
 
 def pick_run(store, tag: str | None) -> dict:
     """The run named by --tag (or AUTOLOOP_TAG), else the most recent one."""
-    runs = store.runs()
-    tag = explicit_tag(tag)
-    if tag is not None:
-        run = store.get_run(tag)
-        if run is None:
-            known = ", ".join(r["tag"] for r in runs) or "none"
-            raise NotFound(f"no run tagged '{tag}' in {store.path} (runs: {known}): check --tag")
-        return run
-    if not runs:
-        raise AutoloopError(f"{store.path} has no runs yet: start one with `autoloop run`")
-    return runs[-1]
+    from autoloop.review.queries import pick_run as pick
+
+    return pick(store, explicit_tag(tag))
 
 
 def run_settings(repo: Path, db: str, tag: str | None) -> dict:

@@ -14,7 +14,8 @@ from pathlib import Path
 from rich.console import Console
 
 from autoloop.review.queries import last_progress
-from autoloop.review.text import format_metric, run_words
+from autoloop.loop.run import run_words
+from autoloop.review.text import format_metric
 
 _STYLE = {"keep": "bold green", "discard": "dim", "crash": "red", "timeout": "red", "invalid": "magenta",
           "interrupted": "yellow"}
@@ -36,8 +37,8 @@ class Display:
         self._later.append((message, style))
 
     def say(self, message: str, style: str | None = None) -> None:
-        from autoloop.trust.redact import redact
-        from autoloop.trust.text import strip_controls
+        from autoloop.base.redact import redact
+        from autoloop.base.text import strip_controls
 
         pending, self._later = self._later, []
         for text, text_style in pending:

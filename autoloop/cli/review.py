@@ -60,7 +60,7 @@ class _Session:
 
 
 def _dump(value) -> str:
-    from autoloop.trust.text import strip_controls_in
+    from autoloop.base.text import strip_controls_in
 
     return json.dumps(strip_controls_in(value), indent=1, default=str)
 

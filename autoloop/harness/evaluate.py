@@ -7,7 +7,7 @@ process that runs no code of the trial.
 Under the controller every trial's metric comes from here (training runs with
 AUTOLOOP_EVAL=external and never evaluates). The trial's model runs in another process,
 autoloop.harness.model_server, sandboxed with no data file and nothing writable that
-outlives it; the controller's side (autoloop.trust.evaluation) starts both and connects
+outlives it; the controller's side (autoloop.measure.evaluation) starts both and connects
 them (autoloop.harness.channel). This process:
 
 1. holds the splits: it loads the dataset and builds the fixed evaluation windows of each

@@ -6,7 +6,7 @@
 This process runs the trial's code (its train.py is imported to rebuild the model), so
 everything in it is untrusted, this module included once train.py has been imported. It
 is started sandboxed with no data file visible and nothing writable that outlives it
-(the controller's side, autoloop.trust.evaluation); it reads its checkpoint from an
+(the controller's side, autoloop.measure.evaluation); it reads its checkpoint from an
 inherited descriptor (never a path the trial could have planted), receives token windows
 over the channel (autoloop.harness.channel) and writes its outputs (logits, a (B, T,
 vocabulary) tensor per batch: float32, or bf16 as a GPU's autocast made them) into the

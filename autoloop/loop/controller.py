@@ -210,7 +210,7 @@ class Controller:
                 f"the training script {script} is outside the project folder {self.project_dir}: run autoloop in the "
                 "folder that holds it (edits, training and .autoloop/ all refer to that folder)"
             )
-        from autoloop.trust.redact import register_project
+        from autoloop.base.redact import register_project
 
         self.repo = GitRepo.open(self.project_dir)
         register_project(self.project_dir)  # its .env values are never stored, logged, shown or sent

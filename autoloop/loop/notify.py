@@ -44,6 +44,7 @@ import threading
 from collections.abc import Callable
 
 from autoloop.store import utcnow
+from autoloop.base.processes import kill_group
 
 QUEUE_SIZE = 100
 DEFAULT_TIMEOUT = 10.0
@@ -93,7 +94,7 @@ class Notifier:
         """Queue one event; never blocks, never raises."""
         if self.command is None or self._closed:
             return
-        from autoloop.trust.text import strip_controls_in
+        from autoloop.base.text import strip_controls_in
 
         # A trial's text reaches the user's command and, through it, their terminal or chat.
         payload = strip_controls_in({"event": event, "run": self.tag, "message": _one_line(message, 500),
@@ -172,7 +173,7 @@ class Notifier:
             thread.join(budget)
             current = self._current
             if thread.is_alive() and current is not None:
-                _kill_group(current)  # out of time: no command outlives the run
+                kill_group(current)  # out of time: no command outlives the run
         with self._lock:
             problems = []
             if self.failures > 1:
@@ -222,14 +223,14 @@ class Notifier:
         try:
             _, err = proc.communicate(data, timeout=self.timeout)
         except subprocess.TimeoutExpired:
-            _kill_group(proc)
+            kill_group(proc)
             return f"still running after {self.timeout:g} s (notify_timeout), killed"
         except (BrokenPipeError, OSError):
             # It exited without reading stdin (notify-send does not): its status decides.
             try:
                 proc.wait(timeout=self.timeout)
             except subprocess.TimeoutExpired:
-                _kill_group(proc)
+                kill_group(proc)
                 return f"still running after {self.timeout:g} s (notify_timeout), killed"
             err = b""
         finally:
@@ -238,21 +239,6 @@ class Notifier:
             lines = (err or b"").decode(errors="replace").strip().splitlines()
             return f"exit status {proc.returncode}" + (f": {_one_line(lines[-1], 160)}" if lines else "")
         return None
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    try:
-        proc.communicate(timeout=5)
-    except (subprocess.TimeoutExpired, OSError, ValueError):
-        try:
-            proc.kill()
-            proc.wait(timeout=5)
-        except (subprocess.TimeoutExpired, OSError):
-            pass
 
 
 def notifier_for(config, on_failure: Callable[[str], None] | None = None) -> Notifier:

@@ -20,6 +20,7 @@ import subprocess
 import sys
 
 from autoloop.errors import AutoloopError
+from autoloop.base.processes import kill_group
 
 POLL_SECONDS = 0.2
 
@@ -57,7 +58,7 @@ def check_before_the_night(c) -> None:
     try:
         while True:
             if c.abort_requested:
-                _kill_group(proc)
+                kill_group(proc, reap_seconds=10)
                 c.say("the check before the night was stopped (Ctrl-C)", "yellow")
                 return
             try:
@@ -66,7 +67,7 @@ def check_before_the_night(c) -> None:
             except subprocess.TimeoutExpired:
                 continue
     except BaseException:  # a second Ctrl-C, or anything else: the check must not outlive us
-        _kill_group(proc)
+        kill_group(proc, reap_seconds=10)
         raise
     for line in stdout.splitlines():
         c.say(f"  {line}")
@@ -81,13 +82,3 @@ def check_before_the_night(c) -> None:
                             "--no-check to start anyway)")
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
-    """End the check and everything it started (its training runs), then reap it."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    try:
-        proc.communicate(timeout=10)
-    except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL does not wait
-        pass

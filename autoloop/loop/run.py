@@ -91,8 +91,6 @@ class SharedDisplay:
 
     def trial_started(self, trial: dict, best, config, *, seed: int | None = None, role: str | None = None,
                       owner: dict | None = None) -> None:
-        from autoloop.review.text import run_words
-
         worker = trial.get("worker") or "?"
         with self.lock:
             self.display.say(f"[{worker}] trial {trial['number']} training: {trial.get('description') or trial['kind']}"
@@ -255,3 +253,15 @@ class Loop:
         reason = check(c) if check is not None else None
         from_worker = c.pauses.take_from_worker()
         return WorkItem(Work.PAUSE, reason=reason or from_worker) if (reason or from_worker) else None
+
+
+def run_words(trial: dict, seed: int | None, role: str | None, owner: dict | None) -> str:
+    """' | candidate at seed 1338', ' | the incumbent (trial 1) at seed 1339, to pair with it':
+    which run of a trial this is ('' when the caller does not say)."""
+    if seed is None and role is None:
+        return ""
+    where = f" at seed {seed}" if seed is not None else ""
+    if owner is not None and owner.get("id") != trial.get("id"):
+        return f" | the incumbent (trial {owner['number']}){where}, to pair with it"
+    what = {"drift": "the incumbent again", "rerun": "the incumbent again"}
+    return f" | {what.get(role or '', role or 'run')}{where}"

@@ -16,7 +16,7 @@
    (the db is the truth), then git is made to agree: a kept commit stays on the branch;
    any other is archived under refs/autoloop/<tag>/trials/<n> and the branch is reset.
 
-Each window is reachable by fault injection (autoloop.loop.faults). Recovery after a dead
+Each window is reachable by fault injection (autoloop.base.faults). Recovery after a dead
 controller is autoloop.loop.recovery; a full disk anywhere here, autoloop.loop.disk.
 
 The trial's code gets its context as an argument, a `TrialContext`: the slot its
@@ -40,7 +40,8 @@ from pathlib import Path
 
 from autoloop.decide.rule import DecisionConfig, estimate
 from autoloop.errors import is_disk_full
-from autoloop.loop import faults, stops
+from autoloop.base import faults
+from autoloop.loop import stops
 from autoloop.loop.noise import paired_decision, runs_of
 from autoloop.loop.recheck import recheck_keep
 from autoloop.measure.measurer import Measurement, trial_status

@@ -44,19 +44,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from autoloop.loop import faults
+from autoloop.base import faults
 from autoloop.errors import AutoloopError
 from autoloop.measure.job import JobResult, MeasureJob
 from autoloop.measure.limits import TrialLimits
 from autoloop.measure.run_folder import RunFolder
-from autoloop.measure.runner import RunOutcome
+from autoloop.base.status import RunOutcome
 from autoloop.store import Status
 
-# A measurement's status: ok | crash | timeout | invalid | aborted (the user stopped it) |
-# lost (its worker died: a process, a Ray node) | stopped (the early stop ended a clear
-# loser's run: autoloop.loop.stops). How each ends the trial is `trial_status`;
-# docs/architecture.md names them all (tests/test_docs.py).
-MEASUREMENT_STATUSES = ("ok", "crash", "timeout", "invalid", "aborted", "lost", "stopped")
+# A measurement's status: autoloop.base.status.MEASUREMENT_STATUSES. How each ends the trial
+# is `trial_status`.
 _OWN_RUN_ENDS = {"aborted": Status.INTERRUPTED, "lost": Status.INTERRUPTED, "timeout": Status.TIMEOUT,
                  "invalid": Status.INVALID, "stopped": Status.DISCARD}
 
@@ -184,9 +181,9 @@ class Measurer:
     def _hidden(self) -> list[Path]:
         """What no stage of a trial sees: .git, .autoloop, the db, the embedded corpus's key (with
         it, val is rebuilt: autoloop/harness/corpus_key.py), and the project's files that hold
-        secrets by convention (.env, keys, credentials: autoloop.trust.redact)."""
+        secrets by convention (.env, keys, credentials: autoloop.base.redact)."""
         from autoloop.harness.corpus_key import corpus_key_path
-        from autoloop.trust.redact import secret_files
+        from autoloop.base.redact import secret_files
 
         c = self.c
         db = c.db_path()

@@ -19,7 +19,7 @@ binds or runs lies there unless it is read as untrusted data (autoloop.trust.unt
       train.log        training's stdout and stderr, written by us from a pipe (never read back),
                        capped: past trial-log-mb the trial is stopped and the log cut to head and tail
       source/          the commit's editable files, written by us; read-only to the model process
-      eval/, verify/   made fresh by each evaluation (autoloop.trust.evaluation): its log and
+      eval/, verify/   made fresh by each evaluation (autoloop.measure.evaluation): its log and
                        verdict, written by us; no stage can write there
       job.json, worker.log   the local executor's control files (process ids and the result
                        travel through the worker's own pipe, never through a file)

@@ -3,7 +3,7 @@
 The training command runs in its own session and process group (`start_new_session=True`,
 so pgid == pid), stdin from /dev/null, stdout and stderr into a pipe that a thread of ours
 drains into the log file (`LogPipe`: every line stripped of control characters and
-redacted, autoloop.trust.text and autoloop.trust.redact; the log is never read back, the
+redacted, autoloop.base.text and autoloop.base.redact; the log is never read back, the
 outcome rules read what the pipe brought). Unsandboxed, the
 command starts behind a two-line shim that makes the kernel kill it when its parent dies
 (PR_SET_PDEATHSIG), so no training outlives a dead worker or controller.
@@ -20,7 +20,7 @@ pid, which is also the group id, cannot be reused, so signalling the group can n
 unrelated process. A process group counts as gone when only zombies are left in it (an
 orphaned grandchild that was killed may wait a moment for init to reap it).
 
-The child's environment comes from an allow-list (`autoloop.measure.sandbox.allowed_environment`:
+The child's environment comes from an allow-list (`autoloop.base.environment.allowed_environment`:
 PATH, locale, thread and GPU settings, ...; never a secret, whatever its name), plus
 PYTHONUNBUFFERED=1, plus the AUTOLOOP_* contract variables the caller passes, plus a
 per-trial marker (AUTOLOOP_TRIAL_MARKER).
@@ -68,7 +68,19 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from autoloop.errors import AutoloopError
-from autoloop.measure.sandbox import SandboxPaths, SandboxPolicy, allowed_environment
+from autoloop.base.environment import allowed_environment
+from autoloop.base.processes import (  # noqa: F401 - the process half of a run, re-exported for its users
+    KILL_WAIT_SECONDS,
+    kill_process_group,
+    proc_stat,
+    process_group_alive,
+    process_start_time,
+    signal_group,
+    stop_group,
+    wait_group_gone,
+)
+from autoloop.base.status import RunOutcome
+from autoloop.measure.sandbox import SandboxPaths, SandboxPolicy
 
 if TYPE_CHECKING:
     from autoloop.measure.limits import TrialLimits
@@ -76,9 +88,6 @@ if TYPE_CHECKING:
 TRIAL_MARKER = "AUTOLOOP_TRIAL_MARKER"
 PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
 ERROR_TAIL_LINES = 40
-# How long to wait for a SIGKILLed group to disappear; only a process stuck in the kernel
-# (e.g. in a GPU driver call) takes longer, and waiting forever would hang the loop.
-KILL_WAIT_SECONDS = 10.0
 # Only the end of a log matters for the summary block, the FAIL line and the error tail.
 MAX_LOG_READ_BYTES = 2 * 1024 * 1024
 MAX_REASON_CHARS = 500
@@ -91,145 +100,6 @@ REPORTED_KEY_MAP = {
 }
 
 
-@dataclass
-class RunOutcome:
-    """What happened to one training process.
-
-    status: "ok" (exit 0 with a finite val_bpb, or under AUTOLOOP_EVAL=external with a
-    result JSON and no val_bpb), "crash", "timeout", "aborted", or "invalid" (exit 0 with
-    a result JSON that is not one: a link, too big, malformed, a figure out of range;
-    autoloop.trust.untrusted).
-    metric: val_bpb when finite, else None. metric_source: "harness" (result JSON) or
-    "reported" (printed block), None without a metric (except an external-eval "ok":
-    "harness", metric None whatever the JSON says). reason: one line, None when ok.
-    result: the parsed result JSON, or the parsed summary block, or None.
-    """
-
-    status: str
-    returncode: int | None
-    result: dict[str, Any] | None
-    metric: float | None
-    metric_source: str | None
-    reason: str | None
-    error_tail: str
-    wall_seconds: float
-    pid: int
-    pgid: int
-    start_time: int | None = None
-    limit: str | None = None  # the limit it went over (autoloop.measure.limits); status "invalid"
-    resources: dict | None = None  # the peaks the resource watch saw: memory, processes, disk, files
-
-
-# ---------------------------------------------------------------------------------------
-# Processes
-# ---------------------------------------------------------------------------------------
-
-
-def _proc_stat(pid: int | str) -> list[str] | None:
-    """Fields 3.. of /proc/<pid>/stat (state first), or None if unreadable.
-
-    The command name (field 2) may contain spaces and parentheses, so split after the
-    last ')'.
-    """
-    try:
-        data = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return data[data.rindex(")") + 2 :].split()
-
-
-def process_start_time(pid: int) -> int | None:
-    """Start time of `pid` in clock ticks since boot (/proc/<pid>/stat field 22), or None
-    if there is no such process (or no /proc). Together with the pid it identifies a
-    process even after the pid number has been recycled."""
-    fields = _proc_stat(pid)
-    return int(fields[19]) if fields else None
-
-
-def process_group_alive(pgid: int) -> bool:
-    """True if any process other than a zombie is in process group `pgid`."""
-    if pgid <= 0:
-        return False
-    if os.path.isdir("/proc/self"):
-        for entry in os.scandir("/proc"):
-            if entry.name.isdigit():
-                fields = _proc_stat(entry.name)
-                if fields and int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
-                    return True
-        return False
-    # No /proc (not Linux): zombies count as alive here.
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _signal_group(pgid: int, sig: int) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except ProcessLookupError:
-        pass
-
-
-def _wait_group_gone(pgid: int, timeout: float, before_check: Callable[[], None] | None = None) -> bool:
-    deadline = time.monotonic() + timeout
-    while True:
-        if before_check is not None:
-            before_check()
-        if not process_group_alive(pgid):
-            return True
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.05)
-
-
-def _stop_group(pgid: int, grace: float, before_check: Callable[[], None] | None = None) -> bool:
-    """SIGTERM, up to `grace` seconds, then SIGKILL. True if the group is gone."""
-    _signal_group(pgid, signal.SIGTERM)
-    if _wait_group_gone(pgid, grace, before_check):
-        return True
-    _signal_group(pgid, signal.SIGKILL)
-    return _wait_group_gone(pgid, KILL_WAIT_SECONDS, before_check)
-
-
-def kill_process_group(
-    pgid: int,
-    *,
-    expected_pid: int | None = None,
-    expected_start_time: int | None = None,
-    grace: float = 5,
-) -> bool:
-    """Kill a training process group left behind by a controller that died.
-
-    Kills only what is provably ours: if the recorded pid exists but has a different start
-    time (or none was recorded), the pid may be someone else's: nothing is killed. If the recorded leader is gone, the group is killed only if processes are still
-    in it (orphaned grandchildren; the kernel does not hand out a pid that is still in use
-    as a group id). SIGTERM, `grace` seconds, SIGKILL, then waits for the group to vanish.
-    Returns True if it signalled a live group.
-    """
-    if pgid <= 1 or pgid == os.getpgrp():
-        raise ValueError(f"refusing to kill process group {pgid}")
-    if expected_pid is not None:
-        start_time = process_start_time(expected_pid)
-        if start_time is not None and start_time != expected_start_time:
-            # A leader that is alive but not the one recorded (a recycled pid, or one we were
-            # never told the start time of): the group is someone else's.
-            return False
-    if not process_group_alive(pgid):
-        return False
-    try:
-        _stop_group(pgid, grace)
-    except PermissionError:
-        raise AutoloopError(
-            f"cannot kill process group {pgid} (permission denied): kill it yourself "
-            f"(`kill -- -{pgid}`) and rerun"
-        ) from None
-    return True
-
-
 def gpu_busy_report() -> list[str]:
     """`pid, process_name, used_memory` lines for processes on the GPU, per nvidia-smi;
     empty when nvidia-smi is missing or fails."""
@@ -239,7 +109,7 @@ def gpu_busy_report() -> list[str]:
 
 
 def child_environment(extra: dict[str, Any]) -> dict[str, str]:
-    """A child process's environment (see `autoloop.measure.sandbox.allowed_environment`)."""
+    """A child process's environment (see `autoloop.base.environment.allowed_environment`)."""
     return allowed_environment(extra)
 
 
@@ -317,7 +187,7 @@ def _reap_adopted(pgid: int, pids: set[int]) -> None:
         if not entry.name.isdigit():
             continue
         pid = int(entry.name)
-        fields = _proc_stat(pid)
+        fields = proc_stat(pid)
         if fields and int(fields[1]) == me and fields[0] == "Z" and (int(fields[2]) == pgid or pid in pids):
             try:
                 os.waitpid(pid, os.WNOHANG)
@@ -410,7 +280,7 @@ LOG_TAIL_KEEP_BYTES = 256 * 1024
 class LogPipe:
     """A child's stdout and stderr: a pipe whose reading end a thread of ours drains into
     the log file, line by line, every line stripped of control characters
-    (autoloop.trust.text), redacted (autoloop.trust.redact) and capped; the last
+    (autoloop.base.text), redacted (autoloop.base.redact) and capped; the last
     MAX_LOG_MEMORY_BYTES stay in memory for the outcome rules, so the log is written but
     never read back (a trial cannot swap the file we would read).
 
@@ -419,8 +289,8 @@ class LogPipe:
     `cut()` leaves the file as its head, a line saying where it was cut, and its tail."""
 
     def __init__(self, path: Path, *, prefix: str = "", max_bytes: int | None = None):
-        from autoloop.trust.redact import redact
-        from autoloop.trust.text import strip_controls
+        from autoloop.base.redact import redact
+        from autoloop.base.text import strip_controls
 
         self.path = Path(path)
         self.prefix = prefix.encode()
@@ -687,18 +557,18 @@ def run_training(
         if on_poll is not None:
             on_poll()
         if stopped == "limit":  # memory or processes still growing: no grace
-            _signal_group(pgid, signal.SIGKILL)
-            group_gone = _wait_group_gone(pgid, KILL_WAIT_SECONDS, reap)
+            signal_group(pgid, signal.SIGKILL)
+            group_gone = wait_group_gone(pgid, KILL_WAIT_SECONDS, reap)
         elif stopped is not None:
-            group_gone = _stop_group(pgid, kill_grace_seconds, reap)
+            group_gone = stop_group(pgid, kill_grace_seconds, reap)
         else:
             # The main process is done; anything left in its group is a leftover.
-            _signal_group(pgid, signal.SIGKILL)
-            group_gone = _wait_group_gone(pgid, KILL_WAIT_SECONDS, reap)
+            signal_group(pgid, signal.SIGKILL)
+            group_gone = wait_group_gone(pgid, KILL_WAIT_SECONDS, reap)
         returncode = proc.wait()
         survivors = sweep_trial_processes(marker, pgid)
     except BaseException:
-        _signal_group(pgid, signal.SIGKILL)
+        signal_group(pgid, signal.SIGKILL)
         proc.wait()
         sweep_trial_processes(marker, pgid)
         log.close()

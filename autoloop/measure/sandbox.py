@@ -44,7 +44,7 @@ Detection: `detect()` runs the real layout once per process (`bwrap ... true`); 
 bubblewrap is missing or cannot make namespaces (macOS, a container without user
 namespaces) "auto" gives kind "none" with the reason, "on" is an error.
 
-Environment: `allowed_environment` builds every child's environment, sandboxed or not, from
+Environment: `autoloop.base.environment.allowed_environment` builds every child's environment, sandboxed or not, from
 an allow-list of names, never from a deny-list, so a secret under any name stays behind.
 """
 
@@ -59,10 +59,8 @@ import tempfile
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from autoloop.errors import AutoloopError
-from autoloop.measure.openmp import openmp_defaults
 
 MODES = ("auto", "on", "off")
 ENV_COMPILE_CACHE = "AUTOLOOP_COMPILE_CACHE"  # as in autoloop/harness/contract.py
@@ -70,53 +68,6 @@ PROBE_TIMEOUT_SECONDS = 20
 # HOME inside the sandbox: an empty folder in the private /tmp, so tools that write to
 # ~/.cache or ~/.nv write somewhere that vanishes with the trial.
 SANDBOX_HOME = "/tmp/home"
-
-# Names passed through from the controller's environment. Nothing here holds a secret;
-# everything torch, CUDA, the BLAS libraries and the harness need to behave the same
-# sandboxed and unsandboxed is here.
-ALLOWED_NAMES = frozenset({
-    "PATH", "HOME", "USER", "LOGNAME", "LANG", "LANGUAGE", "TZ", "TERM", "TMPDIR",
-    "LD_LIBRARY_PATH",  # CUDA libraries on module-based clusters and conda installs
-    "CC", "CXX",  # the compilers inductor and triton build kernels with
-    "VIRTUAL_ENV", "CONDA_PREFIX", "XDG_CACHE_HOME",
-    "PYTHONPATH", "PYTHONHASHSEED", "PYTHONPYCACHEPREFIX", "PYTHONDONTWRITEBYTECODE",
-    "PYTHONNOUSERSITE", "PYTHONWARNINGS", "PYTHONFAULTHANDLER", "PYTHONIOENCODING", "PYTHONUTF8",
-    # Harness settings a user may set for the controller and its children alike
-    # (autoloop/harness/contract.py); the per-trial contract variables come in `extra`.
-    "AUTOLOOP_CACHE_DIR", "AUTOLOOP_COMPILE_CACHE", "AUTOLOOP_DEVICE_TYPE",
-})
-# Families of tuning variables (thread counts, OPENBLAS_CORETYPE, which GPUs, allocator
-# and compile settings). A name in them that still looks like a secret is dropped.
-ALLOWED_PREFIXES = (
-    "LC_", "OMP_", "MKL_", "OPENBLAS_", "KMP_", "GOMP_", "CUDA_", "CUBLAS_", "CUDNN_", "NCCL_",
-    "NVIDIA_", "TORCH_", "TORCHINDUCTOR_", "PYTORCH_", "TRITON_",
-)
-SECRET_MARKERS = ("KEY", "TOKEN", "SECRET", "PASSWORD", "PASSWD", "CREDENTIAL", "AUTH")
-
-
-def allowed_environment(extra: Mapping[str, Any], *, environ: Mapping[str, str] | None = None) -> dict[str, str]:
-    """A child's environment: the allow-listed part of `environ` (default: ours),
-    PYTHONUNBUFFERED=1 (the log is written line by line), then `extra`, which the
-    controller sets on purpose (the AUTOLOOP_* contract; a None value unsets a name)."""
-    environ = os.environ if environ is None else environ
-    env = {name: value for name, value in environ.items() if is_allowed(name)}
-    env.update(openmp_defaults(env))  # a busy machine's steps are not stretched by spinning threads
-    env["PYTHONUNBUFFERED"] = "1"
-    for name, value in extra.items():
-        if value is None:
-            env.pop(name, None)
-        else:
-            env[name] = str(value)
-    return env
-
-
-def is_allowed(name: str) -> bool:
-    """Whether a child process may inherit the variable `name` (the allow-list above)."""
-    if name in ALLOWED_NAMES:
-        return True
-    upper = name.upper()
-    return name.startswith(ALLOWED_PREFIXES) and not any(marker in upper for marker in SECRET_MARKERS)
-
 
 # The system part of the allow-list (see the module docstring). /etc is a few named entries:
 # the dynamic loader's cache and configuration (shared libraries, a GPU driver's folder),
@@ -173,11 +124,11 @@ def project_files(project: Path | str, *, limit: int = 20_000) -> list[Path]:
     experiment), as few paths as cover them exactly (a folder all of whose contents are
     tracked is one path). Never what git does not track (a .env, experiments.db, .autoloop,
     a virtual environment, data), nor a tracked file named like a secret
-    (autoloop.trust.secret_names.is_secret_file), nor .git. A folder that is no git repository
+    (autoloop.base.secret_names.is_secret_file), nor .git. A folder that is no git repository
     (a Ray node's copy of the job's files) is given whole: it holds only those files.
     Over `limit` tracked files, each of the project's top-level entries that holds no
     untracked file is given whole and the rest file by file, up to the limit."""
-    from autoloop.trust.secret_names import is_secret_file
+    from autoloop.base.secret_names import is_secret_file
 
     root = _resolve(project)
 

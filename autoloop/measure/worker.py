@@ -18,7 +18,7 @@ what happens between the controller's checkout and its record (autoloop.measure.
 4. The budget is checked on the feed's figures (autoloop.trust.budget), the report on the run's
    fingerprints (autoloop.trust.integrity.budget_problem).
 5. val_bpb comes from the harness's evaluator in its own sandboxed process
-   (autoloop.trust.evaluation), from the commit's files copied into run_dir/source; `verify`
+   (autoloop.measure.evaluation), from the commit's files copied into run_dir/source; `verify`
    adds held-out and causality. A "verify" job does only this, for an existing checkpoint.
 
 No db, no git, no controller object: everything comes from the job, and what the
@@ -263,7 +263,7 @@ def run_job(job: MeasureJob, *, project_dir: Path | str, run_dir: Path | str, on
     training process (default autoloop.measure.runner.run_training). Exceptions of the
     worker's own (a full disk, a training command that cannot start, a broken dataset)
     propagate; anything wrong with what the trial wrote is the trial's `invalid`."""
-    from autoloop.trust.redact import register_files
+    from autoloop.base.redact import register_files
 
     project_dir, run_dir = Path(project_dir), Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -464,11 +464,11 @@ def _feed_over_budget(summary: dict | None) -> str | None:
 def _evaluate(job: MeasureJob, project_dir: Path, folder: RunFolder, result: dict, *, verify: bool,
               on_start: OnStart | None, abort: _Abort, checkpoint: Path | None = None):
     """val_bpb (and, with verify, held-out) of the run's checkpoint, by the harness's scorer
-    in a process of its own, the model in another (autoloop.trust.evaluation)."""
+    in a process of its own, the model in another (autoloop.measure.evaluation)."""
     from autoloop.measure.limits import TrialLimits
     from autoloop.measure.sandbox import detect
     from autoloop.trust.bytecode import pycache_env, warm_pycache
-    from autoloop.trust.evaluation import evaluate_checkpoint
+    from autoloop.measure.evaluation import evaluate_checkpoint
 
     script = write_sources(job, folder.source)
     device = "cpu" if str(result.get("device", "cpu")).lower() == "cpu" else "cuda"

@@ -48,6 +48,7 @@ from autoloop.proposers.proposal import Proposal, patch_text
 from autoloop.measure.runner import process_start_time
 from autoloop.proposers import brief
 from autoloop.proposers.base import ProposerUnavailable
+from autoloop.base.processes import kill_group
 
 KILL_GRACE_SECONDS = 10.0
 TEMP_PREFIX = "autoloop-agent-"  # the temporary clone's folder; recovery deletes only such folders
@@ -224,10 +225,10 @@ class AgentProposer:
                     on_start(proc.pid, process_start_time(proc.pid))
                 return proc.wait(timeout=self.config.agent_timeout), False
             except subprocess.TimeoutExpired:
-                _kill_group(proc)
+                kill_group(proc, grace=KILL_GRACE_SECONDS)
                 return None, True
             except BaseException:
-                _kill_group(proc)
+                kill_group(proc, grace=KILL_GRACE_SECONDS)
                 raise
 
     def _transcript_path(self, ctx) -> Path:
@@ -272,20 +273,6 @@ def _git_bytes(cwd: Path | str, *args: str) -> bytes:
         raise ProposerUnavailable(f"git {' '.join(args[:2])} failed in the agent's clone: "
                                   f"{out.stderr.decode(errors='replace').strip()[:300]}")
     return out.stdout
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    """SIGTERM the agent's process group, then SIGKILL what is left."""
-    for sig, wait in ((signal.SIGTERM, KILL_GRACE_SECONDS), (signal.SIGKILL, 5.0)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
 
 
 def _description(text: str) -> str | None:

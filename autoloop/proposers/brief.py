@@ -490,16 +490,16 @@ def render_context(ctx, *, idea: dict | None = None, read_file=None, files_headi
     ]
     text = "\n\n".join(sections) + "\n\n" + idea_section(idea) + extra
     heading = files_heading or "The editable files at the current best commit (your edits apply to these)"
-    from autoloop.trust.redact import redact
-    from autoloop.trust.text import strip_controls
+    from autoloop.base.redact import redact
+    from autoloop.base.text import strip_controls
 
     return redact(strip_controls(text + files_section(ctx, read_file, heading) + "\n"))
 
 
 def repair_section(trial: dict) -> str:
     """The crashed trial, its traceback and what is asked: fix it, keep the idea."""
-    from autoloop.trust.redact import redact
-    from autoloop.trust.text import strip_controls
+    from autoloop.base.redact import redact
+    from autoloop.base.text import strip_controls
 
     return redact(strip_controls(
         f"# Repair: trial {trial['number']} crashed\n"

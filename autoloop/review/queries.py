@@ -41,6 +41,7 @@ Definitions shared by `autoloop log`, `best`, `report` and `export`:
 
 from __future__ import annotations
 
+import os
 import re
 import time
 from datetime import datetime
@@ -51,6 +52,22 @@ from autoloop.measure.run_folder import RunFolder
 from autoloop.decide.effects import ablation_effect, decision_of, trial_effect
 from autoloop.errors import AutoloopError, NotFound
 from autoloop.store import Kind, Status
+
+
+def pick_run(store, tag: str | None, *, fix: str = "check --tag") -> dict:
+    """The run named `tag` (else $AUTOLOOP_TAG), else the most recent one: the one way every
+    command and the page name a run. An unknown tag is one line naming the runs there are."""
+    runs = store.runs()
+    tag = tag or os.environ.get("AUTOLOOP_TAG") or None
+    if tag is not None:
+        run = store.get_run(tag)
+        if run is None:
+            known = ", ".join(r["tag"] for r in runs) or "none"
+            raise NotFound(f"no run tagged '{tag}' in {store.path} (runs: {known}): {fix}")
+        return run
+    if not runs:
+        raise AutoloopError(f"{store.path} has no runs yet: start one with `autoloop run`")
+    return runs[-1]
 
 LOG_FIELDS = ("number", "kind", "status", "reason", "metric", "metric_source", "delta", "best_before",
               "description", "proposer", "minutes", "trial_commit", "heldout_metric", "flags", "tier", "stopped_at")

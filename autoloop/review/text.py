@@ -472,15 +472,3 @@ def format_ideas(store, rows: list[dict]) -> str:
         if idea.get("waiting"):
             lines.append(f"{'':>25}↳ waiting: {idea['waiting']}")
     return "\n".join(lines)
-
-
-def run_words(trial: dict, seed: int | None, role: str | None, owner: dict | None) -> str:
-    """' | candidate at seed 1338', ' | the incumbent (trial 1) at seed 1339, to pair with it':
-    which run of a trial this is ('' when the caller does not say)."""
-    if seed is None and role is None:
-        return ""
-    where = f" at seed {seed}" if seed is not None else ""
-    if owner is not None and owner.get("id") != trial.get("id"):
-        return f" | the incumbent (trial {owner['number']}){where}, to pair with it"
-    what = {"drift": "the incumbent again", "rerun": "the incumbent again"}
-    return f" | {what.get(role or '', role or 'run')}{where}"

@@ -567,7 +567,7 @@ def seed_from_page(state: ServeState, data: dict) -> dict:
 
 def stop_from_page(state: ServeState, tag: str) -> dict:
     """`autoloop stop` from the page: the same `pick_run` and `Store.request_stop`."""
-    from autoloop.cli.common import pick_run
+    from autoloop.review.queries import pick_run
     from autoloop.store import Store
 
     if not state.db_path.exists():

@@ -116,15 +116,9 @@ def runs_list(store) -> list[dict]:
 
 def pick_run(store, tag: str | None) -> dict:
     """The run `tag`, else the most recent one; one line naming the runs when it is unknown."""
-    from autoloop.cli.common import pick_run as cli_pick_run
+    from autoloop.review.queries import pick_run as pick
 
-    if tag is not None:
-        run = store.get_run(tag)
-        if run is None:
-            known = ", ".join(r["tag"] for r in store.runs()) or "none"
-            raise NotFound(f"no run tagged '{tag}' in {store.path} (runs: {known}): pick one of them")
-        return run
-    return cli_pick_run(store, None)
+    return pick(store, tag, fix="pick one of them")
 
 
 # ---------------------------------------------------------------------------- the run page

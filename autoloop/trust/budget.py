@@ -56,7 +56,7 @@ Rules, in order:
       extra updates stretch both. Not always: threads that spin while they wait burn CPU
       doing nothing. Beside two CPU burners on a 2-core VM, torch's OpenMP threads with GNU's
       default spin count had phases of a dozen steps at 8x the median, each charged as much
-      CPU as wall time (autoloop/measure/openmp.py, which sets a spin count that ends
+      CPU as wall time (autoloop/base/openmp.py, which sets a spin count that ends
       them). Whatever else spins, a run these two rules fail is measured again at the same
       seed before the trial fails (`load_sensitive`): an attack fails both runs, a stall
       rarely strikes twice.

@@ -65,7 +65,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from autoloop.config import Config
-from autoloop.measure.runner import RunOutcome
+from autoloop.base.status import RunOutcome
 
 FULL_HASH_MAX_BYTES = 512 * 2**20
 STEP_SLACK = 1

@@ -18,7 +18,7 @@ Around each training run the worker half of the measurement (autoloop.measure.wo
 may run in another process or on another machine) takes the integrity snapshots and
 applies the rules (autoloop.trust.integrity). A keep candidate is verified there too: its
 checkpoint is evaluated again in a fresh, sandboxed process (`verify` jobs,
-autoloop.trust.evaluation.evaluate_checkpoint), and the controller decides again on the
+autoloop.measure.evaluation.evaluate_checkpoint), and the controller decides again on the
 verified value (`Controller` and `Measurer.verify`).
 
 Which trials can be verified:

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from autoloop.errors import AutoloopError
 from autoloop.measure.job import JobResult
+from autoloop.base.processes import signal_group
 
 POLL_SECONDS = 0.2
 ABORT_GRACE_SECONDS = 30.0  # a worker asked to stop gets this long to kill its training and say so
@@ -110,14 +111,14 @@ class LocalSlot:
         its result through a pipe only this slot reads (`autoloop.measure.worker.ControlChannel`),
         and hears "abort" on its stdin: nothing travels through a file in the run folder, where
         an unsandboxed training could write. The worker runs from the run folder with
-        autoloop's own import root first on its path (autoloop.trust.evaluation), so no file of
+        autoloop's own import root first on its path (autoloop.measure.evaluation), so no file of
         the worktree is imported by trusted code."""
         import dataclasses
 
         from autoloop.measure.runner import kill_process_group, process_start_time
         from autoloop.measure.worker import WARMED_ENV
         from autoloop.trust import bytecode
-        from autoloop.trust.evaluation import trusted_python_path
+        from autoloop.measure.evaluation import trusted_python_path
 
         run_dir = Path(run_dir)
         job_file = run_dir / "job.json"
@@ -153,7 +154,7 @@ class LocalSlot:
                     try:
                         proc.wait(timeout=ABORT_GRACE_SECONDS)
                     except subprocess.TimeoutExpired:
-                        _kill_group(proc.pid)
+                        signal_group(proc.pid, signal.SIGKILL)
                         proc.wait()
                     break
                 if proc.poll() is not None:
@@ -167,9 +168,9 @@ class LocalSlot:
                         pass
                     abort_at = time.monotonic()
                 if abort_at is not None and time.monotonic() - abort_at > ABORT_GRACE_SECONDS:
-                    _kill_group(proc.pid)
+                    signal_group(proc.pid, signal.SIGKILL)
         except BaseException:
-            _kill_group(proc.pid)
+            signal_group(proc.pid, signal.SIGKILL)
             proc.wait()
             raise
         finally:
@@ -265,13 +266,6 @@ def _started(value) -> tuple[int, int, int | None] | None:
 def _lost(slot: LocalSlot, how: str) -> JobResult:
     return JobResult(status="lost", reason=f"worker {slot.name} lost: its process {how} before returning a result",
                      worker=slot.name, device=slot.device)
-
-
-def _kill_group(pgid: int) -> None:
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def _tail(path: Path) -> str:

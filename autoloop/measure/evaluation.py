@@ -171,7 +171,7 @@ def evaluate_checkpoint(
     (autoloop.harness.probe_power): a keep's verification."""
     from autoloop.harness.channel import make_region
     from autoloop.measure.runner import process_start_time
-    from autoloop.measure.sandbox import allowed_environment
+    from autoloop.base.environment import allowed_environment
     from autoloop.trust.untrusted import UntrustedFile, open_beneath
 
     out_dir = Path(out_dir)

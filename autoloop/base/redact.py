@@ -33,7 +33,7 @@ import threading
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
-from autoloop.trust.secret_names import is_secret_file
+from autoloop.base.secret_names import is_secret_file
 
 REDACTED = "[redacted]"
 SECRET_MIN_CHARS = 8
@@ -170,7 +170,7 @@ _default_lock = threading.Lock()
 
 
 def _allowed(name: str) -> bool:
-    from autoloop.measure.sandbox import is_allowed
+    from autoloop.base.environment import is_allowed
 
     return is_allowed(name)
 
@@ -208,7 +208,7 @@ def redact(text: str | None) -> str | None:
 
 
 def secret_files(folder: Path | str, *, max_depth: int = 3, limit: int = 200) -> list[Path]:
-    """Files under `folder` that hold secrets by convention (autoloop.trust.secret_names), for the
+    """Files under `folder` that hold secrets by convention (autoloop.base.secret_names), for the
     sandbox to hide: at most `max_depth` folders down, skipping .git, .autoloop and
     virtual environments, at most `limit` of them."""
     root = Path(folder)

@@ -28,7 +28,7 @@ it writes (autoloop.store), except the columns that hold code applied again
 (autoloop.measure.runner); the CLI strips everything it prints (autoloop.cli.common.echo)
 and the console of a run (autoloop.cli.display), so rows and logs written before this
 module print clean too; a model's brief is stripped whole (autoloop.proposers.brief).
-Strip before redacting (autoloop.trust.redact): a control character inside a key would
+Strip before redacting (autoloop.base.redact): a control character inside a key would
 otherwise hide it from the key patterns.
 """
 

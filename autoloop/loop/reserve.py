@@ -113,14 +113,20 @@ def headline_of(store, run: dict) -> dict | None:
 
 
 def describe(h: dict) -> str:
-    """One line: 'val_bpb 1.0123 ± 0.0021 at 4 fresh seeds: 0.0531 better than the baseline (95%: ...)'."""
+    """One line: 'val_bpb 1.0123 ± 0.0021 re-measured at 4 fresh seeds no decision used: -0.0531 bpb
+    (4.98% lower; 95% interval ...) than the baseline 1.0654', signed as every figure is
+    (autoloop.review.figures: best minus baseline, negative is lower)."""
+    from autoloop.review.figures import baseline_to_best, change_text
+
     se = f" ± {h['value_se']:.4f}" if h.get("value_se") is not None else ""
-    low, high = h.get("interval") or (None, None)
-    interval = f" (95% interval {low:+.4f} to {high:+.4f})" if low is not None and high is not None else ""
     if h.get("source") == "baseline":
         return f"val_bpb {h['value']:.4f}{se}: the baseline's own {h['n']} runs (nothing was kept)"
+    pair = baseline_to_best(h.get("baseline_metric"), h.get("selection_metric"), h)
+    text = change_text(pair["delta"], pair["baseline"])
+    if pair.get("low") is not None and pair.get("high") is not None:
+        text = text[:-1] + f"; 95% interval {pair['low']:+.4f} to {pair['high']:+.4f})"
     return (f"val_bpb {h['value']:.4f}{se} re-measured at {h['n']} fresh seed{'s' if h['n'] != 1 else ''} "
-            f"no decision used: {h['gain']:+.4f} better than the baseline{interval}")
+            f"no decision used: {text} against the baseline {pair['baseline']:.4f}")
 
 
 def at_the_end(c, summary) -> bool:

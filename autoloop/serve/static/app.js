@@ -393,9 +393,14 @@
       summary.stop_requested ? h("div", { class: "banner" }, "Stop requested: the run stops after its current trial.") : null);
     const cards = [];
     if (best) {
-      cards.push(stat("baseline → best", fmt(best.baseline_metric) + " → " + (summary.best_estimate || fmt(best.metric)),
-        "trial " + best.baseline_trial + " → trial " + best.best_trial + (best.description ? ": " + best.description : ""), "wide"));
-      cards.push(stat("gain", pct(best.relative_gain), best.delta !== null ? signed(best.delta) + " bpb" : "", "gain"));
+      // One pair, signed as every command signs it (autoloop/review/figures.py): re-measured where it was.
+      const change = best.change || {};
+      const reMeasured = summary.change_source === "reserve";
+      cards.push(stat("baseline → best", fmt(change.baseline !== undefined ? change.baseline : best.baseline_metric) + " → " +
+        (reMeasured ? fmt(change.best) : (summary.best_estimate || fmt(best.metric))),
+        "trial " + best.baseline_trial + " → trial " + best.best_trial + (reMeasured ? ", re-measured at fresh seeds" : "") +
+        (best.description ? ": " + best.description : ""), "wide"));
+      cards.push(stat("change vs baseline", summary.change_percent || "–", summary.change_text || "", "gain"));
       if (summary.best_comparison) cards.push(stat("best vs its incumbent", summary.best_comparison, "paired, at the same seeds", "wide text"));
       cards.push(stat("held-out", best.heldout_metric !== null ? fmt(best.heldout_metric) : "–",
         best.baseline_heldout_metric !== null ? "baseline " + fmt(best.baseline_heldout_metric) : "not verified"));
@@ -406,7 +411,7 @@
       head.invalid + " invalid", head.running ? head.running + " running" : null].filter(Boolean).join(" · ")));
     cards.push(stat("kept", String(head.kept), head.keep_rate !== null ? pct(head.keep_rate) + " of " + head.decided + " decided" : ""));
     cards.push(stat("trials / hour", summary.trials_per_hour !== null ? summary.trials_per_hour.toFixed(1) : "–",
-      head.gpu_hours.toFixed(2) + " GPU hours"));
+      head.compute_hours.toFixed(2) + " " + head.compute + " hours"));
     cards.push(stat("noise", summary.noise || "not measured yet", summary.decision_rule ? "rule: " + summary.decision_rule : "", "wide text"));
     fill(byId("stats"), cards);
     renderSeedForm();

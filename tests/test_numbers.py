@@ -1,0 +1,173 @@
+"""One sign convention and one set of numbers (issue 35, item 4), checked against a run
+whose every figure is known.
+
+The run is written through the Store into a real experiments.db, in a real git repo,
+the way a CPU night on a machine that has a GPU leaves it (values chosen by hand):
+
+    1 baseline keep     seeds 1337, 1338, 1339: 3.400, 3.410, 3.408 (mean 3.406), 300 + 290 + 310 s
+    2 proposal keep     seeds 1337, 1338: 3.430, 3.420 (mean 3.425, selected), 300 s each,
+                        the incumbent measured again for it at 1337, 1338 (300 s each),
+                        paired mean difference -0.0200: kept;
+                        re-measured at the reserve seeds 1001337, 1001338: 3.4800, 3.4814
+                        (mean 3.4807: +0.0747 bpb, 2.19% higher than the baseline), 300 s each
+    3 proposal discard  seed 1337: 3.500, 300 s, paired difference +0.0900
+
+So: the best is *worse* than the baseline once re-measured (+0.0747, 2.19% higher), and
+every command must say so with the same figures and signs; the baseline's time is its three
+runs (15.0 min), trial 2's its six (30.0 min), the night's 3,000 s (0.83 CPU hours: every
+run trained on the CPU, though the machine has a GPU); the baseline is not a keep.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+
+import pytest
+from typer.testing import CliRunner
+
+from conftest import make_repo
+
+TAG = "known"
+BASE_SEED = 1337
+RESERVE = [BASE_SEED + 1_000_000, BASE_SEED + 1_000_001]
+GIT_ENV = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@example.com",
+           "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@example.com"}
+
+BASELINE_MEAN = (3.400 + 3.410 + 3.408) / 3  # 3.406
+RESERVE_MEAN = (3.4800 + 3.4814) / 2  # 3.4807
+DELTA = RESERVE_MEAN - BASELINE_MEAN  # +0.0747: the best is worse
+RELATIVE = DELTA / BASELINE_MEAN  # +2.19%
+SECONDS = 900 + 600 + 600 + 600 + 300  # baseline, trial 2's own, its incumbent runs, its reserve, trial 3
+
+
+def _commit(repo, text: str) -> str:
+    (repo / "train.py").write_text(text)
+    subprocess.run(["git", "commit", "-qam", text.strip()], cwd=repo, check=True, env=GIT_ENV)
+    return subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, check=True, capture_output=True,
+                          text=True).stdout.strip()
+
+
+@pytest.fixture
+def known_run(tmp_path):
+    from autoloop.store import Store
+
+    repo = make_repo(tmp_path / "repo", "LR = 0.02\n")
+    base = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, check=True, capture_output=True,
+                          text=True).stdout.strip()
+    kept = _commit(repo, "LR = 0.03\n")
+    store = Store(repo / "experiments.db")
+    run = store.create_run(TAG, branch=f"autoloop/{TAG}", base_commit=base, best_commit=kept, gpu="NVIDIA H100",
+                           status="finished", config={"seed": BASE_SEED, "reserve_seeds": 2, "time_budget": 300})
+
+    def runs(trial, rows, role, for_trial=None):
+        for seed, metric, wall in rows:
+            store.add_measurement(trial["id"], metric, seed=seed, role=role, status="ok", device="cpu",
+                                  wall_seconds=wall, training_seconds=wall - 20, num_steps=60,
+                                  for_trial_id=for_trial["id"] if for_trial else None)
+
+    b = store.new_trial(run["id"], "baseline", description="baseline", trial_commit=base)
+    runs(b, [(1337, 3.400, 300.0), (1338, 3.410, 290.0), (1339, 3.408, 310.0)], "baseline")
+    store.update_trial(b["id"], status="keep", metric=BASELINE_MEAN, metric_sd=0.003, n_runs=3,
+                       metric_source="verified", wall_seconds=310.0, tier="baseline")
+    t2 = store.new_trial(run["id"], "proposal", description="LR 0.03", parent_commit=base, trial_commit=kept,
+                         diff="-LR = 0.02\n+LR = 0.03\n")
+    runs(t2, [(1337, 3.430, 300.0), (1338, 3.420, 300.0)], "candidate")
+    runs(b, [(1337, 3.450, 300.0), (1338, 3.440, 300.0)], "incumbent", for_trial=t2)
+    store.update_trial(t2["id"], status="keep", metric=3.425, metric_sd=0.005, n_runs=2, metric_source="verified",
+                       wall_seconds=300.0, best_before=BASELINE_MEAN, delta=3.425 - BASELINE_MEAN, tier="adopted",
+                       decision={"mean_diff": -0.02, "se": 0.004, "n": 2, "low": -0.03, "high": -0.01},
+                       reason="keep: -0.0200 against the incumbent")
+    runs(t2, [(RESERVE[0], 3.4800, 300.0), (RESERVE[1], 3.4814, 300.0)], "reserve")
+    t3 = store.new_trial(run["id"], "proposal", description="LR 0.1", parent_commit=kept)
+    runs(t3, [(1337, 3.500, 300.0)], "candidate")
+    store.update_trial(t3["id"], status="discard", metric=3.5, n_runs=1, metric_source="verified", wall_seconds=300.0,
+                       best_before=3.425, decision={"mean_diff": 0.09, "n": 1})
+    store.close()
+    return repo
+
+
+def cli(repo, *args):
+    from autoloop.cli import app
+
+    result = CliRunner().invoke(app, [*args, "--repo", str(repo)])
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+def test_best_says_the_re_measured_best_is_higher_than_the_baseline(known_run):
+    out = cli(known_run, "best")
+    assert f"{DELTA:+.4f} bpb ({RELATIVE * 100:.2f}% higher" in out, out
+    assert "better" not in out.replace("better than it is", ""), out  # no signed number called "better"
+    info = json.loads(cli(known_run, "best", "--json"))
+    assert info["delta"] == pytest.approx(DELTA)
+    assert info["relative"] == pytest.approx(RELATIVE)
+
+
+def test_finalize_states_the_same_change_as_best(known_run):
+    cli(known_run, "finalize")
+    message = subprocess.run(["git", "log", "-1", "--format=%B", f"final/{TAG}"], cwd=known_run, check=True,
+                             capture_output=True, text=True).stdout
+    first = message.splitlines()[0]
+    assert f"{BASELINE_MEAN:.4f} -> {RESERVE_MEAN:.4f}" in first, message
+    assert f"{DELTA:+.4f} bpb ({RELATIVE * 100:.2f}% higher" in first, message
+    assert "better" not in message, message
+
+
+def test_the_report_and_the_page_show_the_same_change_and_cpu_hours(known_run, tmp_path):
+    from autoloop.review.report import report_data, render_html
+    from autoloop.serve.queries import summary
+    from autoloop.store import Store
+
+    store = Store(known_run / "experiments.db")
+    try:
+        run = store.get_run(TAG)
+        data = report_data(store, run)
+        page = summary(store, run)
+    finally:
+        store.close()
+    head = data["headline"]
+    assert head["compute"] == "CPU" and page["headline"]["compute"] == "CPU"
+    assert head["compute_hours"] == pytest.approx(SECONDS / 3600)
+    assert page["headline"]["compute_hours"] == pytest.approx(SECONDS / 3600)
+    for change in (head["change"], page["headline"]["change"], page["best"]["change"]):
+        assert change["delta"] == pytest.approx(DELTA) and change["relative"] == pytest.approx(RELATIVE)
+        assert change["best"] == pytest.approx(RESERVE_MEAN) and change["baseline"] == pytest.approx(BASELINE_MEAN)
+    html = render_html(data)
+    assert "CPU hours" in html and f"{SECONDS / 3600:.2f}" in html and "GPU hours" not in html
+    assert f"{RELATIVE * 100:.2f}% higher" in html, html
+    assert head["kept"] == 1  # the baseline is not a keep
+
+
+def test_log_minutes_count_every_run_of_a_trial(known_run):
+    rows = json.loads(cli(known_run, "log", "--json"))
+    minutes = {r["number"]: r["minutes"] for r in rows}
+    assert minutes == {1: 15.0, 2: 30.0, 3: 5.0}
+    assert sum(minutes.values()) == pytest.approx(SECONDS / 60)  # the log adds up to the report's hours
+    text = cli(known_run, "log")
+    assert re.search(r"^\s+1 baseline\s+keep\s.*\s15\.0\s", text, re.M), text
+    deltas = {r["number"]: r["delta"] for r in rows}
+    assert deltas[2] == pytest.approx(-0.02) and deltas[3] == pytest.approx(0.09)  # negative: lower
+
+
+def test_status_counts_the_baseline_apart_from_the_keeps(known_run):
+    out = cli(known_run, "status")
+    assert "1 baseline, 1 discard, 1 keep" in out, out
+    assert f"{DELTA:+.4f} bpb ({RELATIVE * 100:.2f}% higher" in out, out
+
+
+def test_change_text_reads_one_way():
+    from autoloop.review.figures import baseline_to_best, change_text, pair_text
+
+    assert change_text(-0.0747, 3.406) == "-0.0747 bpb (2.19% lower)"
+    assert change_text(0.0747, 3.406) == "+0.0747 bpb (2.19% higher)"
+    assert change_text(0.00001, 3.406) == "+0.0000 bpb (level)"
+    pair = baseline_to_best(3.406, 3.425, {"baseline_metric": 3.406, "value": 3.4807, "gain": -0.0747,
+                                          "interval": [-0.1, -0.05], "n": 4, "source": "reserve"})
+    assert pair["delta"] == pytest.approx(0.0747) and (pair["low"], pair["high"]) == (0.05, 0.1)
+    assert pair_text(pair) == ("baseline 3.4060 -> best 3.4807 re-measured at 4 fresh seeds: "
+                               "+0.0747 bpb (2.19% higher; 95% interval +0.0500 to +0.1000)")
+    selected = baseline_to_best(3.406, 3.331, None)
+    assert selected["source"] == "selection" and pair_text(selected).endswith("-0.0750 bpb (2.20% lower)")

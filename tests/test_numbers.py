@@ -171,3 +171,24 @@ def test_change_text_reads_one_way():
                                "+0.0747 bpb (2.19% higher; 95% interval +0.0500 to +0.1000)")
     selected = baseline_to_best(3.406, 3.331, None)
     assert selected["source"] == "selection" and pair_text(selected).endswith("-0.0750 bpb (2.20% lower)")
+
+
+def test_status_says_steps_left_in_step_mode(known_run):
+    """A 60-step run at step 12: '48 steps left', not the script's seconds (which only report)."""
+    from autoloop.measure.run_folder import RunFolder
+    from autoloop.store import Store
+
+    folder = RunFolder(known_run / ".autoloop" / TAG / "runs" / "4")
+    folder.progress.parent.mkdir(parents=True)
+    folder.progress.write_text(json.dumps({"step": 12, "loss": 3.25, "training_seconds": 24.0,
+                                           "seconds_left": 276.0}) + "\n")
+    store = Store(known_run / "experiments.db")
+    try:
+        run = store.get_run(TAG)
+        store.update_run(run["id"], config={**run["config"], "max_steps": 60})
+        store.new_trial(run["id"], "proposal", description="LR 0.04", log_path=str(folder.log))
+    finally:
+        store.close()
+    out = cli(known_run, "status")
+    assert "step 12/60" in out and "48 steps left" in out, out
+    assert "276" not in out, out

@@ -523,7 +523,8 @@ def run_status(store, run: dict, repo: Path) -> dict:
     info["overfitting"] = (current_signal(store, run["id"]) or {}).get("message")
     running = [t for t in trials if t["status"] == "running"]
     budget = (run.get("config") or {}).get("time_budget")
-    info["running_all"] = [_running_info(t, budget) for t in running]  # one per worker
+    max_steps = (run.get("config") or {}).get("max_steps")
+    info["running_all"] = [_running_info(t, budget, max_steps) for t in running]  # one per worker
     info["running"] = info["running_all"][-1] if running else None
     workers: dict[str, dict[str, int]] = {}
     for t in trials:
@@ -534,7 +535,10 @@ def run_status(store, run: dict, repo: Path) -> dict:
     return info
 
 
-def _running_info(t: dict, budget) -> dict:
+def _running_info(t: dict, budget, max_steps=None) -> dict:
+    """A running trial's step, loss and what is left of its budget: steps in step mode
+    (`max_steps`: its seconds are only reported, never a limit), else seconds, as the
+    live page says it."""
     progress = None
     if t.get("log_path"):
         progress = last_progress(RunFolder(Path(t["log_path"]).parent).progress)
@@ -542,12 +546,18 @@ def _running_info(t: dict, budget) -> dict:
     elapsed = None
     if started:
         elapsed = time.time() - datetime.fromisoformat(started).timestamp()
+    step = (progress or {}).get("step")
+    seconds_left = None
+    if not max_steps:
+        seconds_left = (progress or {}).get("seconds_left")
+        if seconds_left is None and progress and budget and progress.get("training_seconds") is not None:
+            seconds_left = budget - progress["training_seconds"]
     return {
         "number": t["number"], "kind": t["kind"], "description": t.get("description"), "worker": t.get("worker"),
-        "elapsed_seconds": elapsed, "step": (progress or {}).get("step"), "loss": (progress or {}).get("loss"),
-        "training_seconds": (progress or {}).get("training_seconds"),
-        "seconds_left": (progress or {}).get("seconds_left",
-                                             (budget - progress["training_seconds"]) if progress and budget and progress.get("training_seconds") is not None else None),
+        "elapsed_seconds": elapsed, "step": step, "loss": (progress or {}).get("loss"),
+        "training_seconds": (progress or {}).get("training_seconds"), "seconds_left": seconds_left,
+        "steps_left": max(int(max_steps) - int(step), 0) if max_steps and step is not None else None,
+        "max_steps": int(max_steps) if max_steps else None,
     }
 
 

@@ -402,10 +402,12 @@ def format_status(info: dict) -> str:
         worker = f"[{r['worker']}] " if r.get("worker") else ""
         parts = [f"running: {worker}trial {r['number']} [{r['kind']}] {r.get('description') or ''}"]
         if r.get("step") is not None:
-            parts.append(f"step {r['step']}")
+            parts.append(f"step {r['step']}" + (f"/{r['max_steps']}" if r.get("max_steps") else ""))
         if r.get("loss") is not None:
             parts.append(f"loss {r['loss']:.4f}")
-        if r.get("seconds_left") is not None:
+        if r.get("steps_left") is not None:  # step mode: the budget is steps, its seconds only reported
+            parts.append(f"{r['steps_left']} steps left")
+        elif r.get("seconds_left") is not None:
             parts.append(f"{max(r['seconds_left'], 0):.0f}s of training left")
         elif r.get("elapsed_seconds") is not None:
             parts.append(f"{r['elapsed_seconds']:.0f}s elapsed")

@@ -192,3 +192,31 @@ def test_status_says_steps_left_in_step_mode(known_run):
     out = cli(known_run, "status")
     assert "step 12/60" in out and "48 steps left" in out, out
     assert "276" not in out, out
+
+
+@pytest.mark.slow
+def test_the_live_page_shows_the_same_numbers_and_whole_trial_ticks(known_run):
+    """The page in a real browser: the change and the hours as `best` and the report say
+    them, and the progress chart's trial axis at whole trials only (uPlot draws its ticks on
+    a canvas: the test records what it writes there)."""
+    from browser_support import Browser, chromium
+    from serve_support import Server
+
+    if chromium() is None:
+        pytest.skip("no chromium installed (.ci/run installs Debian's chromium)")
+    pytest.importorskip("websockets")
+    record = ("window.__texts = []; const fill = CanvasRenderingContext2D.prototype.fillText;"
+              "CanvasRenderingContext2D.prototype.fillText = function (t, ...rest) {"
+              " window.__texts.push(String(t)); return fill.call(this, t, ...rest); };")
+    with Server(known_run) as server, Browser("about:blank") as browser:
+        browser.call("Page.addScriptToEvaluateOnNewDocument", source=record)
+        browser.navigate(server.link)
+        browser.wait_for("document.querySelector('#stats .stat') !== null && document.querySelector('#progress canvas')"
+                         " !== null && window.__texts.length > 0", 20)
+        stats = browser.evaluate("document.querySelector('#stats').textContent")
+        texts = browser.evaluate("window.__texts")
+    assert f"{RELATIVE * 100:.2f}% higher" in stats and f"{DELTA:+.4f} bpb" in stats, stats
+    assert f"{SECONDS / 3600:.2f} CPU hours" in stats and "GPU" not in stats, stats
+    assert f"{BASELINE_MEAN:.4f} → {RESERVE_MEAN:.4f}" in stats, stats
+    trial_ticks = [t for t in texts if re.fullmatch(r"\d+(\.\d{1,2})?", t)]  # the y axis has three decimals
+    assert trial_ticks and all(t.isdigit() for t in trial_ticks), texts

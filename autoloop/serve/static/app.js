@@ -54,6 +54,7 @@
   function fill(el, ...kids) { el.replaceChildren(); append(el, kids); return el; }
   function byId(id) { return document.getElementById(id); }
 
+  const TRIAL_INCRS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000];
   const fmt = (v, d = 4) => (v === null || v === undefined ? "–" : Number(v).toFixed(d));
   const signed = (v, d = 4) => (v === null || v === undefined ? "–" : (v > 0 ? "+" : "") + Number(v).toFixed(d));
   const pct = (v) => (v === null || v === undefined ? "–" : (100 * v).toFixed(1) + "%");
@@ -261,7 +262,9 @@
     const opts = {
       width: chartWidth(el), height: 330,
       scales: { x: { time: false }, y: { range: () => [bottom, top] } },
-      axes: [{ label: "trial" }, { label: "val_bpb (lower is better)", size: 70, values: (u, v) => v.map((x) => x.toFixed(3)) }],
+      // Trial numbers are integers: ticks step by whole trials only (uPlot would put them at 1.1, 1.2).
+      axes: [{ label: "trial", incrs: TRIAL_INCRS, values: (u, v) => v.map((x) => String(Math.round(x))) },
+        { label: "val_bpb (lower is better)", size: 70, values: (u, v) => v.map((x) => x.toFixed(3)) }],
       series: [
         { label: "trial" },
         { label: "discarded", stroke: COLOURS.discard, paths: () => null, points: { show: true, size: 5, fill: COLOURS.discard, stroke: COLOURS.discard } },

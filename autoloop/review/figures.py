@@ -115,16 +115,13 @@ def _owner_seconds(store, run_id: int) -> dict[int, float]:
 
 
 def trial_seconds(store, run: dict) -> dict[int, float]:
-    """{trial number: wall seconds of every training run it cost}; a trial without
-    measurement rows (a database from before them) keeps its own `wall_seconds`."""
+    """{trial number: wall seconds of every training run it cost}; a trial without timed
+    runs (a database from before measurement rows had times) keeps its own `wall_seconds`."""
     charged = _owner_seconds(store, run["id"])
-    with_runs = {int(r["trial_id"]) for r in store.query(
-        "SELECT DISTINCT m.trial_id FROM measurements m JOIN trials t ON t.id = m.trial_id WHERE t.run_id = ?",
-        (run["id"],))}
     out = {}
     for t in store.query("SELECT id, number, wall_seconds FROM trials WHERE run_id = ?", (run["id"],)):
-        if t["id"] in charged or t["id"] in with_runs:
-            out[t["number"]] = charged.get(t["id"], 0.0)
+        if t["id"] in charged:
+            out[t["number"]] = charged[t["id"]]
         elif t.get("wall_seconds") is not None:
             out[t["number"]] = float(t["wall_seconds"])
     return out

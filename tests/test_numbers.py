@@ -70,8 +70,10 @@ def known_run(tmp_path):
 
     b = store.new_trial(run["id"], "baseline", description="baseline", trial_commit=base)
     runs(b, [(1337, 3.400, 300.0), (1338, 3.410, 290.0), (1339, 3.408, 310.0)], "baseline")
-    store.update_trial(b["id"], status="keep", metric=BASELINE_MEAN, metric_sd=0.003, n_runs=3,
-                       metric_source="verified", wall_seconds=310.0, tier="baseline")
+    # The row holds its last run's figures (seed 1339's), as the controller writes it, and its first seed.
+    store.update_trial(b["id"], status="keep", metric=BASELINE_MEAN, metric_sd=0.003, n_runs=3, seed=1337,
+                       metric_source="verified", wall_seconds=310.0, training_seconds=290.0, num_steps=60,
+                       tier="baseline")
     t2 = store.new_trial(run["id"], "proposal", description="LR 0.03", parent_commit=base, trial_commit=kept,
                          diff="-LR = 0.02\n+LR = 0.03\n")
     runs(t2, [(1337, 3.430, 300.0), (1338, 3.420, 300.0)], "candidate")
@@ -150,6 +152,14 @@ def test_log_minutes_count_every_run_of_a_trial(known_run):
     assert re.search(r"^\s+1 baseline\s+keep\s.*\s15\.0\s", text, re.M), text
     deltas = {r["number"]: r["delta"] for r in rows}
     assert deltas[2] == pytest.approx(-0.02) and deltas[3] == pytest.approx(0.09)  # negative: lower
+
+
+def test_show_labels_the_row_s_times_with_their_own_seed(known_run):
+    out = cli(known_run, "show", "1", "--no-diff")
+    run_section = out.split("\nrun\n")[1]
+    seed_line = next(line for line in run_section.splitlines() if line.strip().startswith("seed"))
+    assert "1339" in seed_line and "1337" not in seed_line, seed_line  # 310 s wall is seed 1339's run
+    assert "wall 310.0 s" in run_section and "training 290.0 s" in run_section, run_section
 
 
 def test_status_counts_the_baseline_apart_from_the_keeps(known_run):

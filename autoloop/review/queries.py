@@ -239,6 +239,7 @@ def trial_detail(store, run: dict, number: int, repo: Path | None = None, *, log
         rows = select(store, "SELECT number FROM trials WHERE id = ?", (trial["derived_from"],))
         detail["ablated_trial"] = rows[0]["number"] if rows else None
     detail["archive_ref"] = archive_ref(run, trial)
+    detail["row_run"] = row_run(trial, detail["measurements"])
     # The log of the trial's own last run: trials.log_path names the last run it waited on,
     # which may be the incumbent's re-measurement for it (another trial's code and log).
     own = [m for m in detail["measurements"] if m.get("trial_id") == trial["id"] and m.get("log_path")]
@@ -249,6 +250,19 @@ def trial_detail(store, run: dict, number: int, repo: Path | None = None, *, log
     if trial["status"] == Status.RUNNING.value and log is not None:
         detail["progress"] = last_progress(RunFolder(log.parent).progress)
     return detail
+
+
+def row_run(trial: dict, measurements: list[dict]) -> dict | None:
+    """The run whose steps and times the trial row holds (its last one, `trial_fields`):
+    {seed, of} for a trial of several runs, so `show` labels those figures with their own
+    seed, not the trial's first; None for a trial of one run (or none)."""
+    own = [m for m in measurements if m.get("trial_id") == trial["id"] and m.get("role") != "reserve"]
+    if len(own) < 2:
+        return None
+    same = [m for m in own if m.get("wall_seconds") is not None and m.get("wall_seconds") == trial.get("wall_seconds")
+            and m.get("training_seconds") == trial.get("training_seconds")]
+    m = (same or own)[-1]
+    return {"seed": m.get("seed"), "of": len(own)}
 
 
 def trial_measurements(store, trial: dict) -> list[dict]:

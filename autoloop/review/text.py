@@ -163,7 +163,11 @@ def format_trial(d: dict, *, with_diff: bool = True) -> str:
     field("archived as", d.get("archive_ref"))
 
     lines.append("run")
-    field("seed", d.get("seed"))
+    if d.get("row_run"):  # the figures below are one run's: its seed, not the trial's first
+        field("seed", f"{d['row_run']['seed']} (the last of {d['row_run']['of']} runs: the steps and times below are "
+                      "its own; `measurements` lists every run)")
+    else:
+        field("seed", d.get("seed"))
     field("lineage", d.get("lineage"))
     field("derived from", d.get("derived_from"))
     field("steps", d.get("num_steps"))

@@ -230,3 +230,25 @@ def test_the_live_page_shows_the_same_numbers_and_whole_trial_ticks(known_run):
     assert f"{BASELINE_MEAN:.4f} → {RESERVE_MEAN:.4f}" in stats, stats
     trial_ticks = [t for t in texts if re.fullmatch(r"\d+(\.\d{1,2})?", t)]  # the y axis has three decimals
     assert trial_ticks and all(t.isdigit() for t in trial_ticks), texts
+
+
+def test_status_shows_the_final_re_measurement_as_running(known_run):
+    """The reserve runs belong to a kept trial, so no trial is `running` while they train:
+    status says what is (the controller holds the tree, the re-measurement has started)."""
+    from autoloop.loop.lock import RunLock
+    from autoloop.store import Store
+
+    store = Store(known_run / "experiments.db")
+    try:
+        run = store.get_run(TAG)
+        store.update_run(run["id"], status="active")
+        best = store.get_trial(run["id"], 2)
+        store.add_event(run["id"], "reserve_start", "re-measuring the best (trial 2) at 2 fresh seeds",
+                        trial_id=best["id"])
+    finally:
+        store.close()
+    with RunLock.for_folder(known_run).acquire(TAG, known_run):
+        out = cli(known_run, "status")
+    assert "running: re-measuring the best (trial 2) at fresh seeds" in out and "2 of 2 runs done" in out, out
+    assert "nothing running" not in out
+    assert "nothing running" in cli(known_run, "status")  # the controller is gone: nothing is

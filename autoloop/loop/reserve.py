@@ -16,6 +16,8 @@ value and gain come from them (autoloop.decide.remeasure holds the statistics):
   opens the run's controller as `autoloop ablate` does, so it is refused while the run is going;
   the commands then show the selection mean, marked as not re-measured). `--hours`
   leaves room for it (autoloop.loop.run).
+* **Shown**: a `reserve_start` event opens the re-measurement and `headline` (or a
+  `reserve` failure) closes it, so `autoloop status` shows it as running while no trial is.
 * **What**: measurements of the best trial with role `reserve`, verified where the run
   verifies (so held-out too). They are never paired, never in the noise and never in a
   decision (`INCUMBENT_ROLES` leaves them out). The baseline's own runs stand for the
@@ -42,6 +44,7 @@ from autoloop.loop.noise import INCUMBENT_ROLES, runs_of
 from autoloop.store import Kind
 
 ROLE = "reserve"
+START = "reserve_start"  # the event a re-measurement starts with; `headline` or `reserve` (a failure) ends it
 
 
 def night_runs(store, run_id: int) -> int:
@@ -160,8 +163,11 @@ def measure(c, *, slot=None) -> dict | None:
     seeds = missing(c.store, c.run_row, c.config.reserve_seeds)
     best = c.store.best_trial(c.run_row["id"])
     if seeds:
-        c.say(f"re-measuring the best (trial {best['number']}) at {len(seeds)} fresh seed"
-              f"{'s' if len(seeds) != 1 else ''} no decision used, for the reported figures")
+        words = (f"re-measuring the best (trial {best['number']}) at {len(seeds)} fresh seed"
+                 f"{'s' if len(seeds) != 1 else ''} no decision used, for the reported figures")
+        c.say(words)
+        # No trial is `running` meanwhile: the event is what `status` shows as running (START).
+        c.event(START, words, trial_id=best["id"])
         ctx = dataclasses.replace(c.context(slot or c.serial_slot()), incumbent=best)
         log_path = best.get("log_path")
         try:

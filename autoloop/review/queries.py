@@ -534,6 +534,7 @@ def run_status(store, run: dict, repo: Path) -> dict:
     from autoloop.loop.lock import holder
 
     info["controller"] = holder(repo)
+    info["remeasuring"] = remeasuring(store, run, best) if info["controller"] else None
     info["overfitting"] = (current_signal(store, run["id"]) or {}).get("message")
     running = [t for t in trials if t["status"] == "running"]
     budget = (run.get("config") or {}).get("time_budget")
@@ -547,6 +548,24 @@ def run_status(store, run: dict, repo: Path) -> dict:
             counts_of[t["status"]] = counts_of.get(t["status"], 0) + 1
     info["workers"] = workers
     return info
+
+
+def remeasuring(store, run: dict, best: dict | None) -> dict | None:
+    """{trial, done, of} while the run's best is being re-measured at fresh seeds
+    (autoloop.loop.reserve: a `reserve_start` event not yet followed by its `headline` or a
+    `reserve` failure), else None. The caller checks that a controller holds the run."""
+    from autoloop.loop.reserve import ROLE, START, size
+
+    if best is None:
+        return None
+    rows = select(store, "SELECT id, kind FROM events WHERE run_id = ? AND kind IN (?, 'headline', 'reserve') "
+                         "ORDER BY id DESC LIMIT 1", (run["id"], START))
+    if not rows or rows[0]["kind"] != START:
+        return None
+    done = select(store, "SELECT COUNT(*) AS n FROM measurements WHERE trial_id = ? AND role = ?",
+                  (best["id"], ROLE))[0]["n"]
+    most = (run.get("config") or {}).get("reserve_seeds")
+    return {"trial": best["number"], "done": done, "of": size(store, run["id"], 4 if most is None else int(most))}
 
 
 def _running_info(t: dict, budget, max_steps=None) -> dict:

@@ -416,7 +416,11 @@ def format_status(info: dict) -> str:
         elif r.get("elapsed_seconds") is not None:
             parts.append(f"{r['elapsed_seconds']:.0f}s elapsed")
         lines.append(" | ".join(parts))
-    if not running:
+    again = info.get("remeasuring")
+    if again and not running:
+        lines.append(f"running: re-measuring the best (trial {again['trial']}) at fresh seeds for the reported "
+                     f"figures: {again['done']} of {again['of']} runs done")
+    elif not running:
         lines.append("nothing running")
     if len(info.get("workers") or {}) > 1:
         lines.append("workers: " + "; ".join(

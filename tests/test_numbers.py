@@ -247,8 +247,16 @@ def test_status_shows_the_final_re_measurement_as_running(known_run):
                         trial_id=best["id"])
     finally:
         store.close()
+    from autoloop.serve.queries import live
+
     with RunLock.for_folder(known_run).acquire(TAG, known_run):
         out = cli(known_run, "status")
+        store = Store(known_run / "experiments.db")
+        try:
+            page = live(store, store.get_run(TAG), known_run)
+        finally:
+            store.close()
+    assert page["running"] == [] and page["remeasuring"] == {"trial": 2, "done": 2, "of": 2}, page
     assert "running: re-measuring the best (trial 2) at fresh seeds" in out and "2 of 2 runs done" in out, out
     assert "nothing running" not in out
     assert "nothing running" in cli(known_run, "status")  # the controller is gone: nothing is

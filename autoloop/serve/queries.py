@@ -412,7 +412,13 @@ def live(store, run: dict, repo: Path) -> dict:
             "incumbent": incumbent["number"] if incumbent else None, "reference": reference,
             "runs_done": _select(store, "SELECT COUNT(*) AS n FROM measurements WHERE trial_id = ?", (t["id"],))[0]["n"],
         })
-    return clean({"running": out, "budget": budget, "max_steps": max_steps})
+    again = None
+    if not out:  # the final re-measurement trains a kept trial: no trial is running, but training is
+        from autoloop.loop.lock import holder
+        from autoloop.review.queries import remeasuring
+
+        again = remeasuring(store, run, store.best_trial(run["id"])) if holder(repo) else None
+    return clean({"running": out, "budget": budget, "max_steps": max_steps, "remeasuring": again})
 
 
 def running_progress_files(store, run: dict, repo: Path) -> list[Path]:

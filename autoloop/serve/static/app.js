@@ -446,6 +446,12 @@
     for (const name of Object.keys(state.charts)) if (name.startsWith("live-") && !running.some((r) => "live-" + r.number === name)) {
       state.charts[name].destroy(); delete state.charts[name];
     }
+    const again = data.remeasuring;
+    if (!running.length && again) {
+      fill(el, h("p", { id: "remeasuring" }, "Re-measuring the best (trial " + again.trial + ") at fresh seeds for the reported figures: " +
+        again.done + " of " + again.of + " runs done."));
+      return;
+    }
     if (!running.length) { fill(el, h("p", { class: "muted", id: "nothing-running" }, "Nothing is running.")); return; }
     const cards = running.map((r) => {
       const card = byId("live-card-" + r.number) || h("div", { class: "card", id: "live-card-" + r.number, data: { trial: r.number } },

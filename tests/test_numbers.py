@@ -260,3 +260,29 @@ def test_status_shows_the_final_re_measurement_as_running(known_run):
     assert "running: re-measuring the best (trial 2) at fresh seeds" in out and "2 of 2 runs done" in out, out
     assert "nothing running" not in out
     assert "nothing running" in cli(known_run, "status")  # the controller is gone: nothing is
+
+
+
+def test_the_end_of_a_run_says_what_best_says(known_run):
+    """The last lines of `autoloop run`, from the controller's summary of the known run:
+    the same pair, signs and percent as `best`, the baseline counted apart."""
+    from autoloop.cli import end_lines
+    from autoloop.loop.controller import RunSummary
+    from autoloop.loop.reserve import headline_of
+    from autoloop.review.figures import status_counts
+    from autoloop.store import Store
+
+    store = Store(known_run / "experiments.db")
+    try:
+        run = store.get_run(TAG)
+        trials = store.trials(run["id"])
+        summary = RunSummary(TAG, trials_run=3, stop_reason="reached --max-trials 3", best_metric=3.425,
+                             baseline_metric=BASELINE_MEAN, best_commit=run["best_commit"],
+                             statuses={"keep": 2, "discard": 1}, counts=status_counts(trials),
+                             headline=headline_of(store, run))
+    finally:
+        store.close()
+    out = "\n".join(text for text, _ in end_lines(summary, TAG))
+    assert (f"baseline {BASELINE_MEAN:.4f} -> best {RESERVE_MEAN:.4f} re-measured at 2 fresh seeds: "
+            f"{DELTA:+.4f} bpb ({RELATIVE * 100:.2f}% higher") in out, out
+    assert "the run has 1 baseline, 1 discard, 1 keep" in out and "better" not in out, out

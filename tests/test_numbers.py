@@ -159,6 +159,7 @@ def test_show_labels_the_row_s_times_with_their_own_seed(known_run):
     run_section = out.split("\nrun\n")[1]
     seed_line = next(line for line in run_section.splitlines() if line.strip().startswith("seed"))
     assert "1339" in seed_line and "1337" not in seed_line, seed_line  # 310 s wall is seed 1339's run
+    assert "the last of 3 runs" in seed_line, seed_line  # its own three, not the two made for trial 2
     assert "wall 310.0 s" in run_section and "training 290.0 s" in run_section, run_section
 
 

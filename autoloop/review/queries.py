@@ -256,7 +256,9 @@ def row_run(trial: dict, measurements: list[dict]) -> dict | None:
     """The run whose steps and times the trial row holds (its last one, `trial_fields`):
     {seed, of} for a trial of several runs, so `show` labels those figures with their own
     seed, not the trial's first; None for a trial of one run (or none)."""
-    own = [m for m in measurements if m.get("trial_id") == trial["id"] and m.get("role") != "reserve"]
+    # Its own runs: not the reserve's, nor its code's runs made for another trial's comparison.
+    own = [m for m in measurements if m.get("trial_id") == trial["id"] and m.get("role") != "reserve"
+           and m.get("for_trial_id") in (None, trial["id"])]
     if len(own) < 2:
         return None
     same = [m for m in own if m.get("wall_seconds") is not None and m.get("wall_seconds") == trial.get("wall_seconds")

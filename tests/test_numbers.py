@@ -148,6 +148,15 @@ def test_log_minutes_count_every_run_of_a_trial(known_run):
     minutes = {r["number"]: r["minutes"] for r in rows}
     assert minutes == {1: 15.0, 2: 30.0, 3: 5.0}
     assert sum(minutes.values()) == pytest.approx(SECONDS / 60)  # the log adds up to the report's hours
+    from autoloop.serve.queries import trials_page
+    from autoloop.store import Store
+
+    store = Store(known_run / "experiments.db")
+    try:
+        page = trials_page(store, store.get_run(TAG))
+    finally:
+        store.close()
+    assert {r["number"]: r["minutes"] for r in page["rows"]} == minutes  # the page's table says the same
     text = cli(known_run, "log")
     assert re.search(r"^\s+1 baseline\s+keep\s.*\s15\.0\s", text, re.M), text
     deltas = {r["number"]: r["delta"] for r in rows}

@@ -230,6 +230,7 @@ def trials_page(store, run: dict, *, offset: int = 0, limit: int = DEFAULT_PAGE,
     or a comma-separated list (checked as `autoloop log` checks them); `parent` a commit
     (the trials proposed from it: the tree's "+N" markers)."""
     from autoloop.decide.effects import format_estimate, trial_effect
+    from autoloop.review.figures import trial_seconds
     from autoloop.review.queries import parse_choices, trial_delta, trial_minutes
     from autoloop.store import Kind, Status
 
@@ -251,6 +252,7 @@ def trials_page(store, run: dict, *, offset: int = 0, limit: int = DEFAULT_PAGE,
     rows = _select(store, f"SELECT {columns}, substr(reason, 1, {MAX_DESCRIPTION}) AS reason FROM trials "
                           f"WHERE {clause} ORDER BY number DESC LIMIT ? OFFSET ?", [*params, limit, offset],
                    table="trials")
+    seconds = trial_seconds(store, run)  # every run a trial cost, as `autoloop log` counts it
     out = []
     for t in rows:
         effect = trial_effect(t)
@@ -258,7 +260,7 @@ def trials_page(store, run: dict, *, offset: int = 0, limit: int = DEFAULT_PAGE,
             "number": t["number"], "kind": t["kind"], "status": t["status"], "description": t["description"],
             "reason": t["reason"], "metric": t["metric"],
             "estimate": format_estimate(t["metric"], t.get("metric_sd"), t.get("n_runs")) if t["metric"] is not None else None,
-            "metric_source": t["metric_source"], "delta": trial_delta(t), "minutes": trial_minutes(t),
+            "metric_source": t["metric_source"], "delta": trial_delta(t), "minutes": trial_minutes(t, seconds),
             "distinguishable": effect.distinguishable, "near_miss": effect.near_miss if effect.noise_aware else None,
             "lineage": t["lineage"], "worker": t["worker"], "proposer": t["proposer"],
             "parent_commit": t["parent_commit"], "trial_commit": t["trial_commit"], "heldout_metric": t["heldout_metric"],

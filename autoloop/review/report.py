@@ -2,7 +2,7 @@
 to share.
 
 The page holds a headline (trials, kept, discarded, crashed, invalid, keep rate, GPU or
-CPU hours, baseline -> best and the relative gain; definitions in
+CPU hours, baseline -> best and the change against the baseline; definitions in
 `autoloop.review.queries`), a progress chart, the loss curves of the baseline and the
 best trial, the kept changes in order with their deltas (mean ± standard error where a
 trial has several runs), every discarded trial with what it tried and why it was
@@ -14,8 +14,8 @@ The charts are inline SVG drawn in plain Python (autoloop.review.charts): the re
 works with the README's install, which has no plotting library, and the HTML file alone
 is the whole report (it can be mailed or attached without its folder).
 
-The headline's relative gain is the best's val_bpb against the baseline's as measured;
-it is shown as confirmed (green) only when the latest ablation of the best commit found
+The headline's change against the baseline (autoloop.review.figures: best minus baseline,
+`2.19% lower`) is shown as confirmed (green) only when the latest ablation of the best commit found
 every kept change helps. When the ablation found some or all of them indistinguishable
 from zero, the card says so rather than contradict the ablation table below it.
 

@@ -298,7 +298,9 @@ def render_html(data: dict) -> str:
         several = " val_bpb of several runs: mean ± standard error (runs)." if any(
             (t.get("n_runs") or 0) > 1 for t in kept) else ""
         add(f"<p class=\"muted\">Δ vs incumbent: the difference from the incumbent its decision gives (paired by "
-            f"seed where it was measured at several).{several}</p>")
+            f"seed where it was measured at several). Δ vs baseline: its mean at the decision seeds minus the "
+            f"baseline's (the headline's re-measured change is another measurement). Negative is lower: "
+            f"better.{several}</p>")
 
     # -- discarded
     add(_discarded_section(data["discarded"], data["discarded_total"]))

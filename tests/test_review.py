@@ -76,7 +76,11 @@ def test_log_json_is_the_db(night):
         for key in ("kind", "status", "reason", "metric", "metric_source", "best_before", "description", "proposer",
                     "trial_commit", "heldout_metric", "lineage", "idea_id", "parent_commit", "started_at", "finished_at"):
             assert row[key] == t[key], key
-        assert row["minutes"] == (round(t["wall_seconds"] / 60, 2) if t["wall_seconds"] is not None else None)
+        # Minutes: every training run the trial cost (its own and the incumbent's runs made for it).
+        runs = db_rows(night, "SELECT wall_seconds FROM measurements WHERE COALESCE(for_trial_id, trial_id) = ? "
+                              "AND wall_seconds IS NOT NULL", (t["id"],))
+        seconds = sum(r["wall_seconds"] for r in runs) if runs else t["wall_seconds"]
+        assert row["minutes"] == (round(seconds / 60, 2) if seconds is not None else None)
         if t["metric"] is not None and t["best_before"] is not None:
             assert row["delta"] == pytest.approx(t["metric"] - t["best_before"])
         else:
@@ -234,7 +238,8 @@ def test_best_against_the_baseline(night):
     assert info["kept"] == 2 and info["heldout_metric"] is None
     text = cli(night, "best").output
     assert f"trial 4 at {run['best_commit']}" in text and "held-out  - (not verified)" in text
-    assert f"{(base['metric'] - keeps['metric']) / base['metric'] * 100:.2f}% better" in text
+    # best minus baseline, said with its direction (docs/review.md, "Numbers")
+    assert f"{(base['metric'] - keeps['metric']) / base['metric'] * 100:.2f}% lower" in text and "better)" not in text
 
 
 # ---------------------------------------------------------------------------- finalize
@@ -258,8 +263,12 @@ def test_finalize_squashes_the_kept_changes_onto_the_base(repo):
     assert git(repo, "rev-parse", f"{tip}^").strip() == run["base_commit"]
     message = git(repo, "log", "-1", "--format=%B", tip)
     kept = db_rows(repo, "SELECT * FROM trials WHERE status = 'keep' AND kind = 'proposal' ORDER BY number")
+    from autoloop.review.queries import trial_delta
+
     for t in kept:
-        assert f"- trial {t['number']}: {t['description']} (val_bpb {t['metric']:.6f}, {t['delta']:+.6f})" in message
+        # its delta as `log` gives it: the paired difference against its incumbent
+        assert (f"- trial {t['number']}: {t['description']} (val_bpb {t['metric']:.6f}, {trial_delta(t):+.4f} bpb "
+                "against its incumbent)") in message
     assert "crash it" not in message and "wider" not in message
     # The best trial's checkpoint, copied under .autoloop/<tag>/best/.
     best_dir = repo / ".autoloop" / TAG / "best"
@@ -330,12 +339,17 @@ def test_report_headline_tables_and_charts(repo, tmp_path):
     assert stats["crashed"] == str(count("crash", "timeout")) == "3"
     assert stats["invalid"] == str(count("invalid")) == "1"
     assert stats["keep_rate"] == f"{kept / decided * 100:.1f}%"
-    assert stats["compute_hours"] == f"{sum(t['wall_seconds'] or 0 for t in db) / 3600:.2f}"
+    # every training run once (the baseline's seeds and the best's re-measurement too), not each trial's last
+    timed = db_rows(repo, "SELECT COALESCE(SUM(wall_seconds), 0) AS s FROM measurements")[0]["s"]
+    untimed = sum(t["wall_seconds"] or 0 for t in db if not db_rows(
+        repo, "SELECT 1 FROM measurements WHERE COALESCE(for_trial_id, trial_id) = ? AND wall_seconds IS NOT NULL",
+        (t["id"],)))
+    assert stats["compute_hours"] == f"{(timed + untimed) / 3600:.2f}"
     assert 'data-key="compute_hours"><div class="label">CPU hours</div>' in page and "GPU hours" not in page
     # The night ended by its limit: its best was re-measured at fresh seeds (the fake has no
     # seed noise, so exactly its value, with a standard error of 0).
     assert stats["baseline_to_best"] == f"{base:.4f} → {best:.4f} ± 0.0000"
-    assert stats["relative_gain"] == f"{(base - best) / base * 100:.1f}%"
+    assert stats["relative_gain"] == f"{(base - best) / base * 100:.2f}% lower"
     assert 'data-key="relative_gain" data-state="measured"' in page  # no ablation yet: not claimed as confirmed
 
     # The kept table lists exactly the kept trials, in order, with their deltas (the paired
@@ -999,6 +1013,10 @@ def test_gpu_hours_only_on_a_gpu(noisy, tmp_path):
     assert "CPU hours" in _noisy_report(noisy, tmp_path, "cpu") and "GPU hours" not in _noisy_report(noisy, tmp_path, "cpu2")
     page = _noisy_report(noisy, tmp_path, "gpu", lambda c: c.execute("UPDATE runs SET gpu = 'NVIDIA H100 80GB HBM3'"))
     assert "GPU hours" in page and "CPU hours" not in page
+    # The machine has a GPU but its runs recorded the CPU as their device: CPU hours.
+    page = _noisy_report(noisy, tmp_path, "gpu-idle", lambda c: (c.execute("UPDATE runs SET gpu = 'NVIDIA H100 80GB HBM3'"),
+                                                                c.execute("UPDATE measurements SET device = 'cpu'")))
+    assert "CPU hours" in page and "GPU hours" not in page
 
 
 def test_the_discarded_card_is_the_charts_discarded_points(noisy, tmp_path):

@@ -94,8 +94,6 @@ def run(
     """Run the research loop: baseline first, then proposals, until a stop condition."""
     from autoloop.loop.controller import Controller
     from autoloop.cli.display import Display
-    from autoloop.review.text import format_metric
-
     config = config_for(
         repo, tag=tag, db=db, max_trials=max_trials, hours=hours, time_budget=time_budget, max_steps=max_steps,
         grace_seconds=grace_seconds, proposers=proposers, keep_margin=keep_margin, decision_rule=decision_rule,
@@ -112,20 +110,27 @@ def run(
     # Printed with the first thing the run says: a run that fails before it starts prints its error alone.
     display.later(f"autoloop run '{config.tag}' on branch autoloop/{config.tag} ({config.db})", "bold")
     summary = Controller(config, repo, display=display).run()
-    counts = ", ".join(f"{n} {s}" for s, n in sorted(summary.statuses.items())) or "no trials"
-    display.say(f"stopped: {summary.stop_reason}", "bold")
-    display.say(f"this invocation ran {summary.trials_run} trial(s); the run has {counts}")
-    if summary.best_metric is not None:
-        display.say(
-            f"baseline {format_metric(summary.baseline_metric)} -> best {format_metric(summary.best_metric)} "
-            f"at {summary.best_commit[:12]} (branch autoloop/{config.tag})", "green",
-        )
-        if summary.headline is not None:
-            from autoloop.loop.reserve import describe
-
-            display.say(f"reported: {describe(summary.headline)}", "green")
+    for text, style in end_lines(summary, config.tag):
+        display.say(text, style)
     if summary.paused:
         raise typer.Exit(3)
+
+
+def end_lines(summary, tag: str) -> list[tuple[str, str | None]]:
+    """The last lines of `autoloop run` (text, style): why it stopped, the trials (the
+    baseline counted apart), and baseline -> best as one pair, signed as everywhere
+    (autoloop.review.figures): the re-measured best once it has been, never a selection
+    mean beside a re-measured gain."""
+    from autoloop.review.figures import baseline_to_best, counts_text, pair_text
+
+    lines: list[tuple[str, str | None]] = [
+        (f"stopped: {summary.stop_reason}", "bold"),
+        (f"this invocation ran {summary.trials_run} trial(s); the run has {counts_text(summary.counts or summary.statuses)}",
+         None)]
+    pair = baseline_to_best(summary.baseline_metric, summary.best_metric, summary.headline)
+    if pair is not None:
+        lines.append((f"{pair_text(pair)}; best at {(summary.best_commit or '')[:12]} (branch autoloop/{tag})", "green"))
+    return lines
 
 
 @app.command()

@@ -53,6 +53,7 @@ from autoloop.loop.stops import EarlyStops
 from autoloop.measure.measurer import Measurement, Measurer
 from autoloop.proposers import ProposalContext, build_chain
 from autoloop.proposers.proposal import matches
+from autoloop.review.figures import status_counts
 from autoloop.store import Kind, RunStatus, Status, Store
 
 # `Controller(verifier=...)` default: the real verifier (autoloop.trust.watch). Pass None to turn
@@ -71,6 +72,7 @@ class RunSummary:
     best_commit: str | None = None
     paused: bool = False
     statuses: dict = field(default_factory=dict)
+    counts: dict = field(default_factory=dict)  # statuses with the baseline apart (autoloop.review.figures)
     headline: dict | None = None  # the best re-measured at fresh seeds (autoloop.loop.reserve), when it was
 
 
@@ -356,6 +358,7 @@ class Controller:
         trials = self.store.trials(run_id)
         for t in trials:
             summary.statuses[t["status"]] = summary.statuses.get(t["status"], 0) + 1
+        summary.counts = status_counts(trials)
         best = self.store.best_trial(run_id)
         summary.best_metric = best["metric"] if best else None
         summary.best_commit = self.best_commit()

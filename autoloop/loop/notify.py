@@ -151,8 +151,11 @@ class Notifier:
                 reason = summary.stop_reason or "ended"
             best = getattr(summary, "best_metric", None)
             base = getattr(summary, "baseline_metric", None)
+            from autoloop.review.figures import baseline_to_best, pair_text
+
+            pair = baseline_to_best(base, best, getattr(summary, "headline", None))
             self.emit("end", f"autoloop {self.tag} ended ({reason}): {summary.trials_run} trial(s) this time, "
-                             f"baseline {_fmt(base)} -> best {_fmt(best)}",
+                             + (pair_text(pair) if pair else f"baseline {_fmt(base)} -> best {_fmt(best)}"),
                       reason=reason, trials_run=summary.trials_run, kept=getattr(summary, "kept", None),
                       best_metric=best, baseline_metric=base, best_commit=getattr(summary, "best_commit", None),
                       statuses=dict(getattr(summary, "statuses", {}) or {}))

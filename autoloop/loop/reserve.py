@@ -16,6 +16,8 @@ value and gain come from them (autoloop.decide.remeasure holds the statistics):
   opens the run's controller as `autoloop ablate` does, so it is refused while the run is going;
   the commands then show the selection mean, marked as not re-measured). `--hours`
   leaves room for it (autoloop.loop.run).
+* **Shown**: a `reserve_start` event opens the re-measurement and `headline` (or a
+  `reserve` failure) closes it, so `autoloop status` shows it as running while no trial is.
 * **What**: measurements of the best trial with role `reserve`, verified where the run
   verifies (so held-out too). They are never paired, never in the noise and never in a
   decision (`INCUMBENT_ROLES` leaves them out). The baseline's own runs stand for the
@@ -42,6 +44,7 @@ from autoloop.loop.noise import INCUMBENT_ROLES, runs_of
 from autoloop.store import Kind
 
 ROLE = "reserve"
+START = "reserve_start"  # the event a re-measurement starts with; `headline` or `reserve` (a failure) ends it
 
 
 def night_runs(store, run_id: int) -> int:
@@ -113,14 +116,20 @@ def headline_of(store, run: dict) -> dict | None:
 
 
 def describe(h: dict) -> str:
-    """One line: 'val_bpb 1.0123 ± 0.0021 at 4 fresh seeds: 0.0531 better than the baseline (95%: ...)'."""
+    """One line: 'val_bpb 1.0123 ± 0.0021 re-measured at 4 fresh seeds no decision used: -0.0531 bpb
+    (4.98% lower; 95% interval ...) than the baseline 1.0654', signed as every figure is
+    (autoloop.review.figures: best minus baseline, negative is lower)."""
+    from autoloop.review.figures import baseline_to_best, change_text
+
     se = f" ± {h['value_se']:.4f}" if h.get("value_se") is not None else ""
-    low, high = h.get("interval") or (None, None)
-    interval = f" (95% interval {low:+.4f} to {high:+.4f})" if low is not None and high is not None else ""
     if h.get("source") == "baseline":
         return f"val_bpb {h['value']:.4f}{se}: the baseline's own {h['n']} runs (nothing was kept)"
+    pair = baseline_to_best(h.get("baseline_metric"), h.get("selection_metric"), h)
+    text = change_text(pair["delta"], pair["baseline"])
+    if pair.get("low") is not None and pair.get("high") is not None:
+        text = text[:-1] + f"; 95% interval {pair['low']:+.4f} to {pair['high']:+.4f})"
     return (f"val_bpb {h['value']:.4f}{se} re-measured at {h['n']} fresh seed{'s' if h['n'] != 1 else ''} "
-            f"no decision used: {h['gain']:+.4f} better than the baseline{interval}")
+            f"no decision used: {text} against the baseline {pair['baseline']:.4f}")
 
 
 def at_the_end(c, summary) -> bool:
@@ -154,8 +163,11 @@ def measure(c, *, slot=None) -> dict | None:
     seeds = missing(c.store, c.run_row, c.config.reserve_seeds)
     best = c.store.best_trial(c.run_row["id"])
     if seeds:
-        c.say(f"re-measuring the best (trial {best['number']}) at {len(seeds)} fresh seed"
-              f"{'s' if len(seeds) != 1 else ''} no decision used, for the reported figures")
+        words = (f"re-measuring the best (trial {best['number']}) at {len(seeds)} fresh seed"
+                 f"{'s' if len(seeds) != 1 else ''} no decision used, for the reported figures")
+        c.say(words)
+        # No trial is `running` meanwhile: the event is what `status` shows as running (START).
+        c.event(START, words, trial_id=best["id"])
         ctx = dataclasses.replace(c.context(slot or c.serial_slot()), incumbent=best)
         log_path = best.get("log_path")
         try:

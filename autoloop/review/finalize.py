@@ -43,7 +43,9 @@ from pathlib import Path
 from autoloop.errors import AutoloopError
 from autoloop.config import STATE_DIR
 from autoloop.gitops import BRANCH_PREFIX, GitRepo
-from autoloop.review.queries import CHANGE_KINDS, baseline_trial, best_trial, kept_trials, require_trials, trial_file
+from autoloop.review.figures import baseline_to_best, change_text, pair_text
+from autoloop.review.queries import (CHANGE_KINDS, baseline_trial, best_trial, kept_trials, require_trials, trial_delta,
+                                     trial_file)
 from autoloop.store import utcnow
 
 
@@ -79,17 +81,17 @@ def squash_message(run: dict, kept: list[dict], base: dict | None, best: dict, d
                    headline: dict | None = None) -> str:
     lines = []
     head = f"autoloop {run['tag']}: {len(kept)} kept change{'s' if len(kept) != 1 else ''}"
-    if base is not None and not dropped:
-        gain = (base["metric"] - best["metric"]) / base["metric"] if base["metric"] else 0.0
-        head += f", val_bpb {_fmt(base['metric'])} -> {_fmt(best['metric'])} ({gain * 100:.2f}% better)"
+    # The pair `best`, `report` and the page show (autoloop.review.figures): re-measured where it was.
+    pair = baseline_to_best(base["metric"], best["metric"], headline) if base is not None else None
+    if pair is not None and not dropped:
+        head += (f", val_bpb {pair['baseline']:.4f} -> {pair['best']:.4f}: "
+                 f"{change_text(pair['delta'], pair['baseline'])}")
     lines += [head, ""]
-    if headline is not None and not dropped:
-        from autoloop.loop.reserve import describe
-
-        lines += [f"Re-measured: {describe(headline)}.", ""]
+    if pair is not None and not dropped:
+        lines += [f"{pair_text(pair)}.", ""]
     for t in kept:
         lines.append(f"- trial {t['number']}: {t.get('description') or '(no description)'} "
-                     f"(val_bpb {_fmt(t['metric'])}, {_fmt(t.get('delta'), '+.6f')})")
+                     f"(val_bpb {_fmt(t['metric'])}, {_fmt(trial_delta(t), '+.4f')} bpb against its incumbent)")
     if dropped:
         why = ("not confirmed, or no benefit in the ablation" if any(t.get("unconfirmed") for t in dropped)
                else "their ablation found no benefit in the best commit")

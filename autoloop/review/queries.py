@@ -26,9 +26,10 @@ Definitions shared by `autoloop log`, `best`, `report` and `export`:
 * **discarded**: discarded proposals and repairs, the grey points of the report's chart;
   re-measurements of the incumbent (drift checks, re-runs) and ablations are counted
   apart (`remeasured`, `ablations`), never as discarded ideas.
-* **crashed**: `crash` + `timeout`. **GPU hours** (**CPU hours** on a run without a GPU):
-  the summed wall time of every training process (crashed ones included: they used the
-  machine too).
+* **crashed**: `crash` + `timeout`. **GPU hours** (**CPU hours** on a run that trained on
+  the CPU): the summed wall time of every training process (crashed ones included: they
+  used the machine too), each run once (autoloop.review.figures); a trial's **minutes** in
+  the log are the runs it cost, so they add up to the hours.
 * **the best trial**: the kept trial whose commit is the run's best commit (the commit
   the branch stands on), else the kept trial with the lowest metric.
 * **tier** of a kept trial: `adopted` (the branch moved on the paired mean) or
@@ -36,7 +37,9 @@ Definitions shared by `autoloop log`, `best`, `report` and `export`:
   is `baseline`. **stopped_at**: the progress at which a clear loser was stopped early.
 * **the headline** (`best`, `report`, `status`): the best's val_bpb and gain re-measured at
   fresh seeds no decision used (autoloop.loop.reserve.headline_of), when it has been;
-  otherwise the selection mean, marked as such (`"reserve": None`).
+  otherwise the selection mean, marked as such (`"reserve": None`). **change**: the one
+  baseline -> best pair every command shows (autoloop.review.figures.baseline_to_best):
+  best minus baseline, negative is lower (better), as every delta here.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ from typing import Any, Iterable
 from autoloop.measure.run_folder import RunFolder
 from autoloop.decide.effects import ablation_effect, decision_of, trial_effect
 from autoloop.errors import AutoloopError, NotFound
+from autoloop.review.figures import baseline_to_best, compute_kind, run_seconds, status_counts, trial_seconds
 from autoloop.store import Kind, Status
 
 
@@ -68,6 +72,7 @@ def pick_run(store, tag: str | None, *, fix: str = "check --tag") -> dict:
     if not runs:
         raise AutoloopError(f"{store.path} has no runs yet: start one with `autoloop run`")
     return runs[-1]
+
 
 LOG_FIELDS = ("number", "kind", "status", "reason", "metric", "metric_source", "delta", "best_before",
               "description", "proposer", "minutes", "trial_commit", "heldout_metric", "flags", "tier", "stopped_at")
@@ -111,7 +116,11 @@ def parse_choices(value: str | Iterable[str] | None, vocabulary, what: str) -> l
     return values or None
 
 
-def trial_minutes(trial: dict) -> float | None:
+def trial_minutes(trial: dict, seconds: dict[int, float] | None = None) -> float | None:
+    """The wall minutes of every training run the trial cost (`figures.trial_seconds`,
+    passed as `seconds`), else its own last run's."""
+    if seconds is not None and trial.get("number") in seconds:
+        return round(seconds[trial["number"]] / 60, 2)
     if trial.get("wall_seconds") is not None:
         return round(trial["wall_seconds"] / 60, 2)
     return None
@@ -156,11 +165,12 @@ def log_rows(store, run: dict, *, last: int | None = None, status=None, kind=Non
         params.append(last)
     rows = select(store, sql + " ORDER BY number", params, table="trials")
     fields = LOG_FIELDS + LOG_UNCERTAINTY + (LOG_JSON_EXTRA if extra else ())
+    seconds = trial_seconds(store, run)
     out = []
     for t in rows:
         row = {k: t.get(k) for k in fields if k in t}
         row["delta"] = trial_delta(t)
-        row["minutes"] = trial_minutes(t)
+        row["minutes"] = trial_minutes(t, seconds)
         effect = trial_effect(t)
         row["distinguishable"] = effect.distinguishable
         row["near_miss"] = effect.near_miss if effect.noise_aware else None
@@ -230,7 +240,7 @@ def trial_detail(store, run: dict, number: int, repo: Path | None = None, *, log
     detail = {k: v for k, v in trial.items() if k not in _PROCESS_FIELDS}
     detail["run"] = run["tag"]
     detail["delta"] = trial_delta(trial)
-    detail["minutes"] = trial_minutes(trial)
+    detail["minutes"] = trial_minutes(trial, trial_seconds(store, run))
     detail["keep_margin"] = (run.get("config") or {}).get("keep_margin")
     detail["measurements"] = trial_measurements(store, trial)
     detail["ablations"] = ablations_of(store, run, trial)
@@ -247,6 +257,7 @@ def trial_detail(store, run: dict, number: int, repo: Path | None = None, *, log
         rows = select(store, "SELECT number FROM trials WHERE id = ?", (trial["derived_from"],))
         detail["ablated_trial"] = rows[0]["number"] if rows else None
     detail["archive_ref"] = archive_ref(run, trial)
+    detail["row_run"] = row_run(trial, detail["measurements"])
     # The log of the trial's own last run: trials.log_path names the last run it waited on,
     # which may be the incumbent's re-measurement for it (another trial's code and log).
     own = [m for m in detail["measurements"] if m.get("trial_id") == trial["id"] and m.get("log_path")]
@@ -257,6 +268,21 @@ def trial_detail(store, run: dict, number: int, repo: Path | None = None, *, log
     if trial["status"] == Status.RUNNING.value and log is not None:
         detail["progress"] = last_progress(RunFolder(log.parent).progress)
     return detail
+
+
+def row_run(trial: dict, measurements: list[dict]) -> dict | None:
+    """The run whose steps and times the trial row holds (its last one, `trial_fields`):
+    {seed, of} for a trial of several runs, so `show` labels those figures with their own
+    seed, not the trial's first; None for a trial of one run (or none)."""
+    # Its own runs: not the reserve's, nor its code's runs made for another trial's comparison.
+    own = [m for m in measurements if m.get("trial_id") == trial["id"] and m.get("role") != "reserve"
+           and m.get("for_trial_id") in (None, trial["id"])]
+    if len(own) < 2:
+        return None
+    same = [m for m in own if m.get("wall_seconds") is not None and m.get("wall_seconds") == trial.get("wall_seconds")
+            and m.get("training_seconds") == trial.get("training_seconds")]
+    m = (same or own)[-1]
+    return {"seed": m.get("seed"), "of": len(own)}
 
 
 def trial_measurements(store, trial: dict) -> list[dict]:
@@ -351,39 +377,35 @@ def headline(store, run: dict) -> dict:
             remeasured += row["n"]
         elif row["status"] == Status.DISCARD.value:
             discarded += row["n"]
-    seconds = select(store, "SELECT COALESCE(SUM(wall_seconds), 0) AS s FROM trials WHERE run_id = ?", (run["id"],))[0]["s"]
+    seconds = run_seconds(store, run)
     base, best = baseline_trial(store, run), best_trial(store, run)
     base_metric = base["metric"] if base else None
     best_metric = best["metric"] if best else None
-    gain = None
-    if base_metric and best_metric is not None:
-        gain = (base_metric - best_metric) / base_metric
     from autoloop.loop.reserve import headline_of
 
     confirmed = select(store, "SELECT COUNT(*) AS n FROM trials WHERE run_id = ? AND status = ? AND tier = ?",
                        (run["id"], Status.KEEP.value, "confirmed"))[0]["n"]
     stopped = select(store, "SELECT COUNT(*) AS n FROM trials WHERE run_id = ? AND stopped_at IS NOT NULL",
                      (run["id"],))[0]["n"]
+    reserve = headline_of(store, run)
+    change = baseline_to_best(base_metric, best_metric, reserve)
     return {
         "run": run["tag"], "run_status": run["status"], "trials": total, "kept": kept, "confirmed": confirmed,
-        "stopped_early": stopped, "reserve": headline_of(store, run),
+        "stopped_early": stopped, "reserve": reserve, "change": change,
         "discarded": discarded, "remeasured": remeasured, "ablations": ablations,
         "crashed": counts[Status.CRASH.value] + counts[Status.TIMEOUT.value],
         "timeouts": counts[Status.TIMEOUT.value], "invalid": counts[Status.INVALID.value],
         "interrupted": counts[Status.INTERRUPTED.value], "running": counts[Status.RUNNING.value],
-        "decided": decided, "keep_rate": kept / decided if decided else None, "gpu_hours": seconds / 3600,
-        "compute": "GPU" if on_gpu(run) else "CPU",
+        "decided": decided, "keep_rate": kept / decided if decided else None, "compute_hours": seconds / 3600,
+        "gpu_hours": seconds / 3600,  # the name before CPU runs were told apart: compute_hours
+        "compute": compute_kind(store, run),
         "baseline_metric": base_metric, "baseline_trial": base["number"] if base else None,
         "best_metric": best_metric, "best_trial": best["number"] if best else None,
         "best_commit": best["trial_commit"] if best else run.get("best_commit"),
-        "relative_gain": gain, "statuses": counts,
+        # relative_gain: lower is a positive gain (the name older readers know); `change` is the convention.
+        "relative_gain": -change["relative"] if change and change["relative"] is not None else None,
+        "statuses": counts,
     }
-
-
-def on_gpu(run: dict) -> bool:
-    """Whether the run trained on a GPU (its recorded device is not the CPU)."""
-    gpu = (run.get("gpu") or "").strip().lower()
-    return bool(gpu) and gpu not in ("cpu", "none", "-")
 
 
 def best_summary(store, run: dict) -> dict:
@@ -404,7 +426,9 @@ def best_summary(store, run: dict) -> dict:
         "heldout_metric": best.get("heldout_metric"),
         "baseline_trial": base["number"] if base else None, "baseline_metric": base["metric"] if base else None,
         "baseline_heldout_metric": base.get("heldout_metric") if base else None,
-        "delta": best["metric"] - base["metric"] if base else None, "relative_gain": info["relative_gain"],
+        # The reported pair (figures.baseline_to_best): the re-measured best where there is one.
+        "change": info["change"], "delta": info["change"]["delta"] if info["change"] else None,
+        "relative": info["change"]["relative"] if info["change"] else None, "relative_gain": info["relative_gain"],
         "kept": info["kept"], "trials": info["trials"], "checkpoint_path": best.get("checkpoint_path"),
     }
 
@@ -413,7 +437,7 @@ def kept_trials(store, run: dict) -> list[dict]:
     """Every trial with status keep (the baseline first), in trial order."""
     return select(store, "SELECT id, number, kind, description, proposer, metric, metric_sd, n_runs, metric_source, "
                          "heldout_metric, best_before, delta, trial_commit, parent_commit, diff, checkpoint_path, "
-                         "finished_at, tier FROM trials WHERE run_id = ? AND status = ? ORDER BY number",
+                         "finished_at, tier, decision FROM trials WHERE run_id = ? AND status = ? ORDER BY number",
                   (run["id"], Status.KEEP.value))
 
 
@@ -505,9 +529,7 @@ def idea_outcomes(store, run: dict) -> list[dict]:
 def run_status(store, run: dict, repo: Path) -> dict:
     trials = store.trials(run["id"])
     best = store.best_trial(run["id"])
-    counts: dict[str, int] = {}
-    for t in trials:
-        counts[t["status"]] = counts.get(t["status"], 0) + 1
+    counts = status_counts(trials)  # the baseline apart: it is not a kept change
     info = {
         "tag": run["tag"], "status": run["status"], "pause_reason": run.get("pause_reason"),
         "branch": run["branch"], "best_commit": run.get("best_commit"),
@@ -522,6 +544,9 @@ def run_status(store, run: dict, repo: Path) -> dict:
     from autoloop.loop.reserve import headline_of
 
     info["reserve"] = headline_of(store, run)
+    base = baseline_trial(store, run)
+    info["change"] = baseline_to_best(base["metric"] if base else None, best["metric"] if best else None,
+                                      info["reserve"])
     info["best_metric_sd"] = best.get("metric_sd") if best else None
     info["best_n_runs"] = best.get("n_runs") if best else None
     info.update(noise_info(store, run))
@@ -529,10 +554,12 @@ def run_status(store, run: dict, repo: Path) -> dict:
     from autoloop.loop.lock import holder
 
     info["controller"] = holder(repo)
+    info["remeasuring"] = remeasuring(store, run, best) if info["controller"] else None
     info["overfitting"] = (overfitting_signal(store.trials(run["id"], status=Status.KEEP)) or {}).get("message")
     running = [t for t in trials if t["status"] == "running"]
     budget = (run.get("config") or {}).get("time_budget")
-    info["running_all"] = [_running_info(t, budget) for t in running]  # one per worker
+    max_steps = (run.get("config") or {}).get("max_steps")
+    info["running_all"] = [_running_info(t, budget, max_steps) for t in running]  # one per worker
     info["running"] = info["running_all"][-1] if running else None
     workers: dict[str, dict[str, int]] = {}
     for t in trials:
@@ -543,7 +570,28 @@ def run_status(store, run: dict, repo: Path) -> dict:
     return info
 
 
-def _running_info(t: dict, budget) -> dict:
+def remeasuring(store, run: dict, best: dict | None) -> dict | None:
+    """{trial, done, of} while the run's best is being re-measured at fresh seeds
+    (autoloop.loop.reserve: a `reserve_start` event not yet followed by its `headline` or a
+    `reserve` failure), else None. The caller checks that a controller holds the run."""
+    from autoloop.loop.reserve import ROLE, START, size
+
+    if best is None:
+        return None
+    rows = select(store, "SELECT id, kind FROM events WHERE run_id = ? AND kind IN (?, 'headline', 'reserve') "
+                         "ORDER BY id DESC LIMIT 1", (run["id"], START))
+    if not rows or rows[0]["kind"] != START:
+        return None
+    done = select(store, "SELECT COUNT(*) AS n FROM measurements WHERE trial_id = ? AND role = ?",
+                  (best["id"], ROLE))[0]["n"]
+    most = (run.get("config") or {}).get("reserve_seeds")
+    return {"trial": best["number"], "done": done, "of": size(store, run["id"], 4 if most is None else int(most))}
+
+
+def _running_info(t: dict, budget, max_steps=None) -> dict:
+    """A running trial's step, loss and what is left of its budget: steps in step mode
+    (`max_steps`: its seconds are only reported, never a limit), else seconds, as the
+    live page says it."""
     progress = None
     if t.get("log_path"):
         progress = last_progress(RunFolder(Path(t["log_path"]).parent).progress)
@@ -551,12 +599,18 @@ def _running_info(t: dict, budget) -> dict:
     elapsed = None
     if started:
         elapsed = time.time() - datetime.fromisoformat(started).timestamp()
+    step = (progress or {}).get("step")
+    seconds_left = None
+    if not max_steps:
+        seconds_left = (progress or {}).get("seconds_left")
+        if seconds_left is None and progress and budget and progress.get("training_seconds") is not None:
+            seconds_left = budget - progress["training_seconds"]
     return {
         "number": t["number"], "kind": t["kind"], "description": t.get("description"), "worker": t.get("worker"),
-        "elapsed_seconds": elapsed, "step": (progress or {}).get("step"), "loss": (progress or {}).get("loss"),
-        "training_seconds": (progress or {}).get("training_seconds"),
-        "seconds_left": (progress or {}).get("seconds_left",
-                                             (budget - progress["training_seconds"]) if progress and budget and progress.get("training_seconds") is not None else None),
+        "elapsed_seconds": elapsed, "step": step, "loss": (progress or {}).get("loss"),
+        "training_seconds": (progress or {}).get("training_seconds"), "seconds_left": seconds_left,
+        "steps_left": max(int(max_steps) - int(step), 0) if max_steps and step is not None else None,
+        "max_steps": int(max_steps) if max_steps else None,
     }
 
 

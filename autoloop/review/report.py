@@ -2,7 +2,7 @@
 to share.
 
 The page holds a headline (trials, kept, discarded, crashed, invalid, keep rate, GPU or
-CPU hours, baseline -> best and the relative gain; definitions in
+CPU hours, baseline -> best and the change against the baseline; definitions in
 `autoloop.review.queries`), a progress chart, the loss curves of the baseline and the
 best trial, the kept changes in order with their deltas (mean ± standard error where a
 trial has several runs), every discarded trial with what it tried and why it was
@@ -14,8 +14,8 @@ The charts are inline SVG drawn in plain Python (autoloop.review.charts): the re
 works with the README's install, which has no plotting library, and the HTML file alone
 is the whole report (it can be mailed or attached without its folder).
 
-The headline's relative gain is the best's val_bpb against the baseline's as measured;
-it is shown as confirmed (green) only when the latest ablation of the best commit found
+The headline's change against the baseline (autoloop.review.figures: best minus baseline,
+`2.19% lower`) is shown as confirmed (green) only when the latest ablation of the best commit found
 every kept change helps. When the ablation found some or all of them indistinguishable
 from zero, the card says so rather than contradict the ablation table below it.
 
@@ -36,6 +36,7 @@ from pathlib import Path
 from autoloop.errors import AutoloopError
 from autoloop.decide.effects import ablation_verdict, format_estimate, format_interval
 from autoloop.review.charts import curves_svg, point_groups, progress_svg
+from autoloop.review.figures import change_text, percent_text
 from autoloop.review.queries import (
     CRASHED, baseline_trial, best_trial, common_reasons, discarded_trials, headline, idea_outcomes, kept_trials,
     latest_ablations, noise_info, progress_points, require_trials, select, trial_delta,
@@ -116,8 +117,7 @@ def gain_claim(head: dict, ablations: list[dict], kept: list[dict]) -> dict:
     """How the headline states the gain, so that it agrees with the ablation table:
     {state: none | measured | confirmed | partly | not confirmed | stale, note}."""
     changes = [t for t in kept if t["kind"] != Kind.BASELINE.value]
-    gain = head.get("relative_gain")
-    if not changes or gain is None:
+    if not changes or head.get("change") is None:
         return {"state": "none", "note": "no change was kept"}
     measured = [a for a in ablations if a.get("figures") is not None]
     current = [a for a in measured if a.get("parent_commit") == head.get("best_commit")]
@@ -226,28 +226,31 @@ def render_html(data: dict) -> str:
     add(_stat("crashed", "crashed", str(head["crashed"]), f"{head['timeouts']} timed out" if head["timeouts"] else ""))
     add(_stat("invalid", "invalid", str(head["invalid"])))
     add(_stat("keep_rate", "keep rate", _pct(head["keep_rate"]), f"{head['kept']} of {head['decided']} decided"))
-    add(_stat("compute_hours", f"{head['compute']} hours", f"{head['gpu_hours']:.2f}",
+    add(_stat("compute_hours", f"{head['compute']} hours", f"{head['compute_hours']:.2f}",
               "wall time of every training run"))
     gain = data["gain"]
     reserve = head.get("reserve")
-    if reserve:
+    change = head.get("change")  # the one baseline -> best pair (autoloop.review.figures)
+    if change is not None and change["source"] != "selection":
         # The reported figure: the best re-measured at fresh seeds no decision used (autoloop.loop.reserve).
-        low, high = reserve.get("interval") or (None, None)
-        interval = f"gain 95%: {_f(low, '+.4f')} to {_f(high, '+.4f')}" if low is not None and high is not None else ""
+        interval = (f"95% interval {_f(change['low'], '+.4f')} to {_f(change['high'], '+.4f')}"
+                    if change.get("low") is not None and change.get("high") is not None else "")
         add(_stat("baseline_to_best", "baseline → best",
-                  f"{_f(reserve['baseline_metric'], '.4f')} → {_f(reserve['value'], '.4f')} ± {_f(reserve['value_se'], '.4f')}",
+                  f"{_f(change['baseline'], '.4f')} → {_f(change['best'], '.4f')} ± {_f(reserve['value_se'], '.4f')}",
                   (f"trial {head['baseline_trial']}: nothing was kept; the baseline's own {reserve['n']} runs"
-                   if reserve.get("source") == "baseline" else
+                   if change["source"] == "baseline" else
                    f"trial {head['baseline_trial']} → trial {head['best_trial']}, re-measured at {reserve['n']} fresh "
                    f"seeds (selected at {_f(best, '.4f')})")))
-        value = _pct(reserve["relative_gain"]) if reserve.get("relative_gain") is not None else "–"
-        add(_stat("relative_gain", "relative gain", value, interval or gain["note"], state=gain["state"]))
+        note = "; ".join(x for x in (change_text(change["delta"]).split(" (")[0], interval or gain["note"]) if x)
+        add(_stat("relative_gain", "change vs baseline", percent_text(change["relative"]), note, state=gain["state"]))
     else:
         add(_stat("baseline_to_best", "baseline → best", f"{_f(base, '.4f')} → {_f(best, '.4f')}",
                   (f"trial {head['baseline_trial']} → trial {head['best_trial']}; the selection mean, not re-measured "
                    "at fresh seeds") if best is not None else ""))
-        value = _pct(head["relative_gain"]) if gain["state"] != "none" else "–"
-        add(_stat("relative_gain", "relative gain", value, gain["note"], state=gain["state"]))
+        value = percent_text(change["relative"]) if change is not None and gain["state"] != "none" else "–"
+        note = (change_text(change["delta"]).split(" (")[0] + "; " if change is not None and gain["state"] != "none"
+                else "") + gain["note"]
+        add(_stat("relative_gain", "change vs baseline", value, note, state=gain["state"]))
     add(_stat("confirmed", "confirmed", str(head.get("confirmed", 0)),
               f"of {head['kept']} kept; {head.get('stopped_early', 0)} stopped early"))
     add("</section>")
@@ -295,7 +298,9 @@ def render_html(data: dict) -> str:
         several = " val_bpb of several runs: mean ± standard error (runs)." if any(
             (t.get("n_runs") or 0) > 1 for t in kept) else ""
         add(f"<p class=\"muted\">Δ vs incumbent: the difference from the incumbent its decision gives (paired by "
-            f"seed where it was measured at several).{several}</p>")
+            f"seed where it was measured at several). Δ vs baseline: its mean at the decision seeds minus the "
+            f"baseline's (the headline's re-measured change is another measurement). Negative is lower: "
+            f"better.{several}</p>")
 
     # -- discarded
     add(_discarded_section(data["discarded"], data["discarded_total"]))

@@ -163,7 +163,11 @@ def format_trial(d: dict, *, with_diff: bool = True) -> str:
     field("archived as", d.get("archive_ref"))
 
     lines.append("run")
-    field("seed", d.get("seed"))
+    if d.get("row_run"):  # the figures below are one run's: its seed, not the trial's first
+        field("seed", f"{d['row_run']['seed']} (the last of {d['row_run']['of']} runs: the steps and times below are "
+                      "its own; `measurements` lists every run)")
+    else:
+        field("seed", d.get("seed"))
     field("lineage", d.get("lineage"))
     field("derived from", d.get("derived_from"))
     field("steps", d.get("num_steps"))
@@ -324,18 +328,21 @@ TIER_TEXT = {
 }
 
 
-def format_headline(h: dict) -> list[str]:
-    """The re-measured figures (autoloop.loop.reserve.headline_of) as `best` prints them."""
+def format_headline(h: dict, change: dict | None = None) -> list[str]:
+    """The re-measured figures (autoloop.loop.reserve.headline_of) as `best` prints them;
+    the difference from the baseline as every command writes it (autoloop.review.figures)."""
+    from autoloop.review.figures import baseline_to_best, change_text
+
     se = f" ± {h['value_se']:.6f}" if h.get("value_se") is not None else ""
-    low, high = h.get("interval") or (None, None)
-    interval = f", 95% interval {low:+.6f} to {high:+.6f}" if low is not None and high is not None else ""
-    rel = f" ({h['relative_gain'] * 100:.2f}% better)" if h.get("relative_gain") is not None else ""
     if h.get("source") == "baseline":
         return [f"  val_bpb   {h['value']:.6f}{se}: the baseline's own {h['n']} runs (nothing was kept; never selected)"]
+    change = change or baseline_to_best(h.get("baseline_metric"), h.get("selection_metric"), h)
+    interval = (f"; 95% interval {change['low']:+.4f} to {change['high']:+.4f}"
+                if change.get("low") is not None and change.get("high") is not None else "")
     return [f"  val_bpb   {h['value']:.6f}{se}: re-measured at {h['n']} fresh seed{'s' if h['n'] != 1 else ''} "
             "no decision used",
-            f"  gain      {h['gain']:+.6f} over the baseline {format_metric(h.get('baseline_metric'))} "
-            f"(trial {h.get('baseline_trial')}){rel}{interval}"]
+            f"  baseline  {format_metric(h.get('baseline_metric'))} (trial {h.get('baseline_trial')}): "
+            f"{change_text(change['delta'], change['baseline'])[:-1]}{interval})"]
 
 
 def format_best(b: dict) -> str:
@@ -347,7 +354,7 @@ def format_best(b: dict) -> str:
     if b.get("tier") in TIER_TEXT:
         lines.append(f"  tier      {TIER_TEXT[b['tier']]}")
     if b.get("reserve"):
-        lines.extend(format_headline(b["reserve"]))
+        lines.extend(format_headline(b["reserve"], b.get("change")))
         if b["reserve"].get("source") != "baseline":
             lines.append(f"  selected  at {selection}: the mean the decisions saw (a lucky draw: not the figure to report)")
         if b["reserve"].get("heldout") is not None:
@@ -355,10 +362,11 @@ def format_best(b: dict) -> str:
     else:
         lines.append(f"  val_bpb   {selection}: the selection mean, not re-measured at fresh seeds "
                      "(it looks better than it is)")
-    if b.get("baseline_metric") is not None and not b.get("reserve"):
-        gain = f", {b['relative_gain'] * 100:.2f}% better" if b.get("relative_gain") is not None else ""
+    if b.get("baseline_metric") is not None and not b.get("reserve") and b.get("delta") is not None:
+        from autoloop.review.figures import change_text
+
         lines.append(f"  baseline  {format_metric(b['baseline_metric'])} (trial {b['baseline_trial']}): "
-                     f"{b['delta']:+.6f}{gain}")
+                     f"{change_text(b['delta'], b['baseline_metric'])}")
     if b.get("heldout_metric") is not None or b.get("baseline_heldout_metric") is not None:
         lines.append(f"  held-out  {format_metric(b.get('heldout_metric'))} "
                      f"(baseline {format_metric(b.get('baseline_heldout_metric'))})")
@@ -371,8 +379,10 @@ def format_best(b: dict) -> str:
 
 
 def format_status(info: dict) -> str:
+    from autoloop.review.figures import counts_text, pair_text
+
     lines = [f"run '{info['tag']}' ({info['status']}) on {info['branch']}: {info['trials']} trials "
-             + ", ".join(f"{n} {s}" for s, n in sorted(info["counts"].items()))]
+             + counts_text(info["counts"])]
     if info.get("pause_reason"):
         lines.append(f"paused: {info['pause_reason']}")
     if info["best_metric"] is not None:
@@ -381,10 +391,8 @@ def format_status(info: dict) -> str:
         lines.append(f"best: val_bpb {metric} (trial {info['best_trial']}{tier}, {str(info['best_commit'])[:12]})")
         if info.get("best_metric_source") not in (None, "verified"):
             lines[-1] += f" - unverified ({info['best_metric_source']})"
-        if info.get("reserve") and info["reserve"].get("source") != "baseline":
-            h = info["reserve"]
-            lines.append(f"re-measured: val_bpb {h['value']:.6f} at {h['n']} fresh seeds, {h['gain']:+.6f} over "
-                         "the baseline")
+        if info.get("change") and info["change"]["source"] == "reserve":
+            lines.append(pair_text(info["change"]))
     if info.get("overfitting"):
         lines.append(info["overfitting"])
     lines.extend(format_noise(info))
@@ -398,15 +406,21 @@ def format_status(info: dict) -> str:
         worker = f"[{r['worker']}] " if r.get("worker") else ""
         parts = [f"running: {worker}trial {r['number']} [{r['kind']}] {r.get('description') or ''}"]
         if r.get("step") is not None:
-            parts.append(f"step {r['step']}")
+            parts.append(f"step {r['step']}" + (f"/{r['max_steps']}" if r.get("max_steps") else ""))
         if r.get("loss") is not None:
             parts.append(f"loss {r['loss']:.4f}")
-        if r.get("seconds_left") is not None:
+        if r.get("steps_left") is not None:  # step mode: the budget is steps, its seconds only reported
+            parts.append(f"{r['steps_left']} steps left")
+        elif r.get("seconds_left") is not None:
             parts.append(f"{max(r['seconds_left'], 0):.0f}s of training left")
         elif r.get("elapsed_seconds") is not None:
             parts.append(f"{r['elapsed_seconds']:.0f}s elapsed")
         lines.append(" | ".join(parts))
-    if not running:
+    again = info.get("remeasuring")
+    if again and not running:
+        lines.append(f"running: re-measuring the best (trial {again['trial']}) at fresh seeds for the reported "
+                     f"figures: {again['done']} of {again['of']} runs done")
+    elif not running:
         lines.append("nothing running")
     if len(info.get("workers") or {}) > 1:
         lines.append("workers: " + "; ".join(

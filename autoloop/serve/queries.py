@@ -160,6 +160,7 @@ def summary(store, run: dict, controller: dict | None = None) -> dict:
     measured noise, the status and pause reason."""
     from autoloop.decide.effects import comparison_text, format_estimate, trial_effect
     from autoloop.review.queries import best_summary, best_trial, headline, noise_info
+    from autoloop.review.figures import change_text, percent_text
     from autoloop.review.text import describe_noise, format_best
 
     run = store.get_run(run["tag"]) or run  # the status and pause reason as they are now
@@ -183,6 +184,10 @@ def summary(store, run: dict, controller: dict | None = None) -> dict:
         "best_comparison": comparison_text(trial_effect(best_row)) if best_row and best_row["kind"] != "baseline" else None,
         "config": shown_config(run), "controller": controller,
         "host": run.get("host"), "gpu": run.get("gpu"), "sandbox": run.get("sandbox"),
+        # The baseline -> best pair in the words every command uses (autoloop.review.figures).
+        "change_percent": percent_text(head["change"]["relative"]) if head.get("change") else None,
+        "change_text": change_text(head["change"]["delta"]).split(" (")[0] if head.get("change") else None,
+        "change_source": head["change"]["source"] if head.get("change") else None,
     }
     if best:
         out["best"] = {k: v for k, v in best.items() if k != "checkpoint_path"}
@@ -219,6 +224,7 @@ def trials_page(store, run: dict, *, offset: int = 0, limit: int = DEFAULT_PAGE,
     or a comma-separated list (checked as `autoloop log` checks them); `parent` a commit
     (the trials proposed from it: the tree's "+N" markers)."""
     from autoloop.decide.effects import format_estimate, trial_effect
+    from autoloop.review.figures import trial_seconds
     from autoloop.review.queries import parse_choices, trial_delta, trial_minutes
     from autoloop.store import Kind, Status
 
@@ -240,6 +246,7 @@ def trials_page(store, run: dict, *, offset: int = 0, limit: int = DEFAULT_PAGE,
     rows = _select(store, f"SELECT {columns}, substr(reason, 1, {MAX_DESCRIPTION}) AS reason FROM trials "
                           f"WHERE {clause} ORDER BY number DESC LIMIT ? OFFSET ?", [*params, limit, offset],
                    table="trials")
+    seconds = trial_seconds(store, run)  # every run a trial cost, as `autoloop log` counts it
     out = []
     for t in rows:
         effect = trial_effect(t)
@@ -247,7 +254,7 @@ def trials_page(store, run: dict, *, offset: int = 0, limit: int = DEFAULT_PAGE,
             "number": t["number"], "kind": t["kind"], "status": t["status"], "description": t["description"],
             "reason": t["reason"], "metric": t["metric"],
             "estimate": format_estimate(t["metric"], t.get("metric_sd"), t.get("n_runs")) if t["metric"] is not None else None,
-            "metric_source": t["metric_source"], "delta": trial_delta(t), "minutes": trial_minutes(t),
+            "metric_source": t["metric_source"], "delta": trial_delta(t), "minutes": trial_minutes(t, seconds),
             "distinguishable": effect.distinguishable, "near_miss": effect.near_miss if effect.noise_aware else None,
             "lineage": t["lineage"], "worker": t["worker"], "proposer": t["proposer"],
             "parent_commit": t["parent_commit"], "trial_commit": t["trial_commit"], "heldout_metric": t["heldout_metric"],
@@ -401,7 +408,13 @@ def live(store, run: dict, repo: Path) -> dict:
             "incumbent": incumbent["number"] if incumbent else None, "reference": reference,
             "runs_done": _select(store, "SELECT COUNT(*) AS n FROM measurements WHERE trial_id = ?", (t["id"],))[0]["n"],
         })
-    return clean({"running": out, "budget": budget, "max_steps": max_steps})
+    again = None
+    if not out:  # the final re-measurement trains a kept trial: no trial is running, but training is
+        from autoloop.loop.lock import holder
+        from autoloop.review.queries import remeasuring
+
+        again = remeasuring(store, run, store.best_trial(run["id"])) if holder(repo) else None
+    return clean({"running": out, "budget": budget, "max_steps": max_steps, "remeasuring": again})
 
 
 def running_progress_files(store, run: dict, repo: Path) -> list[Path]:

@@ -54,6 +54,7 @@
   function fill(el, ...kids) { el.replaceChildren(); append(el, kids); return el; }
   function byId(id) { return document.getElementById(id); }
 
+  const TRIAL_INCRS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000];
   const fmt = (v, d = 4) => (v === null || v === undefined ? "–" : Number(v).toFixed(d));
   const signed = (v, d = 4) => (v === null || v === undefined ? "–" : (v > 0 ? "+" : "") + Number(v).toFixed(d));
   const pct = (v) => (v === null || v === undefined ? "–" : (100 * v).toFixed(1) + "%");
@@ -261,7 +262,9 @@
     const opts = {
       width: chartWidth(el), height: 330,
       scales: { x: { time: false }, y: { range: () => [bottom, top] } },
-      axes: [{ label: "trial" }, { label: "val_bpb (lower is better)", size: 70, values: (u, v) => v.map((x) => x.toFixed(3)) }],
+      // Trial numbers are integers: ticks step by whole trials only (uPlot would put them at 1.1, 1.2).
+      axes: [{ label: "trial", incrs: TRIAL_INCRS, values: (u, v) => v.map((x) => String(Math.round(x))) },
+        { label: "val_bpb (lower is better)", size: 70, values: (u, v) => v.map((x) => x.toFixed(3)) }],
       series: [
         { label: "trial" },
         { label: "discarded", stroke: COLOURS.discard, paths: () => null, points: { show: true, size: 5, fill: COLOURS.discard, stroke: COLOURS.discard } },
@@ -393,9 +396,14 @@
       summary.stop_requested ? h("div", { class: "banner" }, "Stop requested: the run stops after its current trial.") : null);
     const cards = [];
     if (best) {
-      cards.push(stat("baseline → best", fmt(best.baseline_metric) + " → " + (summary.best_estimate || fmt(best.metric)),
-        "trial " + best.baseline_trial + " → trial " + best.best_trial + (best.description ? ": " + best.description : ""), "wide"));
-      cards.push(stat("gain", pct(best.relative_gain), best.delta !== null ? signed(best.delta) + " bpb" : "", "gain"));
+      // One pair, signed as every command signs it (autoloop/review/figures.py): re-measured where it was.
+      const change = best.change || {};
+      const reMeasured = summary.change_source === "reserve";
+      cards.push(stat("baseline → best", fmt(change.baseline !== undefined ? change.baseline : best.baseline_metric) + " → " +
+        (reMeasured ? fmt(change.best) : (summary.best_estimate || fmt(best.metric))),
+        "trial " + best.baseline_trial + " → trial " + best.best_trial + (reMeasured ? ", re-measured at fresh seeds" : "") +
+        (best.description ? ": " + best.description : ""), "wide"));
+      cards.push(stat("change vs baseline", summary.change_percent || "–", summary.change_text || "", "gain"));
       if (summary.best_comparison) cards.push(stat("best vs its incumbent", summary.best_comparison, "paired, at the same seeds", "wide text"));
       cards.push(stat("held-out", best.heldout_metric !== null ? fmt(best.heldout_metric) : "–",
         best.baseline_heldout_metric !== null ? "baseline " + fmt(best.baseline_heldout_metric) : "not verified"));
@@ -406,7 +414,7 @@
       head.invalid + " invalid", head.running ? head.running + " running" : null].filter(Boolean).join(" · ")));
     cards.push(stat("kept", String(head.kept), head.keep_rate !== null ? pct(head.keep_rate) + " of " + head.decided + " decided" : ""));
     cards.push(stat("trials / hour", summary.trials_per_hour !== null ? summary.trials_per_hour.toFixed(1) : "–",
-      head.gpu_hours.toFixed(2) + " GPU hours"));
+      head.compute_hours.toFixed(2) + " " + head.compute + " hours"));
     cards.push(stat("noise", summary.noise || "not measured yet", summary.decision_rule ? "rule: " + summary.decision_rule : "", "wide text"));
     fill(byId("stats"), cards);
     renderSeedForm();
@@ -437,6 +445,12 @@
     const running = data.running || [];
     for (const name of Object.keys(state.charts)) if (name.startsWith("live-") && !running.some((r) => "live-" + r.number === name)) {
       state.charts[name].destroy(); delete state.charts[name];
+    }
+    const again = data.remeasuring;
+    if (!running.length && again) {
+      fill(el, h("p", { id: "remeasuring" }, "Re-measuring the best (trial " + again.trial + ") at fresh seeds for the reported figures: " +
+        again.done + " of " + again.of + " runs done."));
+      return;
     }
     if (!running.length) { fill(el, h("p", { class: "muted", id: "nothing-running" }, "Nothing is running.")); return; }
     const cards = running.map((r) => {

@@ -179,7 +179,7 @@ def test_status_counts_the_baseline_apart_from_the_keeps(known_run):
 
 
 def test_change_text_reads_one_way():
-    from autoloop.review.figures import baseline_to_best, change_text, pair_text
+    from autoloop.decide.figures import baseline_to_best, change_text, pair_text
 
     assert change_text(-0.0747, 3.406) == "-0.0747 bpb (2.19% lower)"
     assert change_text(0.0747, 3.406) == "+0.0747 bpb (2.19% higher)"
@@ -279,7 +279,7 @@ def test_the_end_of_a_run_says_what_best_says(known_run):
     from autoloop.cli import end_lines
     from autoloop.loop.controller import RunSummary
     from autoloop.loop.reserve import headline_of
-    from autoloop.review.figures import status_counts
+    from autoloop.decide.figures import status_counts
     from autoloop.store import Store
 
     store = Store(known_run / "experiments.db")

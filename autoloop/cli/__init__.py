@@ -119,9 +119,9 @@ def run(
 def end_lines(summary, tag: str) -> list[tuple[str, str | None]]:
     """The last lines of `autoloop run` (text, style): why it stopped, the trials (the
     baseline counted apart), and baseline -> best as one pair, signed as everywhere
-    (autoloop.review.figures): the re-measured best once it has been, never a selection
+    (autoloop.decide.figures): the re-measured best once it has been, never a selection
     mean beside a re-measured gain."""
-    from autoloop.review.figures import baseline_to_best, counts_text, pair_text
+    from autoloop.decide.figures import baseline_to_best, counts_text, pair_text
 
     lines: list[tuple[str, str | None]] = [
         (f"stopped: {summary.stop_reason}", "bold"),

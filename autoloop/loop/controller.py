@@ -53,7 +53,7 @@ from autoloop.loop.stops import EarlyStops
 from autoloop.measure.measurer import Measurement, Measurer
 from autoloop.proposers import ProposalContext, build_chain
 from autoloop.proposers.proposal import matches
-from autoloop.review.figures import status_counts
+from autoloop.decide.figures import status_counts
 from autoloop.store import Kind, RunStatus, Status, Store
 
 # `Controller(verifier=...)` default: the real verifier (autoloop.trust.watch). Pass None to turn
@@ -72,7 +72,7 @@ class RunSummary:
     best_commit: str | None = None
     paused: bool = False
     statuses: dict = field(default_factory=dict)
-    counts: dict = field(default_factory=dict)  # statuses with the baseline apart (autoloop.review.figures)
+    counts: dict = field(default_factory=dict)  # statuses with the baseline apart (autoloop.decide.figures)
     headline: dict | None = None  # the best re-measured at fresh seeds (autoloop.loop.reserve), when it was
 
 

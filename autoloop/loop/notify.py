@@ -151,7 +151,7 @@ class Notifier:
                 reason = summary.stop_reason or "ended"
             best = getattr(summary, "best_metric", None)
             base = getattr(summary, "baseline_metric", None)
-            from autoloop.review.figures import baseline_to_best, pair_text
+            from autoloop.decide.figures import baseline_to_best, pair_text
 
             pair = baseline_to_best(base, best, getattr(summary, "headline", None))
             self.emit("end", f"autoloop {self.tag} ended ({reason}): {summary.trials_run} trial(s) this time, "

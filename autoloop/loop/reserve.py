@@ -118,8 +118,8 @@ def headline_of(store, run: dict) -> dict | None:
 def describe(h: dict) -> str:
     """One line: 'val_bpb 1.0123 ± 0.0021 re-measured at 4 fresh seeds no decision used: -0.0531 bpb
     (4.98% lower; 95% interval ...) than the baseline 1.0654', signed as every figure is
-    (autoloop.review.figures: best minus baseline, negative is lower)."""
-    from autoloop.review.figures import baseline_to_best, change_text
+    (autoloop.decide.figures: best minus baseline, negative is lower)."""
+    from autoloop.decide.figures import baseline_to_best, change_text
 
     se = f" ± {h['value_se']:.4f}" if h.get("value_se") is not None else ""
     if h.get("source") == "baseline":

@@ -43,7 +43,7 @@ from pathlib import Path
 from autoloop.errors import AutoloopError
 from autoloop.config import STATE_DIR
 from autoloop.gitops import BRANCH_PREFIX, GitRepo
-from autoloop.review.figures import baseline_to_best, change_text, pair_text
+from autoloop.decide.figures import baseline_to_best, change_text, pair_text
 from autoloop.review.queries import (CHANGE_KINDS, baseline_trial, best_trial, kept_trials, require_trials, trial_delta,
                                      trial_file)
 from autoloop.store import utcnow
@@ -81,7 +81,7 @@ def squash_message(run: dict, kept: list[dict], base: dict | None, best: dict, d
                    headline: dict | None = None) -> str:
     lines = []
     head = f"autoloop {run['tag']}: {len(kept)} kept change{'s' if len(kept) != 1 else ''}"
-    # The pair `best`, `report` and the page show (autoloop.review.figures): re-measured where it was.
+    # The pair `best`, `report` and the page show (autoloop.decide.figures): re-measured where it was.
     pair = baseline_to_best(base["metric"], best["metric"], headline) if base is not None else None
     if pair is not None and not dropped:
         head += (f", val_bpb {pair['baseline']:.4f} -> {pair['best']:.4f}: "

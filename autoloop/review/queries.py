@@ -28,7 +28,7 @@ Definitions shared by `autoloop log`, `best`, `report` and `export`:
   apart (`remeasured`, `ablations`), never as discarded ideas.
 * **crashed**: `crash` + `timeout`. **GPU hours** (**CPU hours** on a run that trained on
   the CPU): the summed wall time of every training process (crashed ones included: they
-  used the machine too), each run once (autoloop.review.figures); a trial's **minutes** in
+  used the machine too), each run once (autoloop.decide.figures); a trial's **minutes** in
   the log are the runs it cost, so they add up to the hours.
 * **the best trial**: the kept trial whose commit is the run's best commit (the commit
   the branch stands on), else the kept trial with the lowest metric.
@@ -38,7 +38,7 @@ Definitions shared by `autoloop log`, `best`, `report` and `export`:
 * **the headline** (`best`, `report`, `status`): the best's val_bpb and gain re-measured at
   fresh seeds no decision used (autoloop.loop.reserve.headline_of), when it has been;
   otherwise the selection mean, marked as such (`"reserve": None`). **change**: the one
-  baseline -> best pair every command shows (autoloop.review.figures.baseline_to_best):
+  baseline -> best pair every command shows (autoloop.decide.figures.baseline_to_best):
   best minus baseline, negative is lower (better), as every delta here.
 """
 
@@ -54,7 +54,7 @@ from typing import Any, Iterable
 from autoloop.measure.run_folder import RunFolder
 from autoloop.decide.effects import ablation_effect, decision_of, trial_effect
 from autoloop.errors import AutoloopError, NotFound
-from autoloop.review.figures import baseline_to_best, compute_kind, run_seconds, status_counts, trial_seconds
+from autoloop.decide.figures import baseline_to_best, compute_kind, run_seconds, status_counts, trial_seconds
 from autoloop.store import Kind, Status
 
 

@@ -14,7 +14,7 @@ The charts are inline SVG drawn in plain Python (autoloop.review.charts): the re
 works with the README's install, which has no plotting library, and the HTML file alone
 is the whole report (it can be mailed or attached without its folder).
 
-The headline's change against the baseline (autoloop.review.figures: best minus baseline,
+The headline's change against the baseline (autoloop.decide.figures: best minus baseline,
 `2.19% lower`) is shown as confirmed (green) only when the latest ablation of the best commit found
 every kept change helps. When the ablation found some or all of them indistinguishable
 from zero, the card says so rather than contradict the ablation table below it.
@@ -36,7 +36,7 @@ from pathlib import Path
 from autoloop.errors import AutoloopError
 from autoloop.decide.effects import ablation_verdict, format_estimate, format_interval
 from autoloop.review.charts import curves_svg, point_groups, progress_svg
-from autoloop.review.figures import change_text, percent_text
+from autoloop.decide.figures import change_text, percent_text
 from autoloop.review.queries import (
     CRASHED, baseline_trial, best_trial, common_reasons, discarded_trials, headline, idea_outcomes, kept_trials,
     latest_ablations, noise_info, progress_points, require_trials, select, trial_delta,
@@ -230,7 +230,7 @@ def render_html(data: dict) -> str:
               "wall time of every training run"))
     gain = data["gain"]
     reserve = head.get("reserve")
-    change = head.get("change")  # the one baseline -> best pair (autoloop.review.figures)
+    change = head.get("change")  # the one baseline -> best pair (autoloop.decide.figures)
     if change is not None and change["source"] != "selection":
         # The reported figure: the best re-measured at fresh seeds no decision used (autoloop.loop.reserve).
         interval = (f"95% interval {_f(change['low'], '+.4f')} to {_f(change['high'], '+.4f')}"

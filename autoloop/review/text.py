@@ -330,8 +330,8 @@ TIER_TEXT = {
 
 def format_headline(h: dict, change: dict | None = None) -> list[str]:
     """The re-measured figures (autoloop.loop.reserve.headline_of) as `best` prints them;
-    the difference from the baseline as every command writes it (autoloop.review.figures)."""
-    from autoloop.review.figures import baseline_to_best, change_text
+    the difference from the baseline as every command writes it (autoloop.decide.figures)."""
+    from autoloop.decide.figures import baseline_to_best, change_text
 
     se = f" ± {h['value_se']:.6f}" if h.get("value_se") is not None else ""
     if h.get("source") == "baseline":
@@ -363,7 +363,7 @@ def format_best(b: dict) -> str:
         lines.append(f"  val_bpb   {selection}: the selection mean, not re-measured at fresh seeds "
                      "(it looks better than it is)")
     if b.get("baseline_metric") is not None and not b.get("reserve") and b.get("delta") is not None:
-        from autoloop.review.figures import change_text
+        from autoloop.decide.figures import change_text
 
         lines.append(f"  baseline  {format_metric(b['baseline_metric'])} (trial {b['baseline_trial']}): "
                      f"{change_text(b['delta'], b['baseline_metric'])}")
@@ -379,7 +379,7 @@ def format_best(b: dict) -> str:
 
 
 def format_status(info: dict) -> str:
-    from autoloop.review.figures import counts_text, pair_text
+    from autoloop.decide.figures import counts_text, pair_text
 
     lines = [f"run '{info['tag']}' ({info['status']}) on {info['branch']}: {info['trials']} trials "
              + counts_text(info["counts"])]

@@ -160,7 +160,7 @@ def summary(store, run: dict, controller: dict | None = None) -> dict:
     measured noise, the status and pause reason."""
     from autoloop.decide.effects import comparison_text, format_estimate, trial_effect
     from autoloop.review.queries import best_summary, best_trial, headline, noise_info
-    from autoloop.review.figures import change_text, percent_text
+    from autoloop.decide.figures import change_text, percent_text
     from autoloop.review.text import describe_noise, format_best
 
     run = store.get_run(run["tag"]) or run  # the status and pause reason as they are now
@@ -184,7 +184,7 @@ def summary(store, run: dict, controller: dict | None = None) -> dict:
         "best_comparison": comparison_text(trial_effect(best_row)) if best_row and best_row["kind"] != "baseline" else None,
         "config": shown_config(run), "controller": controller,
         "host": run.get("host"), "gpu": run.get("gpu"), "sandbox": run.get("sandbox"),
-        # The baseline -> best pair in the words every command uses (autoloop.review.figures).
+        # The baseline -> best pair in the words every command uses (autoloop.decide.figures).
         "change_percent": percent_text(head["change"]["relative"]) if head.get("change") else None,
         "change_text": change_text(head["change"]["delta"]).split(" (")[0] if head.get("change") else None,
         "change_source": head["change"]["source"] if head.get("change") else None,
@@ -224,7 +224,7 @@ def trials_page(store, run: dict, *, offset: int = 0, limit: int = DEFAULT_PAGE,
     or a comma-separated list (checked as `autoloop log` checks them); `parent` a commit
     (the trials proposed from it: the tree's "+N" markers)."""
     from autoloop.decide.effects import format_estimate, trial_effect
-    from autoloop.review.figures import trial_seconds
+    from autoloop.decide.figures import trial_seconds
     from autoloop.review.queries import parse_choices, trial_delta, trial_minutes
     from autoloop.store import Kind, Status
 

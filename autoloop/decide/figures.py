@@ -26,7 +26,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from autoloop.store import Kind, Status
 
 
 # ---------------------------------------------------------------------------- differences
@@ -152,7 +151,7 @@ def status_counts(trials: list[dict]) -> dict[str, int]:
     first best, but it is not a kept change)."""
     counts: dict[str, int] = {}
     for t in trials:
-        key = "baseline" if t.get("kind") == Kind.BASELINE.value and t.get("status") == Status.KEEP.value \
+        key = "baseline" if t.get("kind") == "baseline" and t.get("status") == "keep" \
             else t["status"]
         counts[key] = counts.get(key, 0) + 1
     return counts

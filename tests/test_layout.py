@@ -37,15 +37,30 @@ def all_modules() -> dict[str, Path]:
     return {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
 
 
-def imported_modules(path: Path, modules: dict[str, Path]) -> set[str]:
-    """The autoloop modules `path` imports, wherever in the file the import statement is.
+def type_only_imports(tree: ast.AST) -> set[int]:
+    """ids of the import statements under `if TYPE_CHECKING:` (annotations only)."""
+    found: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+            found.update(id(inner) for stmt in node.body for inner in ast.walk(stmt))
+    return found
+
+
+def imported_modules(path: Path, modules: dict[str, Path], *, type_only: bool = True) -> set[str]:
+    """The autoloop modules `path` imports, wherever in the file the import statement is
+    (those under `if TYPE_CHECKING:` too, unless `type_only` is False: a type named for an
+    editor is a dependency between floors, but not a circle at run time).
 
     `from autoloop.x import y` is an edge to `autoloop.x.y` when that is a module, else to
     `autoloop.x`. The parent packages Python initialises on the way are not counted: a
     package's `__init__` importing its own submodules is not a circle.
     """
     found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+    tree = ast.parse(path.read_text(), filename=str(path))
+    skip = set() if type_only else type_only_imports(tree)
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names if alias.name.split(".")[0] == "autoloop")
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module \
@@ -56,9 +71,9 @@ def imported_modules(path: Path, modules: dict[str, Path]) -> set[str]:
     return {name for name in found if name in modules}
 
 
-def import_graph() -> dict[str, set[str]]:
+def import_graph(*, type_only: bool = True) -> dict[str, set[str]]:
     modules = all_modules()
-    return {name: imported_modules(path, modules) - {name} for name, path in modules.items()}
+    return {name: imported_modules(path, modules, type_only=type_only) - {name} for name, path in modules.items()}
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -162,7 +177,7 @@ def outside_harness(name: str) -> bool:
 
 
 def test_no_import_circle_outside_the_harness():
-    graph = import_graph()
+    graph = import_graph(type_only=False)
     graph = {m: {d for d in deps if outside_harness(d)} for m, deps in graph.items() if outside_harness(m)}
     cycle = find_cycle(graph)
     assert cycle is None, "import circle: " + " -> ".join(cycle)
@@ -383,6 +398,61 @@ def test_the_private_use_finder(tmp_path):
 def test_no_import_circle_in_the_harness_either():
     """The harness's two circles (bpe <-> tokenizer, data <-> feed) went with the harness
     version of the trust issue: the loader has a module of its own, BPE is imported by name."""
-    graph = import_graph()
+    graph = import_graph(type_only=False)
     cycle = find_cycle(graph)
     assert cycle is None, "import circle: " + " -> ".join(cycle)
+
+
+# ---------------------------------------------------------------------- a typed host for a trial
+
+HOST_NAMES = ("c", "controller", "host")
+
+
+def untyped_hosts(path: Path) -> list[str]:
+    """`file:line name` of every function parameter that holds the run (c, controller,
+    host) without a type."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for arg in [*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs]:
+                if arg.arg in HOST_NAMES and arg.annotation is None:
+                    found.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}({arg.arg})")
+    return found
+
+
+def test_no_function_takes_the_run_untyped():
+    """The loop's functions take a TrialHost (autoloop/loop/host.py), the measurement's a
+    MeasureHost: an editor follows every `c.` to its type. (Local closures over a number
+    `c` in decide/ are numbers, and typed.)"""
+    untyped = [f for path in sorted(PACKAGE.rglob("*.py")) for f in untyped_hosts(path)]
+    assert not untyped, f"parameters holding the run without a type: {untyped}"
+
+
+def test_the_untyped_host_finder_finds_one(tmp_path):
+    path = ROOT / "tests" / "data" / "_untyped_host_probe.py"
+    path.write_text("def f(c, x: int):\n    pass\n\ndef g(c: int):\n    pass\n")
+    try:
+        assert untyped_hosts(path) == ["tests/data/_untyped_host_probe.py:1 f(c)"]
+    finally:
+        path.unlink()
+
+
+def test_the_controller_is_every_host_it_is_given_as(tmp_path):
+    """Every member the TrialHost and MeasureHost protocols name is the Controller's: the
+    protocols say what a trial uses, and the one implementation has it all."""
+    from autoloop.config import Config
+    from autoloop.loop.controller import Controller
+    from autoloop.loop.host import TrialHost
+    from autoloop.measure.measurer import MeasureHost
+
+    controller = Controller(Config(), tmp_path)
+    for protocol in (TrialHost, MeasureHost):
+        members: set[str] = set()
+        for base in protocol.__mro__:
+            if base in (TrialHost, MeasureHost):
+                members |= set(base.__annotations__)
+                members |= {name for name, value in vars(base).items()
+                            if not name.startswith("_") and (callable(value) or isinstance(value, property))}
+        missing = sorted(name for name in members if not hasattr(controller, name))
+        assert not missing, f"{protocol.__name__} names what the Controller lacks: {missing}"
+        assert len(members) > 20

@@ -23,6 +23,7 @@ from autoloop.errors import DiskFull, disk_full_what, is_disk_full
 from autoloop.measure.limits import is_limit_reason
 from autoloop.measure.runner import kill_process_group
 from autoloop.store import IdeaStatus, Kind, Status
+from autoloop.loop.host import TrialHost
 
 
 def disk_full_line(*texts: str | None) -> str | None:
@@ -44,7 +45,7 @@ def failed_for_full_disk(trial: dict) -> str | None:
     return disk_full_line(trial.get("error_tail"), trial.get("reason"))
 
 
-def pause_for_full_disk(c, what: str, trial: dict | None = None) -> dict:
+def pause_for_full_disk(c: TrialHost, what: str, trial: dict | None = None) -> dict:
     """The trial the disk filled up in (and any other `running` one) ends `interrupted`,
     its idea back in the queue; the run pauses before the next work item. Returns the
     trial's row."""
@@ -78,7 +79,7 @@ def pause_for_full_disk(c, what: str, trial: dict | None = None) -> dict:
     return c.store.trial_by_id(trial["id"]) if trial is not None else (latest[0] if latest else {})
 
 
-def archive_quietly(c, trial: dict) -> None:
+def archive_quietly(c: TrialHost, trial: dict) -> None:
     """Archive a non-kept trial's commit now if the disk allows; else recovery does it."""
     sha = trial.get("trial_commit")
     if not sha or trial["kind"] in (Kind.BASELINE.value, Kind.RERUN.value) or sha == c.best_commit():
@@ -90,7 +91,7 @@ def archive_quietly(c, trial: dict) -> None:
             raise
 
 
-def converge_git_at_exit(c) -> None:
+def converge_git_at_exit(c: TrialHost) -> None:
     """Leave git on the best commit; on a full disk say so: the next start does it."""
     try:
         c.converge_git()

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from autoloop.errors import AutoloopError
+from autoloop.loop.host import TrialHost
 
 # What must match for two trials of one run to be compared.
 COMPARED = ("gpu", "torch_version", "cuda_version", "data_fingerprint", "harness_fingerprint")
@@ -44,7 +45,7 @@ def collect(config) -> dict:
     return env
 
 
-def check_comparability(c, env: dict) -> None:
+def check_comparability(c: TrialHost, env: dict) -> None:
     """Refuse to resume run `c.run_row` under `env` if anything in COMPARED changed, unless
     the config allows it (then the change is recorded)."""
     changes = {
@@ -67,7 +68,7 @@ def check_comparability(c, env: dict) -> None:
     c.say(f"environment changed (accepted with --allow-env-change): {described}", "yellow")
 
 
-def record_rules(c, existing: dict | None) -> None:
+def record_rules(c: TrialHost, existing: dict | None) -> None:
     """The decision rule and the isolation of this invocation, on the run and said once."""
     fields = {}
     rule = c.config.decision_rule

@@ -27,12 +27,13 @@ from __future__ import annotations
 import threading
 
 from autoloop.store import Kind, Status
+from autoloop.loop.host import TrialHost
 
 
 class Islands:
     """The run's lineages (see the module docstring); git moves under `Controller.refs_lock`."""
 
-    def __init__(self, controller):
+    def __init__(self, controller: TrialHost):
         self.c = controller
 
     def lineage_of(self, slot) -> str | None:
@@ -144,7 +145,7 @@ class Islands:
         return TrialOutcome(Status.DISCARD, reason, outcome.fields)
 
 
-def rebased(c, trial: dict, onto: str) -> tuple[dict[str, str], str | None]:
+def rebased(c: TrialHost, trial: dict, onto: str) -> tuple[dict[str, str], str | None]:
     """The trial's edit (parent -> trial commit) merged onto `onto` (GitRepo.rebased_files),
     else why it cannot be tried there: no commit, a conflict, or `onto` has it already."""
     parent, mine = trial.get("parent_commit"), trial.get("trial_commit")
@@ -163,7 +164,7 @@ def rebased(c, trial: dict, onto: str) -> tuple[dict[str, str], str | None]:
 class Requeue:
     """Edits to try again on the new best: (trial id, its lineage in islands mode)."""
 
-    def __init__(self, controller):
+    def __init__(self, controller: TrialHost):
         self.c = controller
         self.lock = threading.Lock()  # guards `_entries`
         self._entries: list[tuple[int, str | None]] = []

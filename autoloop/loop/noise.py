@@ -31,6 +31,7 @@ from autoloop.decide.confound import (
 )
 from autoloop.decide.rule import DecisionConfig, Noise, Verdict, decide, pool_noise
 from autoloop.store import Kind
+from autoloop.loop.host import TrialHost
 
 # The roles whose runs measure a trial's own code: what the incumbent is paired with.
 INCUMBENT_ROLES = ("baseline", "candidate", "incumbent")
@@ -131,7 +132,7 @@ class PairedDecision:
         return drift_check(self.pairing, self.verdict.seed, metric, speed, self.tolerance)
 
 
-def paired_decision(c, trial: dict, incumbent: dict | None, cfg: DecisionConfig, seeds: list[int],
+def paired_decision(c: TrialHost, trial: dict, incumbent: dict | None, cfg: DecisionConfig, seeds: list[int],
                     device: str | None) -> PairedDecision:
     """The rule's next step for `trial` against `incumbent` (module docstring)."""
     noise = c.noise.current()

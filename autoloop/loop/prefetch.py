@@ -49,6 +49,7 @@ import threading
 from autoloop.proposers.proposal import InvalidProposal, Proposal, materialize, validate
 from autoloop.proposers.base import ProposerChain
 from autoloop.store import IdeaStatus
+from autoloop.loop.host import TrialHost
 
 CLOSE_WAIT_SECONDS = 5.0
 
@@ -76,7 +77,7 @@ class _Job:
 
 
 class Prefetcher:
-    def __init__(self, controller, first_number: int):
+    def __init__(self, controller: TrialHost, first_number: int):
         self.controller = controller
         self.first_number = first_number
         self._job: _Job | None = None

@@ -21,11 +21,12 @@ import sys
 
 from autoloop.errors import AutoloopError
 from autoloop.base.processes import kill_group
+from autoloop.loop.host import TrialHost
 
 POLL_SECONDS = 0.2
 
 
-def needed(c) -> bool:
+def needed(c: TrialHost) -> bool:
     """A new run's own train.py, with the check on and the real verifier."""
     if not c.config.check or c.verifier is None or c.run_row.get("check_result") is not None \
             or c.store.trials(c.run_row["id"], last=1):
@@ -34,7 +35,7 @@ def needed(c) -> bool:
     return script is not None and script.name == "train.py" and script.parent == c.project_dir
 
 
-def command(c) -> list[str]:
+def command(c: TrialHost) -> list[str]:
     cfg = c.config
     argv = [sys.executable, "-m", "autoloop", "check", "--repo", str(c.project_dir), "--tag", c.tag,
             "--db", str(c.db_path()), "--parts", "overfit,lr,budget", "--time-budget", str(cfg.time_budget)]
@@ -47,7 +48,7 @@ def command(c) -> list[str]:
     return argv
 
 
-def check_before_the_night(c) -> None:
+def check_before_the_night(c: TrialHost) -> None:
     """Run the check if this run needs it; raise AutoloopError if it fails. Returns early
     (nothing stored, the next start checks again) when the user stopped the run meanwhile."""
     if not needed(c):

@@ -23,9 +23,10 @@ from pathlib import Path
 
 from autoloop.measure.run_folder import RunFolder
 from autoloop.store import Kind
+from autoloop.loop.host import TrialHost
 
 
-def recheck_keep(c, slot, trial: dict, fields: dict) -> tuple[bool | None, str | None] | None:
+def recheck_keep(c: TrialHost, slot, trial: dict, fields: dict) -> tuple[bool | None, str | None] | None:
     """(ok, reason) of the first run that failed the re-check (ok None: the worker was
     lost), or None when every run reproduced its figure. `fields` gets verify_seconds."""
     if trial["kind"] == Kind.BASELINE.value:

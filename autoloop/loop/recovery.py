@@ -24,12 +24,13 @@ from __future__ import annotations
 
 from autoloop.measure.runner import kill_process_group
 from autoloop.store import IdeaStatus, Kind, Status
+from autoloop.loop.host import TrialHost
 
 TWICE = ("the controller stopped twice while this trial ran (it had been recovered once already): it is not resumed "
          "or tried again, so that one proposal cannot stop the night")
 
 
-def reap_helpers(c) -> None:
+def reap_helpers(c: TrialHost) -> None:
     """End helper processes (coding agents) of this folder's runs that a dead controller
     left running, and delete their temporary clones (autoloop.proposers.agent). Part of
     recovery, for a new tag too: it runs holding the working tree's lock, so no live
@@ -53,7 +54,7 @@ def recovered_before(store, run_id: int) -> tuple[set[int], set[int]]:
     return trial_ids, ideas
 
 
-def recover(c) -> list[int]:
+def recover(c: TrialHost) -> list[int]:
     """Make processes, git and db agree after a dead controller. Returns recovered trial numbers."""
     store = c.store
     run_id = c.run_row["id"]

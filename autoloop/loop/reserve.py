@@ -42,6 +42,7 @@ from autoloop.decide.remeasure import headline, reserve_plan, reserve_size
 from autoloop.decide.rule import Noise
 from autoloop.loop.noise import INCUMBENT_ROLES, runs_of
 from autoloop.store import Kind
+from autoloop.loop.host import TrialHost
 
 ROLE = "reserve"
 START = "reserve_start"  # the event a re-measurement starts with; `headline` or `reserve` (a failure) ends it
@@ -132,7 +133,7 @@ def describe(h: dict) -> str:
             f"no decision used: {text} against the baseline {pair['baseline']:.4f}")
 
 
-def at_the_end(c, summary) -> bool:
+def at_the_end(c: TrialHost, summary) -> bool:
     """Whether the night ended by its limit (not a Ctrl-C, `autoloop stop` or a pause), so
     its reserve is measured now."""
     if summary.paused or c.abort_requested or "autoloop stop" in (summary.stop_reason or ""):
@@ -140,7 +141,7 @@ def at_the_end(c, summary) -> bool:
     return c.config.reserve_seeds > 0 and bool(missing(c.store, c.run_row, c.config.reserve_seeds))
 
 
-def seconds_needed(c) -> float:
+def seconds_needed(c: TrialHost) -> float:
     """What the reserve will cost at the end of the night: its runs at the median wall
     time of the night's recent runs (for `--hours`)."""
     n = size(c.store, c.run_row["id"], c.config.reserve_seeds)
@@ -153,7 +154,7 @@ def seconds_needed(c) -> float:
     return n * (statistics.median(walls) if walls else c.config.time_budget + 30.0)
 
 
-def measure(c, *, slot=None) -> dict | None:
+def measure(c: TrialHost, *, slot=None) -> dict | None:
     """Measure the reserve runs the run's best lacks on `slot` (default: the serial slot);
     returns the headline (None without a best, or with the reserve off)."""
     import dataclasses

@@ -38,6 +38,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from autoloop.loop import reserve
 from autoloop.loop.scheduler import BLOCKING, Work, WorkItem
 from autoloop.store import Kind, RunStatus, Status
+from autoloop.loop.host import TrialHost
 
 WAIT_SECONDS = 1.0
 
@@ -118,7 +119,7 @@ class InlinePool:
 
 
 class Loop:
-    def __init__(self, controller, slots: list, *, threaded: bool):
+    def __init__(self, controller: TrialHost, slots: list, *, threaded: bool):
         self.c = controller
         self.slots = list(slots)
         self.threaded = threaded

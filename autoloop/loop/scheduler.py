@@ -26,6 +26,7 @@ from autoloop.loop.prefetch import Prefetcher
 from autoloop.proposers.proposal import Edit, Proposal
 from autoloop.proposers.base import ProposerUnavailable
 from autoloop.store import Kind, Status
+from autoloop.loop.host import TrialHost
 
 _FAILED = (Status.CRASH.value, Status.TIMEOUT.value)
 _LOW_DISK_BYTES = 1 << 30
@@ -70,7 +71,7 @@ class WorkItem:
 
 
 class Scheduler:
-    def __init__(self, controller):
+    def __init__(self, controller: TrialHost):
         self.controller = controller
         self.exhausted_reason = ""
         # Failures before this invocation do not count: after a pause the user fixes the

@@ -49,6 +49,7 @@ from autoloop.measure.run_folder import RunFolder
 from autoloop.measure.runner import gpu_busy_report
 from autoloop.proposers.proposal import InvalidProposal, Proposal, materialize, validate
 from autoloop.store import IdeaStatus, Kind, MetricSource, Status, utcnow
+from autoloop.loop.host import TrialHost
 
 
 @dataclass(frozen=True)
@@ -85,7 +86,7 @@ def _metric(trial: dict | None) -> float | None:
 # ---------------------------------------------------------------------------- starting one
 
 
-def common_fields(c, ctx: TrialContext, proposal: Proposal | None = None) -> dict:
+def common_fields(c: TrialHost, ctx: TrialContext, proposal: Proposal | None = None) -> dict:
     # An LLM/agent proposal carries the hash of the program.md it was written from.
     program_hash = (proposal.meta.get("program_hash") if proposal else None) or program_md_hash(c.project_dir)
     fields = {"seed": c.config.seed, "program_hash": program_hash, "started_at": utcnow()}
@@ -101,7 +102,7 @@ def program_md_hash(project_dir: Path) -> str | None:
     return hashlib.sha256(path.read_bytes()).hexdigest()[:16] if path.exists() else None
 
 
-def record_proposal_calls(c, proposal: Proposal, trial_id: int) -> None:
+def record_proposal_calls(c: TrialHost, proposal: Proposal, trial_id: int) -> None:
     """Tokens, cost and latency of the calls that produced the proposal, now that its trial exists."""
     for call in proposal.meta.get("calls", ()):
         c.store.add_proposal_record(run_id=c.run_row["id"], trial_id=trial_id, **call)
@@ -109,7 +110,7 @@ def record_proposal_calls(c, proposal: Proposal, trial_id: int) -> None:
         c.event("transcript", f"{proposal.source}: {proposal.meta['transcript']}", trial_id=trial_id)
 
 
-def record_invalid(c, ctx: TrialContext, proposal: Proposal, parent: str, reason: str, kind: Kind,
+def record_invalid(c: TrialHost, ctx: TrialContext, proposal: Proposal, parent: str, reason: str, kind: Kind,
                    derived_from=None) -> dict:
     trial = c.store.new_trial(
         c.run_row["id"], kind, status=Status.INVALID, reason=reason, description=proposal.description,
@@ -133,7 +134,7 @@ def invalid_reason(exc: Exception) -> str:
     return f"the proposal cannot be applied: {type(exc).__name__}" + (f": {text}" if text else "")
 
 
-def execute_proposal(c, ctx: TrialContext, proposal: Proposal, parent: str, *, derived_from=None,
+def execute_proposal(c: TrialHost, ctx: TrialContext, proposal: Proposal, parent: str, *, derived_from=None,
                      kind=Kind.PROPOSAL) -> dict:
     pctx = c.proposal_context(parent, lineage=ctx.lineage)
     if proposal.meta.get("invalid"):
@@ -166,7 +167,7 @@ def execute_proposal(c, ctx: TrialContext, proposal: Proposal, parent: str, *, d
     return train_and_decide(c, ctx, c.store.trial_by_id(trial["id"]))
 
 
-def execute_rerun(c, ctx: TrialContext, kind: Kind, reason: str, derived_from=None) -> dict:
+def execute_rerun(c: TrialHost, ctx: TrialContext, kind: Kind, reason: str, derived_from=None) -> dict:
     """A trial of the best commit itself: the baseline, a circuit-breaker re-run, a drift check."""
     best = c.best_commit()
     trial = c.store.new_trial(
@@ -183,7 +184,7 @@ def execute_rerun(c, ctx: TrialContext, kind: Kind, reason: str, derived_from=No
 # ---------------------------------------------------------------------------- measure and decide
 
 
-def train_and_decide(c, ctx: TrialContext, trial: dict) -> dict:
+def train_and_decide(c: TrialHost, ctx: TrialContext, trial: dict) -> dict:
     """Measure the trial as often as its decision needs, then keep or discard it."""
     trial_dir = c.trial_dir(trial["number"])
     if not c.store.measurements(trial["id"]) and trial_dir.exists():
@@ -220,12 +221,12 @@ def _interrupted() -> TrialOutcome:
     return TrialOutcome(Status.INTERRUPTED, "interrupted by the user", {})
 
 
-def guard_on(c) -> bool:
+def guard_on(c: TrialHost) -> bool:
     """Keeps are verified, and so judged by the held-out guard (`verify_keep`)."""
     return c.verifier is not None and bool(c.config.verify)
 
 
-def baseline_seed_count(c, cfg: DecisionConfig) -> int:
+def baseline_seed_count(c: TrialHost, cfg: DecisionConfig) -> int:
     """How many seeds the baseline runs at: the rule's count (one under strict, as in
     autoresearch), but with verification on `baseline_seeds` under every rule. The held-out
     guard weighs a keep's held-out gap against the measured noise; with one baseline run
@@ -238,7 +239,7 @@ def baseline_seed_count(c, cfg: DecisionConfig) -> int:
     return max(1, cfg.baseline_seeds)
 
 
-def measure_baseline(c, ctx: TrialContext, trial: dict) -> TrialOutcome:
+def measure_baseline(c: TrialHost, ctx: TrialContext, trial: dict) -> TrialOutcome:
     """The unmodified script at `baseline_seed_count` seeds: the first incumbent and the
     first measure of the noise."""
     cfg = c.decision_config()
@@ -269,7 +270,7 @@ def measure_baseline(c, ctx: TrialContext, trial: dict) -> TrialOutcome:
     return verify_keep(c, ctx, trial, outcome)
 
 
-def measure_incumbent_again(c, ctx: TrialContext, trial: dict) -> TrialOutcome:
+def measure_incumbent_again(c: TrialHost, ctx: TrialContext, trial: dict) -> TrialOutcome:
     """A `rerun` (circuit breaker) or `drift` trial: the incumbent at its first seed."""
     incumbent = c.store.best_trial(c.run_row["id"])
     seed = c.seeds(1)[0]
@@ -289,7 +290,7 @@ def measure_incumbent_again(c, ctx: TrialContext, trial: dict) -> TrialOutcome:
     return judge_drift(c, trial, m, before, fields)
 
 
-def judge_drift(c, trial: dict, m: Measurement, before: float, fields: dict) -> TrialOutcome:
+def judge_drift(c: TrialHost, trial: dict, m: Measurement, before: float, fields: dict) -> TrialOutcome:
     shift = m.metric - before
     noise = c.noise.current()
     sd = noise.pair_sd if noise is not None else 0.0
@@ -312,7 +313,7 @@ def judge_drift(c, trial: dict, m: Measurement, before: float, fields: dict) -> 
     return TrialOutcome(Status.DISCARD, what, fields)
 
 
-def compare(c, ctx: TrialContext, trial: dict) -> TrialOutcome:
+def compare(c: TrialHost, ctx: TrialContext, trial: dict) -> TrialOutcome:
     """The paired, sequential comparison of a candidate with the incumbent (autoloop.decide.rule)."""
     cfg = c.decision_config()
     incumbent = ctx.incumbent
@@ -395,12 +396,12 @@ def compare(c, ctx: TrialContext, trial: dict) -> TrialOutcome:
         return verify_keep(c, ctx, trial, TrialOutcome(Status.KEEP, verdict.reason, fields))
 
 
-def _metric_source(c, trial: dict) -> str | None:
+def _metric_source(c: TrialHost, trial: dict) -> str | None:
     row = c.store.trial_by_id(trial["id"])
     return row.get("metric_source") if row else None
 
 
-def verify_keep(c, ctx: TrialContext, trial: dict, outcome: TrialOutcome) -> TrialOutcome:
+def verify_keep(c: TrialHost, ctx: TrialContext, trial: dict, outcome: TrialOutcome) -> TrialOutcome:
     """A keep stands only on verified numbers: every run of the trial with a checkpoint
     is re-checked (causality, held-out) on the trial's slot; then the held-out guard
     against `ctx.incumbent` (none for the baseline)."""
@@ -447,7 +448,7 @@ def verify_keep(c, ctx: TrialContext, trial: dict, outcome: TrialOutcome) -> Tri
     return outcome
 
 
-def _verification_failed(c, ok: bool | None, reason: str | None, fields: dict) -> TrialOutcome:
+def _verification_failed(c: TrialHost, ok: bool | None, reason: str | None, fields: dict) -> TrialOutcome:
     """A keep candidate whose verification failed. Its figures were not reproduced or not
     causal, so none of them is the trial's val_bpb: the row's metric is NULL and the failed
     figures are in the reason (and the failed run's measurement row)."""
@@ -462,7 +463,7 @@ def _verification_failed(c, ok: bool | None, reason: str | None, fields: dict) -
     return TrialOutcome(Status.INVALID, reason or "failed verification", fields)
 
 
-def heldout_problem(c, trial, incumbent, heldouts: dict, inc_heldouts: dict) -> str | None:
+def heldout_problem(c: TrialHost, trial, incumbent, heldouts: dict, inc_heldouts: dict) -> str | None:
     from autoloop.decide.heldout import heldout_guard
 
     if not inc_heldouts:
@@ -485,7 +486,7 @@ def heldout_problem(c, trial, incumbent, heldouts: dict, inc_heldouts: dict) -> 
     return heldout_guard(val_delta, heldout_delta, noise.pair_sd if noise is not None else None, n)
 
 
-def trial_fields(c, trial: dict, m: Measurement | None) -> dict:
+def trial_fields(c: TrialHost, trial: dict, m: Measurement | None) -> dict:
     """The trial row's fields from its last run (`curve` too, for `finish` to store)."""
     if m is None:
         rows = [r for r in c.store.measurements(trial["id"]) if r.get("status") == "ok"]
@@ -513,7 +514,7 @@ def progress_curve(trial: dict, store) -> list[dict] | None:
     return points or None
 
 
-def delete_checkpoints(c, trial: dict, keep_last: bool) -> None:
+def delete_checkpoints(c: TrialHost, trial: dict, keep_last: bool) -> None:
     """Only one checkpoint per kept trial is worth the disk (finalize copies it)."""
     rows = [r for r in c.store.measurements(trial["id"]) if r.get("log_path")]
     keep = Path(rows[0]["log_path"]).parent if (keep_last and rows) else None
@@ -528,7 +529,7 @@ def delete_checkpoints(c, trial: dict, keep_last: bool) -> None:
 # ---------------------------------------------------------------------------- finishing
 
 
-def finish(c, ctx: TrialContext, trial: dict, outcome: TrialOutcome) -> dict:
+def finish(c: TrialHost, ctx: TrialContext, trial: dict, outcome: TrialOutcome) -> dict:
     """Record the decision and the new best in one transaction, then make git agree.
     Finishes take turns (`refs_lock`): each keep is judged against the best as it is at
     that moment (`Islands.stale_keep`)."""
@@ -536,7 +537,7 @@ def finish(c, ctx: TrialContext, trial: dict, outcome: TrialOutcome) -> dict:
         return _finish_now(c, trial, c.islands.stale_keep(trial, outcome, ctx.lineage))
 
 
-def _finish_now(c, trial: dict, outcome: TrialOutcome) -> dict:
+def _finish_now(c: TrialHost, trial: dict, outcome: TrialOutcome) -> dict:
     status, reason, fields = outcome.status, outcome.reason, dict(outcome.fields)
     keep = status == Status.KEEP
     number = trial["number"]
@@ -584,7 +585,7 @@ def _finish_now(c, trial: dict, outcome: TrialOutcome) -> dict:
     return final
 
 
-def _watch_overfitting(c, trial: dict) -> None:
+def _watch_overfitting(c: TrialHost, trial: dict) -> None:
     from autoloop.decide.overfit import watch
 
     signal_ = watch(c.store.trials(c.run_row["id"], status=Status.KEEP))

@@ -42,7 +42,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from autoloop.base import faults
 from autoloop.errors import AutoloopError
@@ -51,6 +51,12 @@ from autoloop.measure.limits import TrialLimits
 from autoloop.measure.run_folder import RunFolder
 from autoloop.base.status import RunOutcome
 from autoloop.store import Status
+
+if TYPE_CHECKING:
+    from autoloop.config import Config
+    from autoloop.gitops import GitRepo
+    from autoloop.store import Store
+    from autoloop.trust.watch import Verifier
 
 # A measurement's status: autoloop.base.status.MEASUREMENT_STATUSES. How each ends the trial
 # is `trial_status`.
@@ -102,27 +108,36 @@ class Measurement:
 
 
 class MeasureHost(Protocol):
-    """What a Measurer reads from the run it measures for (autoloop.loop.controller.Controller).
+    """What a Measurer and the executors' slots read from the run they measure for
+    (autoloop.loop.controller.Controller; the loop's wider view is autoloop.loop.host.TrialHost).
 
     Attributes are read when used, not copied: the run row, the display and the abort flag
-    change while a run goes on.
+    change while a run goes on. Members set by the run's `open()` are None before it.
     """
 
-    config: object  # autoloop.config.Config: the budget, train command, sandbox, verify, dataset
-    store: object  # autoloop.store.Store: the measurements rows, the trial's process group
-    run_row: dict  # the run: its id, base commit, data fingerprint
-    verifier: object | None  # autoloop.trust.watch.Verifier (None: no harness rules, tests' fakes)
-    display: object | None  # live progress: trial_started, poll
+    config: Config  # the budget, train command, sandbox, verify, dataset
+    store: Store | None  # the measurements rows, the trial's process group
+    run_row: dict | None  # the run: its id, base commit, data fingerprint
+    repo: GitRepo | None  # the project's repository (a worker's worktree is made from it)
+    verifier: Verifier | None  # the harness's reference fingerprints (None: no harness rules, tests' fakes)
+    display: Any  # live progress: trial_started, poll
+    notifier: Any  # autoloop.loop.notify.Notifier: `run --notify`, the user's command on the night's events
     abort_requested: bool  # Ctrl-C: the run in flight is stopped
-    tag: str
-    state_dir: Path  # .autoloop/ of the project, hidden from the trial
     project_dir: Path  # the project folder: its secret files are hidden from the trial
 
+    @property
+    def tag(self) -> str: ...  # the run's name
+    @property
+    def state_dir(self) -> Path: ...  # .autoloop/ of the project, hidden from the trial
     def trial_dir(self, number: int) -> Path: ...  # a trial's folder; its runs go under runs/<k>
     def db_path(self) -> Path: ...  # experiments.db, hidden from the trial
     def git_dir(self) -> Path: ...  # hidden from the trial
     def data_dir(self) -> Path: ...  # the prepared dataset
     def sources_of(self, commit: str) -> tuple[str, dict[str, str]]: ...  # what the evaluator imports
+    def best_commit(self) -> str: ...  # the run's best commit (its base before a keep)
+    def checkout_for_measurement(self, commit: str) -> None: ...  # the serial slot's checkout of a commit
+    def say(self, message: str, style: str | None = None) -> None: ...  # one console line
+    def event(self, kind: str, message: str, trial_id: int | None = None) -> None: ...  # a db event, notified
     def training_started(self, running: dict) -> None: ...  # the scheduler prepares the next proposal
     def worker_pause(self, reason: str) -> None: ...  # a worker found the harness or data changed
     def concurrent_trials(self) -> bool: ...  # several workers: a foreign db write is nobody's in particular

@@ -51,6 +51,7 @@ from autoloop.errors import AutoloopError
 from autoloop.gitops import REF_PREFIX, GitRepo
 from autoloop.loop.noise import runs_of
 from autoloop.store import Kind, Status, utcnow
+from autoloop.loop.host import TrialHost
 
 DEFAULT_SEEDS = 3
 LEVEL = 0.95
@@ -194,7 +195,7 @@ def _ok(measurement) -> bool:
     return _get(measurement, "status") in (None, "ok") and _get(measurement, "metric") is not None
 
 
-def ablate(controller, *, seeds: int = DEFAULT_SEEDS, say=None) -> Ablation:
+def ablate(controller: TrialHost, *, seeds: int = DEFAULT_SEEDS, say=None) -> Ablation:
     """Ablate every kept change of the controller's run (the controller is open: it holds
     the run's lock). Returns the table; the figures are in the ablation trials."""
     if seeds < 1:
@@ -235,7 +236,7 @@ def ablate(controller, *, seeds: int = DEFAULT_SEEDS, say=None) -> Ablation:
     return result
 
 
-def _ablate_one(controller, best: dict, best_commit: str, change: dict, files: dict, seeds: list[int],
+def _ablate_one(controller: TrialHost, best: dict, best_commit: str, change: dict, files: dict, seeds: list[int],
                 row: AblationRow, say) -> None:
     store, git, run = controller.store, controller.repo, controller.run_row
     label = change.get("description") or "(no description)"

@@ -34,9 +34,18 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Protocol
 
 from autoloop.trust import integrity
 
+
+
+class WatchedRun(Protocol):
+    """What the Verifier reads from the run it watches (autoloop.loop.controller.Controller)."""
+
+    @property
+    def tag(self) -> str: ...  # the run's name, in a pause reason
+    def data_dir(self) -> Path: ...  # the prepared dataset whose files are fingerprinted
 
 class Verifier:
     """The run's reference fingerprints of the harness and the data, checked before every work item."""
@@ -66,10 +75,10 @@ class Verifier:
 
         return [pycache_dir(kind, self.pycache_root()) for kind in PYCACHE_KINDS]
 
-    def snapshot(self, controller) -> integrity.Snapshot:
+    def snapshot(self, controller: WatchedRun) -> integrity.Snapshot:
         return integrity.take_snapshot(self.harness_dir, controller.data_dir(), pycache_prefixes=self.pycache_prefixes())
 
-    def check_run(self, controller) -> str | None:
+    def check_run(self, controller: WatchedRun) -> str | None:
         """A pause reason if the harness or the data changed since this invocation began."""
         now = self.snapshot(controller)
         if self._reference is None or self._reference.data_dir != now.data_dir:
@@ -102,7 +111,7 @@ class Verifier:
         a run's report naming another harness is invalid (it goes into each MeasureJob)."""
         return self._harness_fingerprint
 
-    def refresh_bytecode(self, controller) -> None:
+    def refresh_bytecode(self, controller: WatchedRun) -> None:
         """A run's planted bytecode was removed and written again by the trusted warm-up
         (autoloop.measure.worker): the reference takes the fresh bytecode, so the next `check_run`
         compares with what the runs after it will find, and the run goes on."""

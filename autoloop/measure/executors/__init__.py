@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from autoloop.errors import AutoloopError
+from autoloop.measure.measurer import MeasureHost
 
 
 @dataclass
@@ -58,7 +59,7 @@ def check_devices(executor: Executor, allow_mixed: bool) -> None:
         )
 
 
-def make_executor(controller) -> Executor:
+def make_executor(controller: MeasureHost) -> Executor:
     """The executor the controller's config asks for (serial: None, the controller's own slot)."""
     cfg = controller.config
     if cfg.executor == "local":

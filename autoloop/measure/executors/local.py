@@ -26,6 +26,7 @@ from pathlib import Path
 from autoloop.errors import AutoloopError
 from autoloop.measure.job import JobResult
 from autoloop.base.processes import signal_group
+from autoloop.measure.measurer import MeasureHost
 
 POLL_SECONDS = 0.2
 ABORT_GRACE_SECONDS = 30.0  # a worker asked to stop gets this long to kill its training and say so
@@ -50,7 +51,7 @@ def visible_gpus() -> list[tuple[str, str]]:
     return gpus
 
 
-def local_slots(controller, workers: int = 0) -> list[LocalSlot]:
+def local_slots(controller: MeasureHost, workers: int = 0) -> list[LocalSlot]:
     """One slot per visible GPU (at most `workers`), or `workers` pretend CPU devices."""
     gpus = visible_gpus()
     if gpus:
@@ -68,7 +69,7 @@ def local_slots(controller, workers: int = 0) -> list[LocalSlot]:
 
 
 class LocalSlot:
-    def __init__(self, controller, index: int, cuda_device: str, device: str):
+    def __init__(self, controller: MeasureHost, index: int, cuda_device: str, device: str):
         self.c = controller
         self.index = index
         self.name = f"w{index}"

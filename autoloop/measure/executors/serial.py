@@ -17,6 +17,7 @@ from typing import Callable
 
 from autoloop.measure.job import JobResult, MeasureJob
 from autoloop.measure.runner import run_training
+from autoloop.measure.measurer import MeasureHost
 
 
 class SerialSlot:
@@ -25,7 +26,7 @@ class SerialSlot:
     name = "serial"
     moves_branch = True  # training runs in the project folder, on the run's branch: it follows each trial
 
-    def __init__(self, controller):
+    def __init__(self, controller: MeasureHost):
         self.controller = controller
         self.device_env: dict[str, str] = {}
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import typer
 
-from autoloop.errors import AutoloopError, NotFound
+from autoloop.errors import AutoloopError
 
 
 def echo(text: str, **kwargs) -> None:

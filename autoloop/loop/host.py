@@ -1,6 +1,6 @@
 """What a trial's code is given: the run it works for, as one typed interface.
 
-The functions of a trial (loop/trial.py), its decision (loop/noise.py), the reserve, the
+The functions of a trial (loop/trial.py, loop/compare.py), its decision (loop/noise.py), the reserve, the
 recovery, the pre-run check and the disk and environment guards take a `TrialHost`, which
 `autoloop.loop.controller.Controller` implements, so an editor (and a reader) can follow
 every `c.` to its type and its one-line meaning. tests/test_layout.py checks that every

@@ -141,7 +141,7 @@ def paired_decision(c: TrialHost, trial: dict, incumbent: dict | None, cfg: Deci
         inc_runs = c.incumbent_runs(incumbent, device) if incumbent is not None else {}
         return PairedDecision(decide(candidate, inc_runs, noise, cfg, seeds), Pairing(own=candidate),
                               candidate, inc_runs, candidate, paired=False)
-    # A shift of the incumbent at one seed beyond this is drift (as autoloop.loop.trial.judge_drift says).
+    # A shift of the incumbent at one seed beyond this is drift (as autoloop.loop.compare.judge_drift says).
     limit = c.config.drift_event_sigmas * max(noise.pair_sd if noise is not None else 0.0, 1e-6)
     tolerance = c.config.pair_speed_tolerance
     tolerance = math.inf if tolerance is None else tolerance  # none: every pair is a pair

@@ -38,7 +38,6 @@ from __future__ import annotations
 import json
 import os
 import queue
-import signal
 import subprocess
 import threading
 from collections.abc import Callable

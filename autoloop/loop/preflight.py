@@ -14,8 +14,6 @@ the flag before the baseline). A second Ctrl-C (KeyboardInterrupt) ends it too.
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import sys
 

@@ -1,7 +1,7 @@
 """The determinism re-check of a keep candidate under --no-verify.
 
 With verification on, every run of a keep candidate is evaluated again in fresh processes
-(val, held-out, probes: autoloop.loop.trial.verify_keep), and a figure the re-evaluation
+(val, held-out, probes: autoloop.loop.compare.verify_keep), and a figure the re-evaluation
 does not reproduce ends the trial. That re-evaluation is also what catches a model that
 remembers the windows it was shown (its first evaluation 3.85, its second 3.04, its
 probes passed: a remembered window replays its outputs). --no-verify skips held-out and

@@ -6,7 +6,7 @@ re-measurements are rows of the incumbent's trial, with `for_trial_id` naming th
 comparison that asked for them). `autoloop.decide.rule` reads them; the controller is the only
 writer. A measurement has two halves; this module is the controller's:
 
-1. The slot the run goes to (an argument: the trial's, autoloop.loop.trial.TrialContext;
+1. The slot the run goes to (an argument: the trial's, autoloop.loop.outcome.TrialContext;
    the serial slot, or one worker per device when trials run side by side,
    autoloop.measure.executors) checks the commit out (serial: in the project folder, as by
    hand).

@@ -36,7 +36,6 @@ import os
 import re
 import shlex
 import shutil
-import signal
 import subprocess
 import tempfile
 import time

@@ -33,7 +33,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from autoloop.errors import AutoloopError, NotFound
+from autoloop.errors import AutoloopError
 from autoloop.trust import untrusted as files
 
 

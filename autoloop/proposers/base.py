@@ -12,7 +12,12 @@ from autoloop.proposers.proposal import Proposal
 
 
 class ProposerUnavailable(Exception):
-    """The proposer cannot propose right now (API down, tool missing); try the next one."""
+    """The proposer cannot propose right now (API down, tool missing); try the next one.
+    `quiet`: a skip, not a failure (still cooling down after one), so no event is written."""
+
+    def __init__(self, message: str, *, quiet: bool = False):
+        super().__init__(message)
+        self.quiet = quiet
 
 
 @dataclass
@@ -46,12 +51,23 @@ class ProposerChain:
     def names(self) -> list[str]:
         return [p.name for p in self.proposers]
 
+    def check_reachable(self, say=None) -> None:
+        """Before the night: each proposer that talks to a server (the llm) tries it once,
+        raising AutoloopError in one line if it cannot be reached (autoloop.proposers.llm)."""
+        for proposer in self.proposers:
+            check = getattr(proposer, "check_reachable", None)
+            if check is not None:
+                line = check()
+                if line and say is not None:
+                    say(line)
+
     def propose(self, ctx: ProposalContext) -> Proposal | None:
         for proposer in self.proposers:
             try:
                 proposal = proposer.propose(ctx)
             except ProposerUnavailable as exc:
-                ctx.store.add_event(ctx.run["id"], "proposer_unavailable", f"{proposer.name}: {exc}")
+                if not exc.quiet:
+                    ctx.store.add_event(ctx.run["id"], "proposer_unavailable", f"{proposer.name}: {exc}")
                 continue
             if proposal is not None:
                 proposal.source = proposal.source if proposal.source != "unknown" else proposer.name

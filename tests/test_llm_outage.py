@@ -1,0 +1,130 @@
+"""A model night whose model cannot be reached says so: before the baseline in one line,
+during the night on the console, in `status` and the report, with back-off while other
+sources go on, and in the stop reason of a night that had only the model.
+
+Real parts: a real git repo, the real CLI, a real local OpenAI-compatible server
+(tests/fakes/fake_openai.py) stopped and started again on the same port, a real closed port.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from autoloop.cli import app
+from autoloop.proposers.outage import backoff_seconds, describe_outage, outages
+from autoloop.store import Store
+from conftest import FAKE_TRAIN, make_repo
+from fakes.fake_openai import Error, FakeOpenAI, edit_answer
+
+pytest.importorskip("openai")
+
+runner = CliRunner()
+SECRET = "sk-test-outage-DO-NOT-SHOW"
+LR_LINE = "LR = 0.02  # learning rate; range 0.0001..1 log"
+
+
+@pytest.fixture
+def repo(tmp_path, monkeypatch, one_run_per_trial) -> Path:
+    monkeypatch.setenv("OPENAI_API_KEY", SECRET)
+    monkeypatch.delenv("OPENAI_BASE_URL", raising=False)
+    monkeypatch.setenv("AUTOLOOP_LLM_RETRIES", "0")
+    monkeypatch.setenv("AUTOLOOP_GRACE_SECONDS", "20")
+    return make_repo(tmp_path / "repo", FAKE_TRAIN.read_text(), {"program.md": "# program\nLower val_bpb.\n"})
+
+
+def closed_port() -> int:
+    """A port nothing listens on: bound, then closed."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_cli(repo: Path, *args: str):
+    return runner.invoke(app, ["run", "--repo", str(repo), "--no-verify", "--no-check", "--tag", "t",
+                               "--time-budget", "5", "--llm-model", "fake-model", *args])
+
+
+def trials(repo: Path) -> list[dict]:
+    with Store(repo / "experiments.db") as store:
+        return store.trials(store.get_run("t")["id"])
+
+
+def events(repo: Path) -> list[dict]:
+    with Store(repo / "experiments.db") as store:
+        return store.events(store.get_run("t")["id"])
+
+
+# ---------------------------------------------------------------------------- the schedule (known answers)
+
+
+def test_backoff_doubles_from_the_first_wait_up_to_the_most():
+    assert [backoff_seconds(n, 60, 300) for n in range(0, 7)] == [0, 60, 120, 240, 300, 300, 300]
+    assert [backoff_seconds(n, 0.5, 3) for n in (1, 2, 3, 4)] == [0.5, 1.0, 2.0, 3]
+    assert backoff_seconds(10_000, 60, 300) == 300  # a night-long outage stays finite
+
+
+def test_outages_are_read_from_the_events_oldest_first():
+    def event(kind, message, when):
+        return {"kind": kind, "message": message, "created_at": f"2026-12-05T{when}:00+00:00"}
+
+    found = outages([
+        event("proposer_unavailable", "llm: fake at u failed (APIConnectionError: Connection error.)", "19:40"),
+        event("proposer_unavailable", "agent: timed out", "19:41"),
+        event("proposer_unavailable", "llm: fake at u failed (InternalServerError: 500)", "19:42"),
+        event("proposer_back", "llm: fake at u answers again", "19:50"),
+        event("proposer_unavailable", "llm: fake at u failed (APITimeoutError)", "20:10"),
+    ])
+    assert [(o["proposer"], o["failures"], o["until"] is None) for o in found] == [
+        ("llm", 2, False), ("agent", 1, True), ("llm", 1, True)]
+    assert describe_outage(found[0]) == ("llm was unavailable 19:40 UTC-19:50 UTC (2 failed requests), back since; "
+                                         "last error: fake at u failed (InternalServerError: 500)")
+    assert describe_outage(found[2]) == "llm unavailable since 20:10 UTC (1 failed request): fake at u failed (APITimeoutError)"
+
+
+# ---------------------------------------------------------------------------- (a) before the baseline
+
+
+def test_a_dead_endpoint_stops_the_run_before_the_baseline_in_one_line(repo):
+    url = f"http://127.0.0.1:{closed_port()}/v1"
+    result = run_cli(repo, "--proposers", "llm", "--llm-base-url", url)
+    assert result.exit_code == 1, result.output
+    (line,) = result.output.strip().splitlines()  # one line: no header, no traceback
+    assert line.startswith(f"error: the model fake-model at {url} cannot be reached (APIConnectionError")
+    assert "--llm-base-url" in line and "drop llm from --proposers" in line and SECRET not in line
+    assert not (repo / "experiments.db").exists()  # nothing ran, nothing was written
+
+
+def test_a_server_that_answers_500_or_refuses_the_key_stops_it_too(repo):
+    with FakeOpenAI([edit_answer(LR_LINE, "LR = 0.01")], models=Error(500)) as server:
+        result = run_cli(repo, "--proposers", "llm", "--llm-base-url", server.base_url)
+    assert result.exit_code == 1 and len(result.output.strip().splitlines()) == 1, result.output
+    assert "cannot be reached (InternalServerError" in result.output and server.requests == []
+    with FakeOpenAI([edit_answer(LR_LINE, "LR = 0.01")], models=Error(401, "bad key")) as server:
+        result = run_cli(repo, "--proposers", "llm", "--llm-base-url", server.base_url)
+    assert result.exit_code == 1 and "AuthenticationError" in result.output and "$OPENAI_API_KEY" in result.output
+    assert not (repo / "experiments.db").exists()
+
+
+@pytest.mark.slow
+def test_a_resume_against_a_dead_endpoint_loses_nothing_recorded(repo):
+    first = run_cli(repo, "--proposers", "search", "--max-trials", "1")
+    assert first.exit_code == 0, first.output
+    before = [(t["number"], t["status"], t["metric"]) for t in trials(repo)]
+    result = run_cli(repo, "--proposers", "llm,search", "--llm-base-url", f"http://127.0.0.1:{closed_port()}/v1")
+    assert result.exit_code == 1 and len(result.output.strip().splitlines()) == 1, result.output
+    assert [(t["number"], t["status"], t["metric"]) for t in trials(repo)] == before
+
+
+@pytest.mark.slow
+def test_a_server_that_lists_other_models_is_said_and_the_night_goes_on(repo):
+    with FakeOpenAI([edit_answer(LR_LINE, "LR = 0.01", "lower lr")], models=["other-model"]) as server:
+        result = run_cli(repo, "--proposers", "llm", "--llm-base-url", server.base_url, "--max-trials", "2")
+    assert result.exit_code == 0, result.output
+    assert "does not list 'fake-model' (it lists other-model)" in " ".join(result.output.split())
+    assert trials(repo)[1]["proposer"] == "llm"

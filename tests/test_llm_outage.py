@@ -8,6 +8,7 @@ Real parts: a real git repo, the real CLI, a real local OpenAI-compatible server
 
 from __future__ import annotations
 
+import re
 import socket
 import threading
 import time
@@ -128,3 +129,108 @@ def test_a_server_that_lists_other_models_is_said_and_the_night_goes_on(repo):
     assert result.exit_code == 0, result.output
     assert "does not list 'fake-model' (it lists other-model)" in " ".join(result.output.split())
     assert trials(repo)[1]["proposer"] == "llm"
+
+
+# ---------------------------------------------------------------------------- (b), (c) during the night
+
+
+def stop_after_listing(server: FakeOpenAI) -> threading.Thread:
+    """The server goes down right after the check before the night has listed its models."""
+    def watch():
+        while server.listings == 0:
+            time.sleep(0.01)
+        server.__exit__(None, None, None)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
+
+
+def read_trials(db: Path) -> list[tuple]:
+    """(number, proposer) of the trials so far, read-only beside the running controller."""
+    import sqlite3
+
+    try:
+        with sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=1) as con:
+            return con.execute("SELECT number, proposer FROM trials ORDER BY number").fetchall()
+    except sqlite3.Error:
+        return []
+
+
+def squeeze(text: str) -> str:
+    return " ".join(text.split())  # the console wraps long lines when it is not a terminal
+
+
+@pytest.fixture
+def quick_backoff(monkeypatch):
+    monkeypatch.setenv("AUTOLOOP_LLM_RETRY_WAIT", "0.2")
+    monkeypatch.setenv("AUTOLOOP_LLM_RETRY_MAX_WAIT", "0.5")
+
+
+@pytest.mark.slow
+def test_a_model_that_goes_down_is_retried_while_search_goes_on_and_its_outage_is_shown(repo, tmp_path, quick_backoff):
+    first = FakeOpenAI([Error(500, "never asked: the server is down")])
+    with first:
+        stop_after_listing(first)
+        port = first.server.server_address[1]
+        servers: list[FakeOpenAI] = []  # the same server started again, on the same port
+        started = threading.Event()
+
+        def restart_once_search_ran():
+            while not any(proposer == "search" for _, proposer in read_trials(repo / "experiments.db")):
+                time.sleep(0.05)
+            servers.append(FakeOpenAI([edit_answer(LR_LINE, "LR = 0.01", "lower lr from the model")], port=port))
+            servers[0].__enter__()
+            started.set()
+
+        threading.Thread(target=restart_once_search_ran, daemon=True).start()
+        result = run_cli(repo, "--proposers", "llm,search", "--llm-base-url", first.base_url, "--max-trials", "6")
+    try:
+        assert result.exit_code == 0, result.output
+        assert started.is_set() and first.requests == [] and servers[0].requests  # down, then back on the same port
+        out = squeeze(result.output)
+        assert f"llm unavailable: the model fake-model at {first.base_url} was unreachable since" in out
+        assert "APIConnectionError" in out and "the other sources go on meanwhile" in out
+        assert "llm is back: its requests are answered again" in out
+        numbers = {proposer: [n for n, p in read_trials(repo / "experiments.db") if p == proposer]
+                   for proposer in ("search", "llm")}
+        assert numbers["search"] and numbers["llm"] and min(numbers["search"]) < min(numbers["llm"])
+        kinds = [e["kind"] for e in events(repo) if e["kind"].startswith("proposer_")]
+        assert kinds[0] == "proposer_unavailable" and "proposer_back" in kinds
+        status = squeeze(runner.invoke(app, ["status", "--repo", str(repo)]).output)
+        assert "proposer: llm was unavailable" in status and "back since" in status and "APIConnectionError" in status
+        report = runner.invoke(app, ["report", "--repo", str(repo), "--out", str(tmp_path / "report")])
+        assert report.exit_code == 0, report.output
+        html = (tmp_path / "report" / "report.html").read_text()
+        assert 'id="outages"' in html and "llm was unavailable" in html
+    finally:
+        for server in servers:
+            server.__exit__(None, None, None)
+
+
+@pytest.mark.slow
+def test_a_model_only_night_waits_for_its_model_then_says_why_it_stopped(repo, monkeypatch, quick_backoff):
+    from autoloop.config import resolve
+    from autoloop.proposers.seeding import seed_idea
+
+    monkeypatch.setenv("AUTOLOOP_LLM_OUTAGE_WAIT", "3")
+    seed_idea(resolve(repo, {}), repo, "try SwiGLU in the MLP", sets=[], patch=None)
+    with FakeOpenAI([edit_answer(LR_LINE, "LR = 0.01")]) as server:
+        stop_after_listing(server)
+        began = time.monotonic()
+        result = run_cli(repo, "--proposers", "llm", "--llm-base-url", server.base_url, "--max-trials", "5")
+        waited = time.monotonic() - began
+    assert result.exit_code == 0, result.output
+    out = squeeze(result.output)
+    assert "nothing else to propose: waiting" in out
+    assert re.search(rf"stopped: no more proposals: the model fake-model at {re.escape(server.base_url)} was "
+                     r"unreachable since \d\d:\d\d UTC: APIConnectionError", out), out
+    assert "idea queue is empty" not in out
+    assert waited >= 3  # it waited for the model (llm-outage-wait) instead of ending at the first failure
+    with Store(repo / "experiments.db") as store:
+        failed = [r for r in store.db.query("SELECT error FROM proposals") if r["error"]]
+        assert len(failed) >= 3  # tried again with back-off, not once
+        assert [i["text"] for i in store.ideas(status="pending")] == ["try SwiGLU in the MLP"]
+    assert len(trials(repo)) == 1  # the baseline only
+    status = squeeze(runner.invoke(app, ["status", "--repo", str(repo)]).output)
+    assert "proposer: llm unavailable since" in status and "APIConnectionError" in status

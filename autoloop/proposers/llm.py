@@ -140,6 +140,7 @@ class LLMProposer:
         self._down_since: float | None = None  # Unix time of the first failure in a row
         self._last_error = ""
         self._exhausted: str | None = None  # max-cost reached: not again in this run
+        self._exhausted_at = 0.0
         self._warned_program = False
 
     # ------------------------------------------------------------------ the API
@@ -185,7 +186,7 @@ class LLMProposer:
         """Why this proposer cannot propose now (None: it can)."""
         with self._lock:
             if self._exhausted is not None:
-                return Outage(self.name, self.where, time.time(), self._exhausted, self._failures, None)
+                return Outage(self.name, self.where, self._exhausted_at, self._exhausted, self._failures, None)
             if self._down_since is None:
                 return None
             retry_at = time.time() + max(0.0, self._cool_until - time.monotonic())
@@ -233,6 +234,7 @@ class LLMProposer:
             spent = self._spent_so_far(ctx)
             if spent >= self.config.max_cost:
                 with self._lock:
+                    self._exhausted_at = self._exhausted_at or time.time()
                     self._exhausted = f"spent ${spent:.2f} of max-cost ${self.config.max_cost:.2f}"
                 raise ProposerUnavailable(f"{self.model}: {self._exhausted}")
 

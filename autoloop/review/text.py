@@ -387,6 +387,7 @@ def format_status(info: dict) -> str:
                          "the baseline")
     if info.get("overfitting"):
         lines.append(info["overfitting"])
+    lines.extend(f"proposer: {o['line']}" for o in info.get("outages") or ())
     lines.extend(format_noise(info))
     held = info.get("controller")
     if held:

@@ -165,7 +165,7 @@ def summary(store, run: dict, controller: dict | None = None) -> dict:
     best's interval against the incumbent it replaced), the counts, trials per hour, the
     measured noise, the status and pause reason."""
     from autoloop.decide.effects import comparison_text, format_estimate, trial_effect
-    from autoloop.review.queries import best_summary, best_trial, headline, noise_info
+    from autoloop.review.queries import best_summary, best_trial, headline, noise_info, outage_info
     from autoloop.review.text import describe_noise, format_best
 
     run = store.get_run(run["tag"]) or run  # the status and pause reason as they are now
@@ -189,6 +189,8 @@ def summary(store, run: dict, controller: dict | None = None) -> dict:
         "best_comparison": comparison_text(trial_effect(best_row)) if best_row and best_row["kind"] != "baseline" else None,
         "config": shown_config(run), "controller": controller,
         "host": run.get("host"), "gpu": run.get("gpu"), "sandbox": run.get("sandbox"),
+        # a model or agent away right now: the banner that says why the night looks as it does
+        "outages": [o["line"] for o in outage_info(store, run) if o["until"] is None],
     }
     if best:
         out["best"] = {k: v for k, v in best.items() if k != "checkpoint_path"}

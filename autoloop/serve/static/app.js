@@ -390,7 +390,8 @@
         controller ? " · controller pid " + controller.pid + " runs '" + (controller.tag || "?") + "'" : " · no controller running in this project",
         summary.host ? " · host " + summary.host : "", summary.gpu ? " · " + summary.gpu : ""),
       status === "paused" ? h("div", { class: "banner bad", id: "pause" }, "Paused: ", summary.pause_reason || "") : null,
-      summary.stop_requested ? h("div", { class: "banner" }, "Stop requested: the run stops after its current trial.") : null);
+      summary.stop_requested ? h("div", { class: "banner" }, "Stop requested: the run stops after its current trial.") : null,
+      ...(summary.outages || []).map((line) => h("div", { class: "banner bad outage" }, "Unavailable: ", line)));
     const cards = [];
     if (best) {
       cards.push(stat("baseline → best", fmt(best.baseline_metric) + " → " + (summary.best_estimate || fmt(best.metric)),

@@ -234,3 +234,21 @@ def test_a_model_only_night_waits_for_its_model_then_says_why_it_stopped(repo, m
     assert len(trials(repo)) == 1  # the baseline only
     status = squeeze(runner.invoke(app, ["status", "--repo", str(repo)]).output)
     assert "proposer: llm unavailable since" in status and "APIConnectionError" in status
+
+
+def test_check_parts_model_tries_the_endpoint_before_bed(repo, monkeypatch):
+    monkeypatch.setenv("AUTOLOOP_LLM_MODEL", "fake-model")
+    with FakeOpenAI([edit_answer(LR_LINE, "LR = 0.01")]) as server:
+        monkeypatch.setenv("AUTOLOOP_LLM_BASE_URL", server.base_url)
+        result = runner.invoke(app, ["check", "--repo", str(repo), "--parts", "model"])
+        assert result.exit_code == 0 and server.listings == 1 and server.requests == [], result.output
+    assert squeeze(result.output) == f"llm: the model fake-model at {server.base_url} answers"
+    url = f"http://127.0.0.1:{closed_port()}/v1"
+    monkeypatch.setenv("AUTOLOOP_LLM_BASE_URL", url)
+    result = runner.invoke(app, ["check", "--repo", str(repo), "--parts", "model"])
+    assert result.exit_code == 1 and len(result.output.strip().splitlines()) == 1, result.output
+    assert f"the model fake-model at {url} cannot be reached (APIConnectionError" in result.output
+    monkeypatch.delenv("AUTOLOOP_LLM_MODEL")
+    result = runner.invoke(app, ["check", "--repo", str(repo), "--parts", "model"])
+    assert result.exit_code == 1 and "no model or agent is configured" in result.output
+    assert not (repo / "experiments.db").exists()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
@@ -110,3 +111,16 @@ def build_chain(config: Config) -> ProposerChain:
         module, _, attr = target.partition(":")
         proposers.append(getattr(importlib.import_module(module), attr)(config))
     return ProposerChain(proposers)
+
+
+def check_models(config: Config, say: Callable[[str], None]) -> None:
+    """`autoloop check --parts model`: the configured model and agent tried as `autoloop run`
+    tries them before the baseline; AutoloopError in one line when one cannot be reached."""
+    names = [n for n in resolve_names(config) if n in ("llm", "agent")]
+    if not names:
+        raise AutoloopError("no model or agent is configured: set llm-model (AUTOLOOP_LLM_MODEL, with llm-base-url "
+                            "for a local server) or agent-command (AUTOLOOP_AGENT_COMMAND)")
+    chain = build_chain(dataclasses.replace(config, proposers=names))  # an agent command not found fails here
+    chain.check_reachable(say)
+    if "agent" in names:
+        say(f"agent: the command {config.agent_command!r} is installed")

@@ -252,3 +252,60 @@ def test_check_parts_model_tries_the_endpoint_before_bed(repo, monkeypatch):
     result = runner.invoke(app, ["check", "--repo", str(repo), "--parts", "model"])
     assert result.exit_code == 1 and "no model or agent is configured" in result.output
     assert not (repo / "experiments.db").exists()
+
+
+def test_the_wait_for_a_model_ends_at_the_runs_deadline_and_names_the_outage(repo):
+    """--hours bounds the wait: it ends when the next trial could no longer finish in time
+    (no trials yet: a trial is estimated at the budget + 30 s = 35 s), long before the model's
+    next try, and the stop reason says what the night was waiting for."""
+    from autoloop.config import resolve
+    from autoloop.loop.controller import Controller
+    from autoloop.loop.run import Loop
+    from autoloop.loop.scheduler import Work, WorkItem
+
+    c = Controller(resolve(repo, {"tag": "t", "time_budget": 5, "hours": 0.02, "proposers": "search"}), repo,
+                   verifier=None)
+    c.open()
+    try:
+        now = time.time()
+        item = WorkItem(Work.WAIT, reason="the model m at u was unreachable since 02:14 UTC: APIConnectionError",
+                        wait_until=now + 120)
+        reason = Loop(c, [], threaded=False).wait_for_model(item, started=now - 0.02 * 3600 + 40, trials_run=0)
+        waited = time.time() - now
+    finally:
+        c.close()
+    assert re.fullmatch(r"--hours 0\.02: the next trial could not finish in the 0\.\d min left; meanwhile "
+                        r"the model m at u was unreachable since 02:14 UTC: APIConnectionError", reason), reason
+    assert 3 <= waited <= 20  # 40 s left, 35 s needed: about 5 s, not the 120 s until the next try
+
+
+@pytest.mark.slow
+def test_autoloop_stop_ends_a_model_only_nights_wait(repo, quick_backoff, monkeypatch):
+    monkeypatch.setenv("AUTOLOOP_LLM_OUTAGE_WAIT", "120")  # a wait the stop must cut short
+
+    def stop_when_it_waits():
+        # the second failure: the first came while the baseline trained, this one while the loop waits
+        while sum(e["kind"] == "proposer_unavailable" for e in read_events(repo / "experiments.db")) < 2:
+            time.sleep(0.05)
+        with Store(repo / "experiments.db") as store:
+            store.request_stop("t")
+
+    with FakeOpenAI([edit_answer(LR_LINE, "LR = 0.01")]) as server:
+        stop_after_listing(server)
+        threading.Thread(target=stop_when_it_waits, daemon=True).start()
+        began = time.monotonic()
+        result = run_cli(repo, "--proposers", "llm", "--llm-base-url", server.base_url)
+    assert result.exit_code == 0, result.output
+    assert time.monotonic() - began < 100
+    assert re.search(r"stopped: stopped by `autoloop stop`; meanwhile the model fake-model at \S+ was unreachable "
+                     r"since \d\d:\d\d UTC: APIConnectionError", squeeze(result.output)), result.output
+
+
+def read_events(db: Path) -> list[dict]:
+    import sqlite3
+
+    try:
+        with sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=1) as con:
+            return [{"kind": k} for (k,) in con.execute("SELECT kind FROM events ORDER BY id")]
+    except sqlite3.Error:
+        return []

@@ -183,7 +183,7 @@ class Loop:
         while free:
             reason = self.stop_reason(started, summary.trials_run + len(self.inflight))
             if reason:
-                summary.stop_reason = reason
+                summary.stop_reason = self.with_outages(reason)
                 return True
             if self.inflight and self._blocking():
                 return False
@@ -247,6 +247,11 @@ class Loop:
                 return f"{reason}; meanwhile {item.reason}" if reason else None
             time.sleep(min(WAIT_SECONDS, max(0.0, (item.wait_until or 0.0) - time.time())))
         return None
+
+    def with_outages(self, reason: str) -> str:
+        """A stop while a model is away says so: it explains a night of few or no proposals."""
+        away = [o.describe() for o in self.c.scheduler.outages() if o.retry_at is not None]
+        return f"{reason}; meanwhile {'; '.join(away)}" if away else reason
 
     def trial_estimate(self) -> float:
         """The median wall time of a recent trial, every run it took (its own and the

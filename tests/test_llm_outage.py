@@ -234,6 +234,11 @@ def test_a_model_only_night_waits_for_its_model_then_says_why_it_stopped(repo, m
     assert len(trials(repo)) == 1  # the baseline only
     status = squeeze(runner.invoke(app, ["status", "--repo", str(repo)]).output)
     assert "proposer: llm unavailable since" in status and "APIConnectionError" in status
+    from autoloop.serve.queries import summary
+
+    with Store(repo / "experiments.db") as store:
+        (line,) = summary(store, store.get_run("t"))["outages"]  # the live page's banner
+    assert line.startswith("llm unavailable since") and "APIConnectionError" in line
 
 
 def test_check_parts_model_tries_the_endpoint_before_bed(repo, monkeypatch):

@@ -126,6 +126,8 @@ class Loop:
         self.threaded = threaded
         self.inflight: dict[Future, tuple[object, WorkItem]] = {}
         self.pause_reason: str | None = None
+        # The outage a model-only night is waiting out (a `wait` item): a stop meanwhile names it.
+        self.waiting_for: str | None = None
 
     def run(self, summary, started: float) -> None:
         c = self.c
@@ -183,7 +185,7 @@ class Loop:
         while free:
             reason = self.stop_reason(started, summary.trials_run + len(self.inflight))
             if reason:
-                summary.stop_reason = self.with_outages(reason)
+                summary.stop_reason = f"{reason}; meanwhile {self.waiting_for}" if self.waiting_for else reason
                 return True
             if self.inflight and self._blocking():
                 return False
@@ -198,6 +200,7 @@ class Loop:
             if item.kind is Work.PAUSE:
                 self.pause_reason = item.reason
                 return True
+            self.waiting_for = item.reason if item.kind is Work.WAIT else None
             if item.kind is Work.WAIT:
                 if self.inflight:
                     return False  # the trials in flight end first; the scheduler is asked again then
@@ -247,11 +250,6 @@ class Loop:
                 return f"{reason}; meanwhile {item.reason}" if reason else None
             time.sleep(min(WAIT_SECONDS, max(0.0, (item.wait_until or 0.0) - time.time())))
         return None
-
-    def with_outages(self, reason: str) -> str:
-        """A stop while a model is away says so: it explains a night of few or no proposals."""
-        away = [o.describe() for o in self.c.scheduler.outages() if o.retry_at is not None]
-        return f"{reason}; meanwhile {'; '.join(away)}" if away else reason
 
     def trial_estimate(self) -> float:
         """The median wall time of a recent trial, every run it took (its own and the

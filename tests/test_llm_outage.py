@@ -316,3 +316,31 @@ def read_events(db: Path) -> list[dict]:
             return [{"kind": k} for (k,) in con.execute("SELECT kind FROM events ORDER BY id")]
     except sqlite3.Error:
         return []
+
+
+@pytest.mark.slow
+def test_the_live_page_shows_an_ongoing_outage_as_text_and_drops_it_when_the_model_is_back(tmp_path):
+    from browser_support import Browser, chromium
+    from serve_support import NightWriter, Server
+
+    if chromium() is None:
+        pytest.skip("no chromium installed (.ci/run installs Debian's chromium)")
+    pytest.importorskip("websockets")
+    pytest.importorskip("uvicorn")
+    night = NightWriter(make_repo(tmp_path / "repo", FAKE_TRAIN.read_text()), "live")
+    try:
+        night.night(3)
+        # what a model's error may say is the model's text: shown as text, never as markup
+        night.event("proposer_unavailable", "llm: the model m at http://h/v1 failed (<img src=x onerror=alert(1)>)")
+        with Server(night.repo) as server, Browser(server.link) as browser:
+            browser.navigate(server.base + "/#/r/live")
+            browser.wait_for("document.querySelector('#run-head .outage') !== null", 20)
+            text = browser.evaluate("document.querySelector('#run-head .outage').textContent")
+            assert text.startswith("Unavailable: llm unavailable since ") and "<img src=x onerror=alert(1)>" in text
+            assert browser.evaluate("document.querySelectorAll('#run-head img').length") == 0
+            night.event("proposer_back", "llm: the model m at http://h/v1 answers again after 1 failed request")
+            night.trial("a proposal once the model was back", "discard", night.best["metric"] + 0.01)
+            browser.wait_for("document.querySelector('#run-head .outage') === null", 20)
+            assert browser.evaluate("document.body.dataset.jsErrors || '0'") == "0"
+    finally:
+        night.close()

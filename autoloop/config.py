@@ -100,6 +100,12 @@ class Config:
     llm_api_key_env: str = "OPENAI_API_KEY"  # the environment variable that holds the API key
     llm_timeout: float = 600.0  # seconds one request may take before it is retried
     llm_retries: int = 2  # retries of a failed or timed-out request before the chain falls through
+    # After failed requests the model is left alone for llm_retry_wait seconds, doubling up
+    # to llm_retry_max_wait (autoloop.proposers.outage); as the only source the loop waits
+    # for it up to llm_outage_wait seconds of one outage (never past --hours).
+    llm_retry_wait: float = 60.0
+    llm_retry_max_wait: float = 300.0
+    llm_outage_wait: float = 7200.0
     llm_max_repairs: int = 2  # times a rejected answer is sent back with the reason
     llm_prices: dict = field(default_factory=dict)  # $ per 1M tokens: {model: [input, output]}
     max_cost: float | None = None  # stop calling paid models once the run's proposals cost this many $
@@ -179,6 +185,9 @@ _RANGES: dict[str, tuple[float, bool, float | None, str, str]] = {
     "oom_repairs": (0, True, None, "halvings of the batch after out-of-memory", "3"),
     "llm_timeout": (0, False, None, "seconds one LLM request may take", "600"),
     "llm_retries": (0, True, None, "retries of a failed LLM request", "2"),
+    "llm_retry_wait": (0, False, None, "seconds before an unreachable model is tried again", "60"),
+    "llm_retry_max_wait": (0, False, None, "seconds between tries of an unreachable model at most", "300"),
+    "llm_outage_wait": (0, True, None, "seconds a run with only a model waits for it", "7200"),
     "llm_max_repairs": (0, True, None, "times a rejected answer is sent back", "2"),
     "max_cost": (0, True, None, "US dollars of paid proposals", "20"),
     "agent_timeout": (0, False, None, "seconds before the agent is killed", "1800"),

@@ -170,16 +170,23 @@ def check(
     time_budget: Annotated[Optional[float], typer.Option(help="Seconds of timed training per trial to plan for (300 by default).")] = None,
     max_steps: Annotated[Optional[int], typer.Option(help="Plan for this many optimizer steps per trial instead of a time budget.")] = None,
     dataset: Annotated[Optional[str], typer.Option(help="A prepared dataset name or folder; the embedded corpus by default.")] = None,
-    parts: Annotated[str, typer.Option(help="Comma-separated parts to run: overfit, lr, budget, device.")] = "overfit,lr,budget,device",
+    parts: Annotated[str, typer.Option(help="Comma-separated parts to run: overfit, lr, budget, device, and model (one request to the configured LLM endpoint, the agent command found; not run by default).")] = "overfit,lr,budget,device",
     as_json: Annotated[bool, typer.Option("--json", help="Print the whole result as JSON at the end.")] = False,
 ):
     """Check train.py before a night: overfit one batch, LR range test, budget plan, device health."""
     from autoloop.check import PARTS, run_check, store_result
 
     chosen = tuple(p.strip() for p in parts.split(",") if p.strip())
-    unknown = [p for p in chosen if p not in PARTS]
+    unknown = [p for p in chosen if p not in PARTS + ("model",)]
     if unknown:
-        raise AutoloopError(f"unknown check part {', '.join(unknown)}: use some of {', '.join(PARTS)}")
+        raise AutoloopError(f"unknown check part {', '.join(unknown)}: use some of {', '.join(PARTS + ('model',))}")
+    if "model" in chosen:  # before bed: the model the night will ask, tried as `autoloop run` tries it
+        from autoloop.proposers.base import check_models
+
+        check_models(config_for(repo, db=db), say=typer.echo)
+        chosen = tuple(p for p in chosen if p != "model")
+        if not chosen:
+            return
     config = config_for(repo, db=db)
     # The run the result is stored on is the run it plans for: its own budget, not the default.
     planned = run_settings(repo, config.db, explicit_tag(tag))

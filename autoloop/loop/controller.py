@@ -293,6 +293,7 @@ class Controller:
     def run(self) -> RunSummary:
         """Run trials until a stop condition; always leaves git on the best commit."""
         self.chain()  # a misconfigured proposer (no model, agent not installed) fails now, before the baseline
+        self.chain().check_reachable(self.say)  # so does a model server that is down (one request, nothing written)
         summary = RunSummary(tag=self.tag)
         previous = {}
         for sig in (signal.SIGINT, signal.SIGTERM):

@@ -125,6 +125,8 @@ class Loop:
         self.threaded = threaded
         self.inflight: dict[Future, tuple[object, WorkItem]] = {}
         self.pause_reason: str | None = None
+        # The outage a model-only night is waiting out (a `wait` item): a stop meanwhile names it.
+        self.waiting_for: str | None = None
 
     def run(self, summary, started: float) -> None:
         c = self.c
@@ -182,7 +184,7 @@ class Loop:
         while free:
             reason = self.stop_reason(started, summary.trials_run + len(self.inflight))
             if reason:
-                summary.stop_reason = reason
+                summary.stop_reason = f"{reason}; meanwhile {self.waiting_for}" if self.waiting_for else reason
                 return True
             if self.inflight and self._blocking():
                 return False
@@ -197,6 +199,15 @@ class Loop:
             if item.kind is Work.PAUSE:
                 self.pause_reason = item.reason
                 return True
+            self.waiting_for = item.reason if item.kind is Work.WAIT else None
+            if item.kind is Work.WAIT:
+                if self.inflight:
+                    return False  # the trials in flight end first; the scheduler is asked again then
+                reason = self.wait_for_model(item, started, summary.trials_run)
+                if reason:
+                    summary.stop_reason = reason
+                    return True
+                continue
             free.pop(0)
             self.inflight[pool.submit(c.execute, item, c.context(slot, item, lineage))] = (slot, item)
         return False
@@ -227,6 +238,16 @@ class Loop:
             left = started + cfg.hours * 3600 - time.time()
             if left < self.trial_estimate() + reserve.seconds_needed(c):  # the headline's runs come after
                 return f"--hours {cfg.hours}: the next trial could not finish in the {max(left, 0) / 60:.1f} min left"
+        return None
+
+    def wait_for_model(self, item: WorkItem, started: float, trials_run: int) -> str | None:
+        """Nothing to propose but a model that is away: sleep until its next try, looking at
+        the stops as usual (Ctrl-C, `autoloop stop`, --hours); a stop names the outage too."""
+        while time.time() < (item.wait_until or 0.0):
+            reason = self.stop_reason(started, trials_run)
+            if reason or self.c.pauses.requested():
+                return f"{reason}; meanwhile {item.reason}" if reason else None
+            time.sleep(min(WAIT_SECONDS, max(0.0, (item.wait_until or 0.0) - time.time())))
         return None
 
     def trial_estimate(self) -> float:

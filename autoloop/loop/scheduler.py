@@ -13,6 +13,12 @@ error, one `repair` of it by the proposer that made it (llm, agent); with
 `requeue_near_misses`, a discard that was within the noise of an incumbent that has since
 changed, tried once more on the new best; otherwise the proposer chain's next proposal,
 prepared while the previous trial trained (`autoloop.loop.prefetch`).
+
+A model that cannot be reached (its `outage`, autoloop.proposers.outage) is said on the
+console once when it goes and once when it is back; while it is away the other sources
+go on, and when nothing else has a proposal the loop waits for the model's next try (a
+`wait` item) for at most `llm_outage_wait` seconds of one outage, then stops with the
+outage as its reason.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from __future__ import annotations
 import enum
 import json
 import shutil
+import time
 from dataclasses import dataclass
 
 from autoloop.loop.prefetch import Prefetcher
@@ -44,6 +51,7 @@ class Work(str, enum.Enum):
     DRIFT = Kind.DRIFT.value  # the incumbent measured again: did the machine change?
     RESUME = "resume"
     PAUSE = "pause"
+    WAIT = "wait"  # nothing to propose while a model is unreachable: wait for its next try
 
 
 # Items whose answer every next trial needs (the first incumbent; is the machine broken?):
@@ -61,19 +69,21 @@ class WorkItem:
     parent: str | None = None
     derived_from: int | None = None  # the trial it continues (RESUME) or comes from (a repair, a re-base)
     resumed_kind: Kind | None = None  # RESUME: the kind of the trial it goes on with
+    wait_until: float | None = None  # WAIT: the Unix time of the model's next try
 
     @property
     def trial_kind(self) -> Kind | None:
         """The kind of the trial this item runs (None for a pause)."""
         if self.kind is Work.RESUME:
             return self.resumed_kind
-        return None if self.kind is Work.PAUSE else Kind(self.kind.value)
+        return None if self.kind in (Work.PAUSE, Work.WAIT) else Kind(self.kind.value)
 
 
 class Scheduler:
     def __init__(self, controller: TrialHost):
         self.controller = controller
         self.exhausted_reason = ""
+        self.announced: dict[str, float] = {}  # proposer -> the start of the outage the console was told of
         # Failures before this invocation do not count: after a pause the user fixes the
         # cause and resumes, and the run must not pause again on the old evidence.
         self.first_number = max((t["number"] for t in self._trials(last=1)), default=0) + 1
@@ -137,13 +147,46 @@ class Scheduler:
         if again is not None:
             return again
         proposal = self.prefetcher.next_proposal(parent)
+        away = self.announce_outages(proposal is not None)
         if proposal is None:
+            waiting = [o for o in away if o.retry_at is not None
+                       and time.time() - o.since < self.controller.config.llm_outage_wait]
+            if waiting:
+                first = min(waiting, key=lambda o: o.retry_at)
+                return WorkItem(Work.WAIT, reason=first.describe(), wait_until=first.retry_at)
+            if away:
+                self.exhausted_reason = "no more proposals: " + "; ".join(o.describe() for o in away) + (
+                    f"; check the server and resume with `autoloop run --tag {self.controller.tag}`"
+                    if any(o.retry_at is not None for o in away) else "")
+                return None
             self.exhausted_reason = (
                 f"no more proposals: the idea queue is empty and the proposers ({', '.join(self.controller.chain().names)}) "
                 "have nothing to offer; seed ideas with `autoloop seed` and run again"
             )
             return None
         return WorkItem(Work.PROPOSAL, reason=proposal.description, proposal=proposal, parent=parent)
+
+    def outages(self) -> list:
+        """The chain's sources that cannot propose now (autoloop.proposers.outage.Outage)."""
+        return [o for p in self.controller.chain().proposers if (o := getattr(p, "outage", None)) is not None]
+
+    def announce_outages(self, others_go_on: bool) -> list:
+        """One console line when a source goes away and one when it is back; the outages now."""
+        away = self.outages()
+        for outage in away:
+            if self.announced.get(outage.proposer) != outage.since:
+                self.announced[outage.proposer] = outage.since
+                if outage.retry_at is None:
+                    self.controller.say(f"{outage.proposer} will not be asked again in this run: {outage.describe()}",
+                                        "yellow")
+                    continue
+                meanwhile = "the other sources go on meanwhile" if others_go_on else "nothing else to propose: waiting"
+                self.controller.say(f"{outage.proposer} unavailable: {outage.describe()}; trying again in "
+                                    f"{outage.retry_in():.0f} s ({meanwhile})", "yellow")
+        for name in set(self.announced) - {o.proposer for o in away}:
+            del self.announced[name]
+            self.controller.say(f"{name} is back: its requests are answered again", "green")
+        return away
 
     def observe(self, trial: dict) -> None:
         """Hook for schedulers that learn from results; the state lives in the db."""

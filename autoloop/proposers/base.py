@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
@@ -12,7 +13,12 @@ from autoloop.proposers.proposal import Proposal
 
 
 class ProposerUnavailable(Exception):
-    """The proposer cannot propose right now (API down, tool missing); try the next one."""
+    """The proposer cannot propose right now (API down, tool missing); try the next one.
+    `quiet`: a skip, not a failure (still cooling down after one), so no event is written."""
+
+    def __init__(self, message: str, *, quiet: bool = False):
+        super().__init__(message)
+        self.quiet = quiet
 
 
 @dataclass
@@ -46,12 +52,23 @@ class ProposerChain:
     def names(self) -> list[str]:
         return [p.name for p in self.proposers]
 
+    def check_reachable(self, say=None) -> None:
+        """Before the night: each proposer that talks to a server (the llm) tries it once,
+        raising AutoloopError in one line if it cannot be reached (autoloop.proposers.llm)."""
+        for proposer in self.proposers:
+            check = getattr(proposer, "check_reachable", None)
+            if check is not None:
+                line = check()
+                if line and say is not None:
+                    say(line)
+
     def propose(self, ctx: ProposalContext) -> Proposal | None:
         for proposer in self.proposers:
             try:
                 proposal = proposer.propose(ctx)
             except ProposerUnavailable as exc:
-                ctx.store.add_event(ctx.run["id"], "proposer_unavailable", f"{proposer.name}: {exc}")
+                if not exc.quiet:
+                    ctx.store.add_event(ctx.run["id"], "proposer_unavailable", f"{proposer.name}: {exc}")
                 continue
             if proposal is not None:
                 proposal.source = proposal.source if proposal.source != "unknown" else proposer.name
@@ -94,3 +111,16 @@ def build_chain(config: Config) -> ProposerChain:
         module, _, attr = target.partition(":")
         proposers.append(getattr(importlib.import_module(module), attr)(config))
     return ProposerChain(proposers)
+
+
+def check_models(config: Config, say: Callable[[str], None]) -> None:
+    """`autoloop check --parts model`: the configured model and agent tried as `autoloop run`
+    tries them before the baseline; AutoloopError in one line when one cannot be reached."""
+    names = [n for n in resolve_names(config) if n in ("llm", "agent")]
+    if not names:
+        raise AutoloopError("no model or agent is configured: set llm-model (AUTOLOOP_LLM_MODEL, with llm-base-url "
+                            "for a local server) or agent-command (AUTOLOOP_AGENT_COMMAND)")
+    chain = build_chain(dataclasses.replace(config, proposers=names))  # an agent command not found fails here
+    chain.check_reachable(say)
+    if "agent" in names:
+        say(f"agent: the command {config.agent_command!r} is installed")

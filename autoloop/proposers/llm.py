@@ -20,8 +20,15 @@ One proposal:
    `invalid` trial and commits nothing.
 4. A request that fails or times out is retried by the SDK (`llm_retries`, with its
    exponential back-off); then the proposer raises `ProposerUnavailable` so the chain
-   falls through, gives the idea back, and cools down (1 min, doubling to 30 min) so a
-   dead server does not cost every later proposal the full retry cycle.
+   falls through, gives the idea back, and is left alone for `llm_retry_wait` seconds,
+   doubling up to `llm_retry_max_wait` (autoloop.proposers.outage), so a dead server does
+   not cost every later proposal the full retry cycle. `outage` says so to the scheduler
+   (the console line, the wait of a model-only night, the stop reason); the first answer
+   after failures is a `proposer_back` event.
+
+Before the night (`check_reachable`) one cheap request, the models listing, with a short
+timeout: a server that is down, refuses the key or answers an error stops the run in one
+line before the baseline, instead of a night that silently falls back or ends.
 
 Accounting: each call's tokens, latency and cost travel in `meta["calls"]` and are
 written to the `proposals` table by the controller with the trial's id; failed calls are
@@ -48,9 +55,13 @@ from autoloop.proposers.proposal import Edit, InvalidProposal, Proposal, materia
 from autoloop.proposers import brief
 from autoloop.proposers.answer import parse_answer, resolve_searches
 from autoloop.proposers.base import ProposerUnavailable
+from autoloop.proposers.outage import BACK, Outage, backoff_seconds, clock
 
-COOLDOWN_SECONDS = 60.0
-MAX_COOLDOWN_SECONDS = 1800.0
+# The check before the night: long enough for a loaded local server to list its models,
+# short enough that a wrong URL is said at once.
+REACH_TIMEOUT_SECONDS = 10.0
+# A server that answers these for the listing is up but does not list models: fine.
+_NO_LISTING = (404, 405, 501)
 
 ANSWER_FORMAT = """\
 # Your answer
@@ -126,6 +137,10 @@ class LLMProposer:
         self._spent: dict[int, float] = {}  # run id -> $ spent (known costs only)
         self._failures = 0
         self._cool_until = 0.0
+        self._down_since: float | None = None  # Unix time of the first failure in a row
+        self._last_error = ""
+        self._exhausted: str | None = None  # max-cost reached: not again in this run
+        self._exhausted_at = 0.0
         self._warned_program = False
 
     # ------------------------------------------------------------------ the API
@@ -162,15 +177,66 @@ class LLMProposer:
                 self._spent[run_id] = float(row[0] or 0.0)
             return self._spent[run_id]
 
+    @property
+    def where(self) -> str:
+        return f"the model {self.model} at {self.base_url or 'the OpenAI API'}"
+
+    @property
+    def outage(self) -> Outage | None:
+        """Why this proposer cannot propose now (None: it can)."""
+        with self._lock:
+            if self._exhausted is not None:
+                return Outage(self.name, self.where, self._exhausted_at, self._exhausted, self._failures, None)
+            if self._down_since is None:
+                return None
+            retry_at = time.time() + max(0.0, self._cool_until - time.monotonic())
+            return Outage(self.name, self.where, self._down_since, self._last_error, self._failures, retry_at)
+
+    def check_reachable(self) -> str:
+        """One cheap request (the models listing): the line to say when the server answers;
+        AutoloopError in one line (the URL, the error, the fix) when it does not."""
+        import openai
+
+        client = openai.OpenAI(api_key=self._key or "unused", base_url=self.base_url,
+                               timeout=min(self.config.llm_timeout, REACH_TIMEOUT_SECONDS), max_retries=1)
+        try:
+            served = [m.id for m in client.models.list()]
+        except openai.APIStatusError as exc:
+            if exc.status_code in _NO_LISTING:
+                return f"llm: {self.where} answers (it lists no models)"
+            raise self._unreachable(exc) from None
+        except openai.OpenAIError as exc:
+            raise self._unreachable(exc) from None
+        if served and self.model not in served:
+            shown = ", ".join(served[:8]) + (", ..." if len(served) > 8 else "")
+            return (f"llm: warning: {self.where} answers but does not list {self.model!r} (it lists {shown}): "
+                    "if its requests fail, set llm-model to one of these")
+        return f"llm: {self.where} answers"
+
+    def _unreachable(self, exc: Exception) -> AutoloopError:
+        import openai
+
+        error = self._redact(f"{type(exc).__name__}: {exc}")[:300]
+        if isinstance(exc, (openai.AuthenticationError, openai.PermissionDeniedError)):
+            fix = f"check the key in ${self.config.llm_api_key_env} (llm-api-key-env)"
+        else:
+            fix = "check that the server is up and that --llm-base-url (llm-base-url) points at it"
+        return AutoloopError(f"{self.where} cannot be reached ({error}): {fix}, or drop llm from --proposers; "
+                             "nothing was run")
+
     def _check_available(self, ctx) -> None:
         if time.monotonic() < self._cool_until:
             raise ProposerUnavailable(
-                f"{self.model}: cooling down for {self._cool_until - time.monotonic():.0f} s after failed requests"
+                f"{self.model}: cooling down for {self._cool_until - time.monotonic():.0f} s after failed requests",
+                quiet=True,
             )
         if self.config.max_cost is not None:
             spent = self._spent_so_far(ctx)
             if spent >= self.config.max_cost:
-                raise ProposerUnavailable(f"{self.model}: spent ${spent:.2f} of max-cost ${self.config.max_cost:.2f}")
+                with self._lock:
+                    self._exhausted_at = self._exhausted_at or time.time()
+                    self._exhausted = f"spent ${spent:.2f} of max-cost ${self.config.max_cost:.2f}"
+                raise ProposerUnavailable(f"{self.model}: {self._exhausted}")
 
     def call(self, ctx, messages: list[dict]) -> tuple[str, dict]:
         """One chat completion: (answer text, accounting for the proposals table)."""
@@ -185,8 +251,10 @@ class LLMProposer:
             error = self._redact(f"{type(exc).__name__}: {exc}")[:500]
             with self._lock:
                 self._failures += 1
-                pause = min(COOLDOWN_SECONDS * 2 ** (self._failures - 1), MAX_COOLDOWN_SECONDS)
+                pause = backoff_seconds(self._failures, self.config.llm_retry_wait, self.config.llm_retry_max_wait)
                 self._cool_until = time.monotonic() + pause
+                self._down_since = self._down_since or time.time()
+                self._last_error = error
             ctx.store.add_proposal_record(run_id=ctx.run["id"], proposer=self.name, model=self.model,
                                           latency_seconds=latency, error=error)
             where = self.base_url or "the OpenAI API"
@@ -196,7 +264,10 @@ class LLMProposer:
             ) from None
         latency = time.monotonic() - started
         with self._lock:
-            self._failures = 0
+            failures, since, self._failures, self._down_since = self._failures, self._down_since, 0, None
+        if failures:
+            ctx.store.add_event(ctx.run["id"], BACK, f"{self.name}: {self.where} answers again after {failures} "
+                                                    f"failed request{'s' * (failures != 1)} (since {clock(since)})")
         usage = getattr(response, "usage", None)
         prompt_tokens = getattr(usage, "prompt_tokens", None)
         completion_tokens = getattr(usage, "completion_tokens", None)

@@ -567,6 +567,7 @@ def run_status(store, run: dict, repo: Path) -> dict:
             counts_of = workers.setdefault(t["worker"], {})
             counts_of[t["status"]] = counts_of.get(t["status"], 0) + 1
     info["workers"] = workers
+    info["outages"] = outage_info(store, run)[-SHOWN_OUTAGES:]
     return info
 
 
@@ -586,6 +587,19 @@ def remeasuring(store, run: dict, best: dict | None) -> dict | None:
                   (best["id"], ROLE))[0]["n"]
     most = (run.get("config") or {}).get("reserve_seeds")
     return {"trial": best["number"], "done": done, "of": size(store, run["id"], 4 if most is None else int(most))}
+
+
+SHOWN_OUTAGES = 3
+
+
+def outage_info(store, run: dict) -> list[dict]:
+    """The run's outages of a model or agent, oldest first, each with its one `line`
+    (autoloop.proposers.outage): what `status`, the report and the page say of them."""
+    from autoloop.proposers.outage import BACK, UNAVAILABLE, describe_outage, outages
+
+    rows = select(store, "SELECT kind, message, created_at FROM events WHERE run_id = ? AND kind IN (?, ?) ORDER BY id",
+                  (run["id"], UNAVAILABLE, BACK))
+    return [{**o, "line": describe_outage(o)} for o in outages(rows)]
 
 
 def _running_info(t: dict, budget, max_steps=None) -> dict:

@@ -39,7 +39,7 @@ from autoloop.review.charts import curves_svg, point_groups, progress_svg
 from autoloop.decide.figures import change_text, percent_text
 from autoloop.review.queries import (
     CRASHED, baseline_trial, best_trial, common_reasons, discarded_trials, headline, idea_outcomes, kept_trials,
-    latest_ablations, noise_info, progress_points, require_trials, select, trial_delta,
+    latest_ablations, noise_info, outage_info, progress_points, require_trials, select, trial_delta,
 )
 from autoloop.review.text import describe_noise
 from autoloop.store import Kind, Status, utcnow
@@ -92,6 +92,7 @@ def report_data(store, run: dict) -> dict:
                                         "trials t ON t.id = e.trial_id WHERE e.run_id = ? AND e.kind = 'confounded' "
                                         "ORDER BY e.id", (run["id"],))
     ablations = latest_ablations(store, run)
+    outages = outage_info(store, run)
     discarded, n_discarded = discarded_trials(store, run, MAX_TABLE_ROWS)
     return {
         "noise": noise, "ablations": ablations, "gain": gain_claim(head, ablations, kept),
@@ -101,7 +102,7 @@ def report_data(store, run: dict) -> dict:
         "invalid_reasons": common_reasons(store, run, (Status.INVALID.value,)),
         "ideas": idea_outcomes(store, run), "running": running, "curves": curves,
         "flags": flagged_trials(store, run), "workers": worker_counts(store, run),
-        "tree": experiment_tree(store, run), "generated_at": utcnow(),
+        "tree": experiment_tree(store, run), "generated_at": utcnow(), "outages": outages,
     }
 
 
@@ -211,6 +212,10 @@ def render_html(data: dict) -> str:
         numbers = ", ".join(str(t["number"]) for t in data["running"])
         add(f"<p class=\"banner\" id=\"snapshot\">The run is still going (trial {_e(numbers)} running): "
             f"this report is a snapshot.</p>")
+    if data.get("outages"):
+        # A model that could not be reached explains a night of search-only or few trials.
+        items = "".join(f"<li>{_e(o['line'])}</li>" for o in data["outages"])
+        add(f"<div class=\"banner\" id=\"outages\"><p>Proposers that could not be reached:</p><ul>{items}</ul></div>")
 
     # -- headline: its counts are the chart's groups (charts.point_groups)
     base, best = head["baseline_metric"], head["best_metric"]

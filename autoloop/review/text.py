@@ -395,6 +395,7 @@ def format_status(info: dict) -> str:
             lines.append(pair_text(info["change"]))
     if info.get("overfitting"):
         lines.append(info["overfitting"])
+    lines.extend(f"proposer: {o['line']}" for o in info.get("outages") or ())
     lines.extend(format_noise(info))
     held = info.get("controller")
     if held:

@@ -159,8 +159,8 @@ def summary(store, run: dict, controller: dict | None = None) -> dict:
     best's interval against the incumbent it replaced), the counts, trials per hour, the
     measured noise, the status and pause reason."""
     from autoloop.decide.effects import comparison_text, format_estimate, trial_effect
-    from autoloop.review.queries import best_summary, best_trial, headline, noise_info
     from autoloop.decide.figures import change_text, percent_text
+    from autoloop.review.queries import best_summary, best_trial, headline, noise_info, outage_info
     from autoloop.review.text import describe_noise, format_best
 
     run = store.get_run(run["tag"]) or run  # the status and pause reason as they are now
@@ -188,6 +188,8 @@ def summary(store, run: dict, controller: dict | None = None) -> dict:
         "change_percent": percent_text(head["change"]["relative"]) if head.get("change") else None,
         "change_text": change_text(head["change"]["delta"]).split(" (")[0] if head.get("change") else None,
         "change_source": head["change"]["source"] if head.get("change") else None,
+        # a model or agent away right now: the banner that says why the night looks as it does
+        "outages": [o["line"] for o in outage_info(store, run) if o["until"] is None],
     }
     if best:
         out["best"] = {k: v for k, v in best.items() if k != "checkpoint_path"}

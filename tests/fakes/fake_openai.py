@@ -10,6 +10,11 @@ of the script (the last one repeats when the script runs out):
   gives up first);
 * a callable: called with the request's JSON body, returns one of the above.
 
+GET /v1/models lists `models` (default: the one model), or answers `Error(status)` when
+`models` is one; the listings asked for are counted in `listings`. `port` binds a given
+port: a server stopped and started again on the same port is a model server that went
+down and came back.
+
 Every request's JSON body is kept in `requests` and its headers (lower-cased names) in
 `headers`, for assertions.
 """
@@ -36,9 +41,11 @@ class Slow:
 
 
 class FakeOpenAI:
-    def __init__(self, script=None, model: str = "fake-model"):
+    def __init__(self, script=None, model: str = "fake-model", models=None, port: int = 0):
         self.script = list(script or [])
         self.model = model
+        self.models = [model] if models is None else models
+        self.listings = 0
         self.requests: list[dict] = []
         self.headers: list[dict] = []
         self._lock = threading.Lock()
@@ -50,6 +57,18 @@ class FakeOpenAI:
 
             def log_message(self, *args):  # keep test output clean
                 pass
+
+            def do_GET(self):
+                if not self.path.rstrip("/").endswith("/models"):
+                    self._send(404, {"error": {"message": f"no route {self.path}"}})
+                    return
+                with fake._lock:
+                    fake.listings += 1
+                if isinstance(fake.models, Error):
+                    self._send(fake.models.status, {"error": {"message": fake.models.message, "type": "server_error"}})
+                    return
+                self._send(200, {"object": "list", "data": [
+                    {"id": name, "object": "model", "created": 0, "owned_by": "fake"} for name in fake.models]})
 
             def do_POST(self):
                 length = int(self.headers.get("Content-Length") or 0)
@@ -93,7 +112,7 @@ class FakeOpenAI:
                 except (BrokenPipeError, ConnectionResetError):
                     pass  # the client timed out and left
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
         self.server.daemon_threads = True
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
 

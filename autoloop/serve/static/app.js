@@ -393,7 +393,8 @@
         controller ? " · controller pid " + controller.pid + " runs '" + (controller.tag || "?") + "'" : " · no controller running in this project",
         summary.host ? " · host " + summary.host : "", summary.gpu ? " · " + summary.gpu : ""),
       status === "paused" ? h("div", { class: "banner bad", id: "pause" }, "Paused: ", summary.pause_reason || "") : null,
-      summary.stop_requested ? h("div", { class: "banner" }, "Stop requested: the run stops after its current trial.") : null);
+      summary.stop_requested ? h("div", { class: "banner" }, "Stop requested: the run stops after its current trial.") : null,
+      ...(summary.outages || []).map((line) => h("div", { class: "banner bad outage" }, "Unavailable: ", line)));
     const cards = [];
     if (best) {
       // One pair, signed as every command signs it (autoloop/review/figures.py): re-measured where it was.

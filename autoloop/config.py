@@ -103,9 +103,9 @@ class Config:
     # After failed requests the model is left alone for llm_retry_wait seconds, doubling up
     # to llm_retry_max_wait (autoloop.proposers.outage); as the only source the loop waits
     # for it up to llm_outage_wait seconds of one outage (never past --hours).
-    llm_retry_wait: float = 60.0
-    llm_retry_max_wait: float = 300.0
-    llm_outage_wait: float = 7200.0
+    llm_retry_wait: float = 60.0  # seconds before an unreachable model is tried again (doubling each time)
+    llm_retry_max_wait: float = 300.0  # the longest wait between tries of an unreachable model
+    llm_outage_wait: float = 7200.0  # seconds a run whose only source is a model waits out one outage
     llm_max_repairs: int = 2  # times a rejected answer is sent back with the reason
     llm_prices: dict = field(default_factory=dict)  # $ per 1M tokens: {model: [input, output]}
     max_cost: float | None = None  # stop calling paid models once the run's proposals cost this many $

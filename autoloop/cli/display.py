@@ -1,10 +1,20 @@
 """Live progress of a run on the terminal (rich): the current trial, its step and loss,
-time left, and the best so far. Reads the trial's progress file, like `autoloop status`.
+tokens/s, time left, and the best so far. Reads the trial's progress file, like
+`autoloop status`.
 
 A trial of several runs prints one line per run, each saying which run it is: the seed,
 and whose code trains (the candidate, the baseline, or the incumbent re-measured for the
 candidate). A header given with `later()` is printed only once something else is, so a
-run that fails before it starts prints its one-line error alone."""
+run that fails before it starts prints its one-line error alone.
+
+On a terminal the running trial's figures are one live status line. Anywhere else (a
+pipe, `nohup autoloop run > night.log`) they are plain lines, at most one every
+`PLAIN_EVERY` seconds so that a night's log stays readable, and nothing is wrapped at 80
+columns: a line of the log is a line of the run. The figures are train.py's own progress
+records, read as untrusted data (`autoloop.trust.untrusted.progress_record`: a bounded
+line, finite numbers of a sane size, nothing evaluated), and every line printed passes
+through `strip_controls`.
+"""
 
 from __future__ import annotations
 
@@ -12,23 +22,69 @@ import time
 from pathlib import Path
 
 from rich.console import Console
+from rich.text import Text
 
 from autoloop.review.queries import last_progress
 from autoloop.review.text import format_metric, run_words
 
 _STYLE = {"keep": "bold green", "discard": "dim", "crash": "red", "timeout": "red", "invalid": "magenta",
           "interrupted": "yellow"}
+PLAIN_EVERY = 10.0  # seconds between two plain progress lines: ~30 lines for a 5-minute run
+
+
+def _duration(seconds: float) -> str:
+    seconds = max(seconds, 0.0)
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def progress_words(record: dict, *, max_steps: int | None, time_budget: float | None) -> list[str]:
+    """A progress record (already validated: numbers only) as 'step 40/120', 'loss 3.5123',
+    '1,234 tok/s', '80 steps left (~35 s)' or '4.1 min left': what is known of them.
+
+    Time left is read from train.py's own clock (its training seconds), so it is the
+    training still to do, not counting the evaluation after it."""
+    words = []
+    step = record.get("step")
+    trained = record.get("training_seconds")
+    if step is not None:
+        words.append(f"step {step}/{max_steps}" if max_steps else f"step {step}")
+    if record.get("loss") is not None:
+        words.append(f"loss {record['loss']:.4f}")
+    if record.get("tokens_per_second") is not None:
+        words.append(f"{record['tokens_per_second']:,.0f} tok/s")
+    if max_steps and step is not None:
+        steps_left = max(max_steps - step, 0)
+        estimate = ""
+        if trained is not None and step > 0 and trained > 0:
+            estimate = f" (~{_duration(steps_left * trained / step)})"
+        words.append(f"{steps_left} steps left{estimate}")
+    elif record.get("seconds_left") is not None:
+        words.append(f"{_duration(record['seconds_left'])} left")
+    elif time_budget and trained is not None:
+        words.append(f"{_duration(time_budget - trained)} left")
+    return words
 
 
 class Display:
-    def __init__(self, console: Console | None = None):
+    def __init__(self, console: Console | None = None, *, plain_every: float | None = None):
         self.console = console or Console()
+        if not self.console.is_terminal:
+            self.console.soft_wrap = True  # a pipe or a log file: a line of the run is one line, never cut at 80
+        self.plain_every = PLAIN_EVERY if plain_every is None else plain_every
         self._status = None
         self._trial = None
         self._best = None
         self._budget = None
+        self._max_steps = None
+        self._time_budget = None
         self._started = 0.0
         self._last_poll = 0.0
+        self._last_plain = None  # when the last plain progress line was printed (None: not yet this run)
+        self._last_step = None
         self._later: list[tuple[str, str | None]] = []
 
     def later(self, message: str, style: str | None = None) -> None:
@@ -47,30 +103,44 @@ class Display:
     def trial_started(self, trial: dict, best: float | None, config, *, seed: int | None = None,
                       role: str | None = None, owner: dict | None = None) -> None:
         self._trial, self._best, self._started = trial, best, time.monotonic()
+        self._max_steps = config.max_steps or None
+        self._time_budget = None if config.max_steps else config.time_budget
         self._budget = f"{config.max_steps} steps" if config.max_steps else f"{config.time_budget:.0f}s"
+        self._last_plain, self._last_step = None, None
         self.say(f"trial {trial['number']} [{trial['kind']}] {trial.get('description') or ''}"
                  + run_words(trial, seed, role, owner), "bold")
         if self.console.is_terminal:
             self._status = self.console.status(self._line(None))
             self._status.start()
 
-    def _line(self, progress: dict | None) -> str:
+    def _words(self, progress: dict | None) -> list[str]:
+        if not progress:
+            return []
+        return progress_words(progress, max_steps=self._max_steps, time_budget=self._time_budget)
+
+    def _line(self, progress: dict | None) -> Text:
         elapsed = time.monotonic() - self._started
         parts = [f"trial {self._trial['number']}", f"{elapsed:.0f}s elapsed", f"budget {self._budget}"]
-        if progress:
-            parts.append(f"step {progress.get('step')}")
-            if progress.get("loss") is not None:
-                parts.append(f"loss {progress['loss']:.4f}")
-            if progress.get("seconds_left") is not None:
-                parts.append(f"{progress['seconds_left']:.0f}s left")
+        parts.extend(self._words(progress))
         parts.append(f"best {format_metric(self._best)}")
-        return " | ".join(parts)
+        return Text(" | ".join(parts))  # a Text, not a str: nothing in it is read as rich markup
 
     def poll(self, progress_path: Path) -> None:
-        if self._status is None or time.monotonic() - self._last_poll < 1.0:
+        if self._trial is None or time.monotonic() - self._last_poll < 1.0:
             return
         self._last_poll = time.monotonic()
-        self._status.update(self._line(last_progress(progress_path)))
+        if self._status is not None:
+            self._status.update(self._line(last_progress(progress_path)))
+            return
+        if self._last_plain is not None and time.monotonic() - self._last_plain < self.plain_every:
+            return
+        progress = last_progress(progress_path)
+        words = self._words(progress)
+        if not words or progress.get("step") == self._last_step:
+            return
+        self._last_plain, self._last_step = time.monotonic(), progress.get("step")
+        elapsed = time.monotonic() - self._started
+        self.say(f"  trial {self._trial['number']}: " + " | ".join(words) + f" | {elapsed:.0f} s elapsed")
 
     def trial_finished(self, trial: dict) -> None:
         if self._status is not None:

@@ -124,8 +124,23 @@ def run(
             from autoloop.loop.reserve import describe
 
             display.say(f"reported: {describe(summary.headline)}", "green")
+    if summary.trials_run and not summary.paused:
+        nothing = _nothing_kept_after_run(repo, config.db, config.tag)
+        if nothing:  # the README's next steps (ablate, finalize) would only say this again
+            display.say(nothing, "yellow")
     if summary.paused:
         raise typer.Exit(3)
+
+
+def _nothing_kept_after_run(repo: Path, db: str, tag: str) -> str | None:
+    from autoloop.review.nothing_kept import nothing_kept_line
+
+    store = open_store(repo, db)
+    try:
+        run_row = store.get_run(tag)
+        return nothing_kept_line(store, run_row, "nothing to ablate or finalize") if run_row else None
+    finally:
+        store.close()
 
 
 @app.command()

@@ -70,13 +70,3 @@ def test_a_run_that_kept_a_change_gets_no_such_line(fake_repo, one_run_per_trial
     assert best.exit_code == 0 and "kept no change" not in best.output and "`autoloop finalize`" in best.output
     finalize = cli(fake_repo, "finalize", "--tag", "up", "--no-remeasure")
     assert finalize.exit_code == 0 and finalize.output.startswith("branch final/up at "), finalize.output
-
-
-@pytest.mark.slow
-def test_a_run_that_only_ran_its_baseline_says_it_tried_nothing(fake_repo, one_run_per_trial):
-    result = cli(fake_repo, "run", "--tag", "b", "--no-verify", "--max-trials", "1", "--time-budget", "5")
-    assert result.exit_code == 0, result.output
-    line = cli(fake_repo, "finalize", "--tag", "b").output.strip()
-    assert line == ("run 'b' tried no change yet (only its baseline ran), so there is nothing to finalize (no branch "
-                    "was made): `autoloop run --tag b --max-trials 10` resumes it with more trials, and `autoloop seed` "
-                    "queues your own ideas first")

@@ -129,3 +129,33 @@ def test_a_progress_line_is_data_its_figures_checked(line, shown):
     from autoloop.trust.untrusted import progress_record
 
     assert progress_words(progress_record(line) or {}, max_steps=10, time_budget=None) == shown
+
+
+def test_several_workers_each_get_plain_lines_named_by_worker_and_trial(tmp_path):
+    """With several trials training at once (`--workers`), each trial's figures come as its
+    own plain lines, naming the worker and the trial, each throttled on its own."""
+    import json
+    from types import SimpleNamespace
+
+    from autoloop.loop.run import SharedDisplay
+
+    buffer = io.StringIO()
+    shared = SharedDisplay(Display(Console(file=buffer, width=80), plain_every=60.0))
+    config = SimpleNamespace(max_steps=STEPS, time_budget=300.0)
+    trials = [{"id": 10 + n, "number": n, "kind": "proposal", "description": f"idea {n}", "worker": f"gpu{n}"}
+              for n in (2, 3)]
+    paths = {t["id"]: tmp_path / f"progress-{t['number']}.jsonl" for t in trials}
+    for trial in trials:
+        shared.trial_started(trial, None, config, seed=1337, role="candidate")
+    for step in (5, 6):
+        for trial in trials:
+            with paths[trial["id"]].open("a") as handle:
+                handle.write(json.dumps({"step": step + trial["number"], "loss": 2.0, "training_seconds": 1.0,
+                                         "tokens_per_second": 1234.4}) + "\n")
+            shared.poll(paths[trial["id"]], trial)
+    shared.poll(paths[10 + 2], None)  # a caller that does not say which trial: nothing to name, nothing printed
+    lines = [line for line in buffer.getvalue().splitlines() if "tok/s" in line]
+    assert [re.sub(r" \| \d+ s elapsed$", "", line) for line in lines] == [
+        f"  [gpu2] trial 2: step 7/{STEPS} | loss 2.0000 | 1,234 tok/s | {STEPS - 7} steps left (~5 s)",
+        f"  [gpu3] trial 3: step 8/{STEPS} | loss 2.0000 | 1,234 tok/s | {STEPS - 8} steps left (~4 s)",
+    ]

@@ -69,6 +69,37 @@ def progress_words(record: dict, *, max_steps: int | None, time_budget: float | 
     return words
 
 
+class PlainProgress:
+    """One run's plain progress lines: at most one every `every` seconds, never the same
+    step twice. `line()` reads the run's progress file (autoloop.trust.untrusted) and
+    returns the line to print now, or None."""
+
+    def __init__(self, label: str, config, every: float):
+        self.label = label
+        self.max_steps = config.max_steps or None
+        self.time_budget = None if config.max_steps else config.time_budget
+        self.every = every
+        self.started = time.monotonic()
+        self._last_line: float | None = None
+        self._last_step = None
+
+    def words(self, progress: dict | None) -> list[str]:
+        if not progress:
+            return []
+        return progress_words(progress, max_steps=self.max_steps, time_budget=self.time_budget)
+
+    def line(self, progress_path: Path) -> str | None:
+        now = time.monotonic()
+        if self._last_line is not None and now - self._last_line < self.every:
+            return None
+        progress = last_progress(progress_path)
+        words = self.words(progress)
+        if not words or progress.get("step") == self._last_step:
+            return None
+        self._last_line, self._last_step = now, progress.get("step")
+        return f"  {self.label}: " + " | ".join(words) + f" | {now - self.started:.0f} s elapsed"
+
+
 class Display:
     def __init__(self, console: Console | None = None, *, plain_every: float | None = None):
         self.console = console or Console()
@@ -79,12 +110,9 @@ class Display:
         self._trial = None
         self._best = None
         self._budget = None
-        self._max_steps = None
-        self._time_budget = None
+        self._plain: PlainProgress | None = None  # the running run's figures
         self._started = 0.0
         self._last_poll = 0.0
-        self._last_plain = None  # when the last plain progress line was printed (None: not yet this run)
-        self._last_step = None
         self._later: list[tuple[str, str | None]] = []
 
     def later(self, message: str, style: str | None = None) -> None:
@@ -103,44 +131,33 @@ class Display:
     def trial_started(self, trial: dict, best: float | None, config, *, seed: int | None = None,
                       role: str | None = None, owner: dict | None = None) -> None:
         self._trial, self._best, self._started = trial, best, time.monotonic()
-        self._max_steps = config.max_steps or None
-        self._time_budget = None if config.max_steps else config.time_budget
+        self._plain = PlainProgress(f"trial {trial['number']}", config, self.plain_every)
         self._budget = f"{config.max_steps} steps" if config.max_steps else f"{config.time_budget:.0f}s"
-        self._last_plain, self._last_step = None, None
         self.say(f"trial {trial['number']} [{trial['kind']}] {trial.get('description') or ''}"
                  + run_words(trial, seed, role, owner), "bold")
         if self.console.is_terminal:
             self._status = self.console.status(self._line(None))
             self._status.start()
 
-    def _words(self, progress: dict | None) -> list[str]:
-        if not progress:
-            return []
-        return progress_words(progress, max_steps=self._max_steps, time_budget=self._time_budget)
-
     def _line(self, progress: dict | None) -> Text:
         elapsed = time.monotonic() - self._started
         parts = [f"trial {self._trial['number']}", f"{elapsed:.0f}s elapsed", f"budget {self._budget}"]
-        parts.extend(self._words(progress))
+        parts.extend(self._plain.words(progress))
         parts.append(f"best {format_metric(self._best)}")
         return Text(" | ".join(parts))  # a Text, not a str: nothing in it is read as rich markup
 
-    def poll(self, progress_path: Path) -> None:
-        if self._trial is None or time.monotonic() - self._last_poll < 1.0:
+    def poll(self, progress_path: Path, trial: dict | None = None) -> None:
+        """Show the running run's progress (`trial`: which one, for a console shared by
+        several; one run at a time here)."""
+        if self._plain is None or time.monotonic() - self._last_poll < 1.0:
             return
         self._last_poll = time.monotonic()
         if self._status is not None:
             self._status.update(self._line(last_progress(progress_path)))
             return
-        if self._last_plain is not None and time.monotonic() - self._last_plain < self.plain_every:
-            return
-        progress = last_progress(progress_path)
-        words = self._words(progress)
-        if not words or progress.get("step") == self._last_step:
-            return
-        self._last_plain, self._last_step = time.monotonic(), progress.get("step")
-        elapsed = time.monotonic() - self._started
-        self.say(f"  trial {self._trial['number']}: " + " | ".join(words) + f" | {elapsed:.0f} s elapsed")
+        line = self._plain.line(progress_path)
+        if line is not None:
+            self.say(line)
 
     def trial_finished(self, trial: dict) -> None:
         if self._status is not None:

@@ -308,12 +308,14 @@ def test_ablate_says_in_one_line_when_there_is_nothing_to_ablate(fake_repo):
     from autoloop.loop.controller import Controller
 
     Controller(resolve(fake_repo, {"tag": "b", "max_trials": 1, "time_budget": 5}), fake_repo, verifier=None).run()
-    for args, message in (
-        (["--seeds", "3"], "error: run 'b' kept no change over its baseline: there is nothing to ablate"),
-        (["--seeds", "0"], "error: --seeds 0 measures nothing: give 1 or more (3 by default)"),
+    for args, message, status in (
+        (["--seeds", "3"], "run 'b' tried no change yet (only its baseline ran), so there is nothing to ablate: "
+                           "`autoloop run --tag b --max-trials 10` resumes it with more trials, and `autoloop seed` "
+                           "queues your own ideas first", 0),  # an answer, not an error (tests/test_nothing_kept.py)
+        (["--seeds", "0"], "error: --seeds 0 measures nothing: give 1 or more (3 by default)", 1),
     ):
         result = runner.invoke(app, ["ablate", "--tag", "b", *args, "--repo", str(fake_repo)])
-        assert result.exit_code == 1 and result.output.strip() == message, result.output
+        assert result.exit_code == status and result.output.strip() == message, result.output
     assert [t["kind"] for t in trials(fake_repo)] == ["baseline"]  # nothing was recorded
     assert git(fake_repo, "status", "--porcelain") == ""
     from autoloop.store import Store

@@ -112,6 +112,10 @@ def run(
     summary = Controller(config, repo, display=display).run()
     for text, style in end_lines(summary, config.tag):
         display.say(text, style)
+    if summary.trials_run and not summary.paused:
+        nothing = _nothing_kept_after_run(repo, config.db, config.tag)
+        if nothing:  # the README's next steps (ablate, finalize) would only say this again
+            display.say(nothing, "yellow")
     if summary.paused:
         raise typer.Exit(3)
 
@@ -131,6 +135,17 @@ def end_lines(summary, tag: str) -> list[tuple[str, str | None]]:
     if pair is not None:
         lines.append((f"{pair_text(pair)}; best at {(summary.best_commit or '')[:12]} (branch autoloop/{tag})", "green"))
     return lines
+
+
+def _nothing_kept_after_run(repo: Path, db: str, tag: str) -> str | None:
+    from autoloop.review.nothing_kept import nothing_kept_line
+
+    store = open_store(repo, db)
+    try:
+        run_row = store.get_run(tag)
+        return nothing_kept_line(store, run_row, "nothing to ablate or finalize") if run_row else None
+    finally:
+        store.close()
 
 
 @app.command()

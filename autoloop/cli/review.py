@@ -18,6 +18,7 @@ from typing import Annotated, Optional
 import typer
 
 from autoloop.cli.common import echo, open_store, pick_run
+from autoloop.errors import AutoloopError
 
 RepoOpt = Annotated[Path, typer.Option("--repo", help="The git repository that holds train.py; the current folder by default.")]
 DbOpt = Annotated[Optional[str], typer.Option("--db", help="The trial database, relative to the repository; experiments.db by default.")]
@@ -38,6 +39,14 @@ def _headline(repo: Path, db: str | None, tag: str | None, remeasure: bool) -> s
     with _Session(repo, db, tag) as s:
         run = s.run
     return ensure_headline(repo, run, db=db, display=Display())
+
+
+def _nothing_kept(repo: Path, db: str | None, tag: str | None, what: str) -> str | None:
+    """The one line to print instead when the run kept no change (autoloop.review.nothing_kept)."""
+    from autoloop.review.nothing_kept import nothing_kept_line
+
+    with _Session(repo, db, tag) as s:
+        return nothing_kept_line(s.store, s.run, what)
 
 
 class _Session:
@@ -130,6 +139,12 @@ def best(repo: RepoOpt = Path("."), tag: TagOpt = None, db: DbOpt = None, as_jso
     from autoloop.review.queries import best_summary
     from autoloop.review.text import format_best
 
+    nothing = _nothing_kept(repo, db, tag, "no gain to report and nothing to finalize")
+    if nothing:  # the best is the baseline: no gain to re-measure, and finalize would make nothing
+        with _Session(repo, db, tag) as s:
+            info = best_summary(s.store, s.run)
+        echo(_dump({**info, "nothing_kept": nothing}) if as_json else nothing)
+        return
     note = _headline(repo, db, tag, remeasure)
     with _Session(repo, db, tag) as s:
         info = best_summary(s.store, s.run)
@@ -154,6 +169,10 @@ def finalize(
     """Make a clean branch from the run's base with its kept changes, and keep the best trial's checkpoint under .autoloop/<tag>/best/."""
     from autoloop.review.finalize import finalize as make_branch
 
+    nothing = _nothing_kept(repo, db, tag, "nothing to finalize (no branch was made)")
+    if nothing:
+        echo(_dump({"branch": None, "nothing_kept": nothing}) if as_json else nothing)
+        return
     note = _headline(repo, db, tag, remeasure)
     if note:
         echo(note, err=True)
@@ -200,6 +219,12 @@ def ablate(
     from autoloop.review.ablate import ablate_run, format_ablation
     from autoloop.cli.display import Display
 
+    if seeds < 1:
+        raise AutoloopError(f"--seeds {seeds} measures nothing: give 1 or more (3 by default)")
+    nothing = _nothing_kept(repo, db, tag, "nothing to ablate")
+    if nothing:
+        echo(_dump({"rows": [], "nothing_kept": nothing}) if as_json else nothing)
+        return
     with _Session(repo, db, tag) as s:
         run = s.run
     display = None if as_json else Display()

@@ -80,11 +80,13 @@ class Pauses:
 
 
 class SharedDisplay:
-    """The console for several trials at once: one line per event, no live progress line."""
+    """The console for several trials at once: one line per event, and each trial's plain
+    progress lines (autoloop.loop.progress.PlainProgress), named by its worker; no live line."""
 
     def __init__(self, display):
         self.display = display
-        self.lock = threading.Lock()  # one line at a time
+        self.lock = threading.Lock()  # one line at a time, and the trials' progress below
+        self._progress: dict[int, object] = {}  # trial id -> its running run's PlainProgress
 
     def say(self, message: str, style: str | None = None) -> None:
         with self.lock:
@@ -92,16 +94,26 @@ class SharedDisplay:
 
     def trial_started(self, trial: dict, best, config, *, seed: int | None = None, role: str | None = None,
                       owner: dict | None = None) -> None:
+        from autoloop.loop.progress import PlainProgress
+
         worker = trial.get("worker") or "?"
         with self.lock:
             self.display.say(f"[{worker}] trial {trial['number']} training: {trial.get('description') or trial['kind']}"
                              + run_words(trial, seed, role, owner))
+            self._progress[trial["id"]] = PlainProgress(f"[{worker}] trial {trial['number']}", config,
+                                                        self.display.plain_every)
 
-    def poll(self, progress_path) -> None:
-        """Several trials train at once: their progress lines would interleave."""
+    def poll(self, progress_path, trial: dict | None = None) -> None:
+        """Several trials train at once: plain lines, each naming its worker and trial."""
+        with self.lock:
+            progress = self._progress.get(trial["id"]) if trial is not None else None
+            line = progress.line(progress_path) if progress is not None else None
+            if line is not None:
+                self.display.say(line)
 
     def trial_finished(self, trial: dict) -> None:
         with self.lock:
+            self._progress.pop(trial["id"], None)
             self.display.trial_finished(trial)
 
 

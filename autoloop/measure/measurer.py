@@ -339,7 +339,7 @@ class Measurer:
 
         def should_abort() -> bool:
             if c.display is not None:
-                c.display.poll(RunFolder(run_dir).progress)
+                c.display.poll(RunFolder(run_dir).progress, running)
             if time.monotonic() - last_beat[0] > 30:
                 last_beat[0] = time.monotonic()
                 store.update_trial(running["id"], heartbeat_at=_now())

@@ -226,3 +226,38 @@ def test_missing_patch_and_empty_description_are_one_line(fake_repo, tmp_path):
 def test_library_errors_are_autoloop_errors(fake_repo):
     with pytest.raises(AutoloopError, match="WIDTH is an int"):
         seed(fake_repo, "x", "WIDTH=2.5")
+
+
+# ---------------------------------------------------------------------------- train.py's invariants
+
+REAL_TRAIN = Path(__file__).resolve().parents[1] / "train.py"
+
+
+@pytest.fixture
+def real_repo(tmp_path) -> Path:
+    """The real train.py (only read here: seeding never runs it)."""
+    return make_repo(tmp_path / "real", REAL_TRAIN.read_text())
+
+
+def test_a_set_that_breaks_an_assert_of_train_py_is_refused_naming_it(real_repo):
+    # On a CPU train.py's CPU block has N_HEAD=2: 3 KV heads do not divide it.
+    line = assert_refused(real_repo, ["gqa", "--set", "N_KV_HEAD=3"],
+                          "asserts N_HEAD % N_KV_HEAD == 0", "N_HEAD must be a multiple of N_KV_HEAD",
+                          "N_HEAD=2, N_KV_HEAD=3", "choose values")
+    lineno = next(i for i, text in enumerate(REAL_TRAIN.read_text().splitlines(), 1) if "assert cfg[" in text)
+    assert f"train.py line {lineno} asserts" in line
+    assert_refused(real_repo, ["odd heads", "--set", "N_HEAD=3"], "MODEL_DIM must be a multiple of N_HEAD")
+
+
+def test_values_that_keep_the_asserts_are_seeded(real_repo):
+    assert seed(real_repo, "one kv head", "N_KV_HEAD=1")["sets"] == {"N_KV_HEAD": "1"}
+    # Two constants changed together keep the rule that each alone would break.
+    assert seed(real_repo, "more heads", "N_HEAD=8", "N_KV_HEAD=4")["sets"] == {"N_HEAD": "8", "N_KV_HEAD": "4"}
+
+
+def test_an_assert_already_broken_at_the_base_does_not_block_other_ideas(tmp_path):
+    source = ("A = 4\nB = 3\nLR = 0.1\n\ndef f(cfg, n):\n    assert cfg['a'] % cfg['b'] == 0\n    assert cfg['a'] > 0\n"
+              "    assert n < A  # n is the run's: not an invariant of the constants\n\nCFG = dict(a=A, b=B)\n")
+    repo = make_repo(tmp_path / "r", source)
+    assert seed(repo, "lr", "LR=0.2")["sets"] == {"LR": "0.2"}
+    assert_refused(repo, ["x", "--set", "A=-4"], "line 7 asserts A > 0", "A=-4")

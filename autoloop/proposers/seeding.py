@@ -15,6 +15,9 @@ trains:
   an int or a float, a string a (quoted) string, a bool a bool, a list or tuple a list or
   tuple; numbers must be finite (`1e400` would be written as `inf`); a name in the value
   must be another constant of the file (`abc` is a typo for `'abc'`);
+* the constants must keep train.py's own asserts over them (`autoloop.invariants`): with
+  N_HEAD=4, `--set N_KV_HEAD=3` breaks `assert N_HEAD % N_KV_HEAD == 0` and is refused
+  naming that line, instead of crashing at night as a bare AssertionError;
 * a patch file must be UTF-8 text (ideas are stored as text) of at most
   MAX_PATCH_BYTES.
 
@@ -214,6 +217,25 @@ def _run_for(store, db: Path, tag: str | None) -> dict | None:
     return runs[-1] if runs else None
 
 
+# ---------------------------------------------------------------------------- train.py's asserts
+
+
+def _check_invariants(what: str, path: str, old: str | None, new: str | None) -> None:
+    """Refuse an idea whose constants break one of train.py's own asserts over them
+    (autoloop.invariants), which would otherwise crash the trial as a bare AssertionError."""
+    from autoloop.invariants import broken_by
+
+    if old is None or new is None or old == new:
+        return
+    try:
+        problems = broken_by(old, new)
+    except SyntaxError:
+        return  # validate has judged the file; nothing more to read here
+    if problems:
+        raise AutoloopError(f"{what} cannot be seeded: {problems[0].describe(path)}: choose values that keep it "
+                            "(several --set flags change constants together)")
+
+
 # ---------------------------------------------------------------------------- seed
 
 
@@ -251,6 +273,7 @@ def seed_idea(config: Config, repo: Path, description: str, *, sets: list[str], 
             validate(files, read_best, editable=config.editable, protected=config.protected)
         except InvalidProposal as exc:
             raise AutoloopError(f"{what} cannot be seeded: {exc} (checked against {best[:7]}, {where})") from None
+        _check_invariants(what, config.editable[0], read_best(config.editable[0]), files.get(config.editable[0]))
     db = _db_path(config, repo)
     store = Store(db)
     try:

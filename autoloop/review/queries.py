@@ -315,8 +315,11 @@ def trial_diff(store, run: dict, number: int, repo: Path | None = None) -> tuple
 
 def require_trials(store, run: dict) -> int:
     total = count_trials(store, run)
-    if total == 0:
+    if total == 0 and run.get("status") in (None, "active"):
         raise AutoloopError(f"run '{run['tag']}' has no trials yet: wait for its baseline, or pick another run with --tag")
+    if total == 0:  # it stopped before its baseline: nothing to wait for
+        raise AutoloopError(f"run '{run['tag']}' has no trials: it stopped before its baseline; resume it with "
+                            f"`autoloop run --tag {run['tag']}`, or pick another run with --tag")
     return total
 
 

@@ -144,6 +144,7 @@ class IdeaStatus(str, enum.Enum):
     TAKEN = "taken"
     DONE = "done"
     DROPPED = "dropped"
+    CANCELLED = "cancelled"  # by the user (`autoloop ideas --cancel N`): kept, never proposed
 
 
 FINAL_STATUSES = frozenset(s for s in Status if s is not Status.RUNNING)
@@ -442,12 +443,41 @@ def _m0005_machine_speed(conn: sqlite3.Connection) -> None:
     conn.execute("ALTER TABLE measurements ADD COLUMN tokens_per_second REAL")
 
 
+def _m0006_cancelled_ideas(conn: sqlite3.Connection) -> None:
+    """An idea can be cancelled (`autoloop ideas --cancel N`): IdeaStatus gains
+    'cancelled', so the ideas table is rebuilt with the new CHECK constraint (SQLite cannot
+    alter one in place), same columns, same rows, same ids: trials.idea_id still points at
+    them. `_migrate` runs this with foreign keys off and checks them before it commits."""
+    columns = [row[1] for row in conn.execute("PRAGMA table_info(ideas)")]
+    conn.execute(
+        f"""
+        CREATE TABLE ideas_rebuilt (
+            id INTEGER PRIMARY KEY,
+            run_id INTEGER REFERENCES runs(id),
+            text TEXT NOT NULL,
+            sets TEXT,
+            patch TEXT,
+            priority INTEGER NOT NULL DEFAULT 0,
+            status TEXT NOT NULL DEFAULT 'pending' {_check('status', IdeaStatus)},
+            trial_id INTEGER REFERENCES trials(id),
+            source TEXT,
+            created_at TEXT NOT NULL
+        )"""
+    )
+    listed = ", ".join(columns)
+    conn.execute(f"INSERT INTO ideas_rebuilt ({listed}) SELECT {listed} FROM ideas")
+    conn.execute("DROP TABLE ideas")
+    conn.execute("ALTER TABLE ideas_rebuilt RENAME TO ideas")
+    conn.execute("CREATE INDEX ideas_pending ON ideas(status, priority)")
+
+
 MIGRATIONS: list[tuple[str, Callable[[sqlite3.Connection], None]]] = [
     ("0001_initial", _m0001_initial),
     ("0002_trust_and_noise", _m0002_trust_and_noise),
     ("0003_workers", _m0003_workers),
     ("0004_tiers_and_early_stops", _m0004_tiers_and_early_stops),
     ("0005_machine_speed", _m0005_machine_speed),
+    ("0006_cancelled_ideas", _m0006_cancelled_ideas),
 ]
 
 
@@ -555,7 +585,18 @@ class Store:
         # write lock (readers must not block the controller).
         if self.applied_migrations() == known:
             return
+        # A migration that rebuilds a table (a new CHECK vocabulary) drops the table other
+        # tables' foreign keys point at: SQLite's own recipe turns the keys off around the
+        # transaction (the pragma is a no-op inside one) and checks them before the commit.
+        self.conn.execute("PRAGMA foreign_keys = OFF")
+        try:
+            self._apply_migrations(known)
+        finally:
+            self.conn.execute("PRAGMA foreign_keys = ON")
+
+    def _apply_migrations(self, known: list[str]) -> None:
         with self.transaction():
+            before = len(self.conn.execute("PRAGMA foreign_key_check").fetchall())
             self.conn.execute(
                 "CREATE TABLE IF NOT EXISTS _migrations (name TEXT PRIMARY KEY, applied_at TEXT NOT NULL)"
             )
@@ -573,6 +614,11 @@ class Store:
                     self.conn.execute(
                         "INSERT INTO _migrations (name, applied_at) VALUES (?, ?)", (name, utcnow())
                     )
+            broken = self.conn.execute("PRAGMA foreign_key_check").fetchall()
+            if len(broken) > before:  # only what the migrations did: an old file's own stay its own
+                raise AutoloopError(f"migrating {self.path} would break {len(broken)} reference(s) between its tables "
+                                    f"(first: {broken[0][0]} row {broken[0][1]} -> {broken[0][2]}): nothing was changed; "
+                                    "please report this with the database")
 
     # -- transactions and low-level helpers ----------------------------------------------
 
@@ -943,6 +989,30 @@ class Store:
             self._update("ideas", rows[0]["id"], {"status": IdeaStatus.TAKEN})
             rows[0]["status"] = IdeaStatus.TAKEN.value
             return rows[0]
+
+    def cancel_idea(self, idea_id: int) -> dict[str, Any]:
+        """Mark a pending idea cancelled (kept, never proposed) and return it. An idea that
+        is taken (being prepared or tried), done or cancelled already is refused in one line."""
+        with self.transaction():
+            rows = self._rows("ideas", "SELECT * FROM ideas WHERE id = ?", (idea_id,))
+            if not rows:
+                raise NotFound(f"there is no idea {idea_id}: `autoloop ideas` lists them with their numbers")
+            idea = rows[0]
+            why = {
+                IdeaStatus.TAKEN.value: "a proposer has taken it (its trial is being prepared or trained); "
+                                        "`autoloop stop` ends the run after that trial",
+                IdeaStatus.DONE.value: "it was tried already" + "".join(
+                    f" (trial {r['number']} of run '{r['tag']}')" for r in self.query(
+                        "SELECT t.number, r.tag FROM trials t JOIN runs r ON r.id = t.run_id WHERE t.id = ?",
+                        (idea.get("trial_id"),))),
+                IdeaStatus.DROPPED.value: "it was dropped already",
+                IdeaStatus.CANCELLED.value: "it is cancelled already",
+            }.get(idea["status"])
+            if why is not None:
+                raise AutoloopError(f"idea {idea_id} cannot be cancelled: {why}")
+            self._update("ideas", idea_id, {"status": IdeaStatus.CANCELLED})
+            idea["status"] = IdeaStatus.CANCELLED.value
+            return idea
 
     def set_idea_status(self, idea_id: int, status: IdeaStatus | str, trial_id: int | None = None) -> None:
         fields: dict[str, Any] = {"status": status}

@@ -261,3 +261,44 @@ def test_an_assert_already_broken_at_the_base_does_not_block_other_ideas(tmp_pat
     repo = make_repo(tmp_path / "r", source)
     assert seed(repo, "lr", "LR=0.2")["sets"] == {"LR": "0.2"}
     assert_refused(repo, ["x", "--set", "A=-4"], "line 7 asserts A > 0", "A=-4")
+
+
+# ---------------------------------------------------------------------------- the queue: listing, cancelling
+
+
+def cli_ideas(repo, *args):
+    return runner.invoke(app, ["ideas", "--repo", str(repo), *args])
+
+
+def test_an_idea_with_a_patch_and_sets_is_listed_with_both(fake_repo, tmp_path):
+    source = (fake_repo / "train.py").read_text()
+    patch = write_patch(tmp_path, diff(source, source.replace("WIDTH = 64", "WIDTH = 128")))
+    assert cli_seed(fake_repo, "wider, lower lr", "--patch", str(patch), "--set", "LR=0.01").exit_code == 0
+    assert cli_seed(fake_repo, "only lr", "--set", "LR=0.03").exit_code == 0
+    assert cli_seed(fake_repo, "only wider", "--patch", str(patch)).exit_code == 0
+    listed = cli_ideas(fake_repo).output
+    assert "wider, lower lr [patch, LR=0.01]" in listed, listed
+    assert "only lr [LR=0.03]" in listed and "only wider [patch]" in listed
+
+
+def test_a_cancelled_idea_stays_listed_and_is_never_proposed(fake_repo):
+    from autoloop.proposers.seeded import IdeasProposer
+
+    seed(fake_repo, "first", "LR=0.01")
+    seed(fake_repo, "second", "LR=0.03")
+    result = cli_ideas(fake_repo, "--cancel", "1")
+    assert result.exit_code == 0 and result.output.strip() == "cancelled idea 1: first"
+    listed = cli_ideas(fake_repo).output.splitlines()
+    assert "cancelled" in next(line for line in listed if "first" in line)
+    again = cli_ideas(fake_repo, "--cancel", "1")
+    assert again.exit_code == 1 and again.output.strip() == "error: idea 1 cannot be cancelled: it is cancelled already"
+    missing = cli_ideas(fake_repo, "--cancel", "7")
+    assert missing.exit_code == 1 and len(missing.output.strip().splitlines()) == 1 and "no idea 7" in missing.output
+    # The ideas proposer, as the loop asks it, takes the second and then nothing.
+    with Store(fake_repo / "experiments.db") as store:
+        run = store.create_run("t", base_commit=git(fake_repo, "rev-parse", "HEAD"))
+        ctx = type("Ctx", (), {"store": store, "run": run})()
+        proposer = IdeasProposer(resolve(fake_repo, {}))
+        assert proposer.propose(ctx).description == "second"
+        assert proposer.propose(ctx) is None
+        assert [i["status"] for i in store.ideas()] == ["cancelled", "taken"]

@@ -236,12 +236,17 @@ def seed(
 @app.command()
 @handles_errors
 def ideas(repo: RepoOpt = Path("."), db: DbOpt = None,
-          as_json: Annotated[bool, typer.Option("--json", help="Print the ideas as JSON.")] = False):
-    """List the seeded ideas and what became of them."""
+          as_json: Annotated[bool, typer.Option("--json", help="Print the ideas as JSON.")] = False,
+          cancel: Annotated[Optional[int], typer.Option(help="Cancel the pending idea with this number: it stays listed, marked cancelled, and is never proposed.")] = None):
+    """List the seeded ideas and what became of them (--cancel N to cancel one)."""
     from autoloop.proposers.seeding import waiting_reason
     from autoloop.review.text import format_ideas
 
     store = open_store(repo, db)
+    if cancel is not None:
+        idea = store.cancel_idea(cancel)
+        echo(f"cancelled idea {idea['id']}: {idea['text']}")
+        return
     rows = store.ideas()
     waiting = waiting_reason(config_for(repo, db=db), store.runs())
     for idea in rows:  # why a pending idea is not taken, where it is known

@@ -188,6 +188,12 @@ def _storable(value: Any) -> Any:
     return value
 
 
+def _cut_words(text: str, width: int = 60) -> str:
+    """An idea's text on one line, shortened for a message."""
+    flat = " ".join(text.split())
+    return f"'{flat}'" if len(flat) <= width else f"'{flat[:width - 3]}...'"
+
+
 def utcnow() -> str:
     """The current time as a UTC ISO-8601 string, e.g. 2025-01-31T02:03:04.567+00:00."""
     return datetime.now(timezone.utc).isoformat(timespec="milliseconds")
@@ -955,21 +961,42 @@ class Store:
         source: str | None = None,
     ) -> dict[str, Any]:
         """Queue an idea (status pending). run_id None means any run may take it; `sets`
-        maps hyperparameter constant names to values; higher priority is taken first."""
-        row_id = self._insert(
-            "ideas",
-            {
-                "text": text,
-                "run_id": run_id,
-                "sets": sets,
-                "patch": patch,
-                "priority": priority,
-                "source": source,
-                "status": IdeaStatus.PENDING,
-                "created_at": utcnow(),
-            },
-        )
-        return self._rows("ideas", "SELECT * FROM ideas WHERE id = ?", (row_id,))[0]
+        maps hyperparameter constant names to values; higher priority is taken first.
+
+        An idea still pending that is the same is refused (AutoloopError), in the same
+        transaction as the insert: the same edit (sets and patch) whatever its words, or for
+        a text-only idea the same text."""
+        with self.transaction():
+            same = self._same_pending_idea(text, sets, patch)
+            if same is not None:
+                raise AutoloopError(
+                    f"idea {same['id']} is the same {'edit' if sets or patch else 'text'} and still queued "
+                    f"({_cut_words(same['text'])}): not queued twice; `autoloop ideas --cancel {same['id']}` first "
+                    "to replace it")
+            row_id = self._insert(
+                "ideas",
+                {
+                    "text": text,
+                    "run_id": run_id,
+                    "sets": sets,
+                    "patch": patch,
+                    "priority": priority,
+                    "source": source,
+                    "status": IdeaStatus.PENDING,
+                    "created_at": utcnow(),
+                },
+            )
+            return self._rows("ideas", "SELECT * FROM ideas WHERE id = ?", (row_id,))[0]
+
+    def _same_pending_idea(self, text: str, sets: dict[str, Any] | None, patch: str | None) -> dict[str, Any] | None:
+        edit = (sets or None, patch or None)
+        for idea in self._rows("ideas", "SELECT * FROM ideas WHERE status = ? ORDER BY id", (IdeaStatus.PENDING.value,)):
+            theirs = (idea.get("sets") or None, idea.get("patch") or None)
+            if edit != (None, None) and theirs == edit:
+                return idea
+            if edit == theirs == (None, None) and " ".join(idea["text"].split()) == " ".join(text.split()):
+                return idea
+        return None
 
     def next_idea(self, run_id: int, *, actionable_only: bool = False) -> dict[str, Any] | None:
         """Take the next pending idea for this run (its own or a global one): highest

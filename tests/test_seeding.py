@@ -302,3 +302,20 @@ def test_a_cancelled_idea_stays_listed_and_is_never_proposed(fake_repo):
         assert proposer.propose(ctx).description == "second"
         assert proposer.propose(ctx) is None
         assert [i["status"] for i in store.ideas()] == ["cancelled", "taken"]
+
+
+def test_an_idea_the_same_as_one_still_queued_is_not_queued_twice(fake_repo):
+    seed(fake_repo, "lower lr", "LR=0.01")
+    line = assert_refused(fake_repo, ["the same, in other words", "--set", "LR=0.01"],
+                          "idea 1 is the same edit and still queued ('lower lr')", "not queued twice",
+                          "autoloop ideas --cancel 1")
+    assert line.startswith("error: ")
+    seed(fake_repo, "lower lr and more", "LR=0.01", "SLEEP=0.1")  # another edit: queued
+    seed(fake_repo, "try SwiGLU in the MLP")
+    assert_refused(fake_repo, ["try  SwiGLU in the MLP "], "idea 3 is the same text and still queued")
+    # Once the first is no longer queued (cancelled here; tried works the same), it may be seeded again.
+    assert cli_ideas(fake_repo, "--cancel", "1").exit_code == 0
+    assert seed(fake_repo, "lower lr", "LR=0.01")["id"] == 4
+    with Store(fake_repo / "experiments.db") as store:
+        store.set_idea_status(4, "done")
+    assert seed(fake_repo, "lower lr", "LR=0.01")["id"] == 5

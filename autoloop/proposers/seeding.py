@@ -21,6 +21,9 @@ trains:
 * a patch file must be UTF-8 text (ideas are stored as text) of at most
   MAX_PATCH_BYTES.
 
+An idea the same as one still pending (the same edit, whatever its words; for a text-only
+idea, the same text) is not queued twice: `Store.add_idea` says which one, in one line.
+
 A text-only idea (no `--set`, no patch) is only ever read by a proposer that reads text:
 an LLM (`llm-model`) or a coding agent (`agent-command`). With neither configured (in
 pyproject.toml, the environment, or the latest run's own settings), it is queued but

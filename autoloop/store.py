@@ -188,6 +188,12 @@ def _storable(value: Any) -> Any:
     return value
 
 
+def ideas_for_run(prefix: str = "") -> str:
+    """The SQL condition (one `?`: the run's id) for the ideas a run may take: its own and
+    those for any run, not those waiting for a run of another tag not created yet."""
+    return f"({prefix}run_id = ? OR ({prefix}run_id IS NULL AND {prefix}run_tag IS NULL))"
+
+
 def _cut_words(text: str, width: int = 60) -> str:
     """An idea's text on one line, shortened for a message."""
     flat = " ".join(text.split())
@@ -452,8 +458,11 @@ def _m0005_machine_speed(conn: sqlite3.Connection) -> None:
 def _m0006_cancelled_ideas(conn: sqlite3.Connection) -> None:
     """An idea can be cancelled (`autoloop ideas --cancel N`): IdeaStatus gains
     'cancelled', so the ideas table is rebuilt with the new CHECK constraint (SQLite cannot
-    alter one in place), same columns, same rows, same ids: trials.idea_id still points at
-    them. `_migrate` runs this with foreign keys off and checks them before it commits."""
+    alter one in place), same rows, same ids: trials.idea_id still points at them.
+    `_migrate` runs this with foreign keys off and checks them before it commits. The
+    rebuilt table gains `run_tag`: an idea seeded with `--tag T` before run T exists waits
+    for it (run_id NULL, run_tag T) and is bound to the run when `autoloop run --tag T`
+    creates it; no other run takes it."""
     columns = [row[1] for row in conn.execute("PRAGMA table_info(ideas)")]
     conn.execute(
         f"""
@@ -467,7 +476,8 @@ def _m0006_cancelled_ideas(conn: sqlite3.Connection) -> None:
             status TEXT NOT NULL DEFAULT 'pending' {_check('status', IdeaStatus)},
             trial_id INTEGER REFERENCES trials(id),
             source TEXT,
-            created_at TEXT NOT NULL
+            created_at TEXT NOT NULL,
+            run_tag TEXT
         )"""
     )
     listed = ", ".join(columns)
@@ -959,8 +969,10 @@ class Store:
         patch: str | None = None,
         priority: int = 0,
         source: str | None = None,
+        run_tag: str | None = None,
     ) -> dict[str, Any]:
-        """Queue an idea (status pending). run_id None means any run may take it; `sets`
+        """Queue an idea (status pending). run_id None means any run may take it, unless
+        `run_tag` names the run it waits for (not created yet: `bind_waiting_ideas`); `sets`
         maps hyperparameter constant names to values; higher priority is taken first.
 
         An idea still pending that is the same is refused (AutoloopError), in the same
@@ -982,6 +994,7 @@ class Store:
                     "patch": patch,
                     "priority": priority,
                     "source": source,
+                    "run_tag": run_tag,
                     "status": IdeaStatus.PENDING,
                     "created_at": utcnow(),
                 },
@@ -1007,7 +1020,7 @@ class Store:
         with self.transaction():
             rows = self._rows(
                 "ideas",
-                "SELECT * FROM ideas WHERE status = ? AND (run_id = ? OR run_id IS NULL)" + actionable + " "
+                "SELECT * FROM ideas WHERE status = ? AND " + ideas_for_run() + actionable + " "
                 "ORDER BY priority DESC, id LIMIT 1",
                 (IdeaStatus.PENDING.value, run_id),
             )
@@ -1016,6 +1029,13 @@ class Store:
             self._update("ideas", rows[0]["id"], {"status": IdeaStatus.TAKEN})
             rows[0]["status"] = IdeaStatus.TAKEN.value
             return rows[0]
+
+    def bind_waiting_ideas(self, run: dict[str, Any]) -> int:
+        """Give the ideas seeded for this run's tag before it existed to the run; returns
+        how many."""
+        with self.transaction():
+            return self.conn.execute("UPDATE ideas SET run_id = ? WHERE run_id IS NULL AND run_tag = ?",
+                                     (run["id"], run["tag"])).rowcount
 
     def cancel_idea(self, idea_id: int) -> dict[str, Any]:
         """Mark a pending idea cancelled (kept, never proposed) and return it. An idea that
@@ -1051,7 +1071,7 @@ class Store:
         """Ideas oldest first; with run_id, that run's ideas plus the global ones."""
         where, params = [], []
         if run_id is not None:
-            where.append("(run_id = ? OR run_id IS NULL)")
+            where.append(ideas_for_run())
             params.append(run_id)
         if status is not None:
             where.append("status = ?")

@@ -319,3 +319,33 @@ def test_an_idea_the_same_as_one_still_queued_is_not_queued_twice(fake_repo):
     with Store(fake_repo / "experiments.db") as store:
         store.set_idea_status(4, "done")
     assert seed(fake_repo, "lower lr", "LR=0.01")["id"] == 5
+
+
+def test_an_idea_seeded_for_a_run_not_started_yet_waits_for_it(fake_repo):
+    """`seed --tag T` before `run --tag T`: queued for T alone, checked against HEAD (where
+    T will start), and given to T when it is created."""
+    from autoloop.loop.controller import Controller
+    from autoloop.proposers.seeded import IdeasProposer
+
+    result = cli_seed(fake_repo, "lower lr for tonight", "--set", "LR=0.01", "--tag", "tonight")
+    assert result.exit_code == 0, result.output
+    assert "run 'tonight' is not started yet: the idea waits for `autoloop run --tag tonight`" in result.output
+    assert "waits for run 'tonight'" in cli_ideas(fake_repo).output
+    assert_refused(fake_repo, ["same for tonight", "--set", "LR=0.02", "--tag", "tonight", "--set", "LR=0.02x"],
+                   "LR=0.02x")  # still checked now, against HEAD
+    head = git(fake_repo, "rev-parse", "HEAD")
+    with Store(fake_repo / "experiments.db") as store:
+        other = store.create_run("other", base_commit=head, best_commit=head)
+        assert store.next_idea(other["id"]) is None  # another run never takes it
+        assert store.ideas(other["id"]) == []
+    controller = Controller(resolve(fake_repo, {"tag": "tonight", "proposers": "ideas"}), fake_repo, verifier=None)
+    controller.open()  # creates the run, as `autoloop run --tag tonight` does first
+    try:
+        run = controller.run_row
+        assert [i["id"] for i in controller.store.ideas(run["id"])] == [1]
+        ctx = type("Ctx", (), {"store": controller.store, "run": run})()
+        assert IdeasProposer(controller.config).propose(ctx).description == "lower lr for tonight"
+        (idea,) = controller.store.ideas()
+        assert (idea["run_id"], idea["status"]) == (run["id"], "taken")
+    finally:
+        controller.close()

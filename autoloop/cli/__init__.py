@@ -216,7 +216,7 @@ def seed(
     patch: Annotated[Optional[Path], typer.Option(help="A unified diff (git diff format, UTF-8, at most 1 MB) against train.py at the current best.")] = None,
     priority: Annotated[int, typer.Option(help="Higher priorities are tried first; ties go oldest first.")] = 0,
     repo: RepoOpt = Path("."),
-    tag: Annotated[Optional[str], typer.Option(help="Only this run may take the idea; any run by default.")] = None,
+    tag: Annotated[Optional[str], typer.Option(help="Only this run may take the idea (a run not started yet gets it when `autoloop run --tag` starts it); any run by default.")] = None,
     db: DbOpt = None,
 ):
     """Queue an idea for the loop; a running loop picks it up at its next proposal.
@@ -228,6 +228,8 @@ def seed(
     config = config_for(repo, db=db)
     idea = seed_idea(config, repo, description, sets=set_ or [], patch=patch, priority=priority, tag=explicit_tag(tag))
     echo(f"seeded idea {idea['id']}: {description}")
+    if idea.get("run_tag"):
+        echo(f"run '{idea['run_tag']}' is not started yet: the idea waits for `autoloop run --tag {idea['run_tag']}`")
     waiting = text_only_wait(config, repo, idea)
     if waiting:
         echo(waiting)

@@ -240,6 +240,7 @@ class Controller:
                     )},
                 )
                 self.branch = branch
+                self.store.bind_waiting_ideas(self.run_row)  # ideas seeded with --tag before the run existed
             else:
                 self.run_row = existing
                 self.branch = existing["branch"]

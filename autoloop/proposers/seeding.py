@@ -21,6 +21,10 @@ trains:
 * a patch file must be UTF-8 text (ideas are stored as text) of at most
   MAX_PATCH_BYTES.
 
+`--tag T` for a run not started yet queues the idea for it: checked against HEAD (where
+`autoloop run --tag T` will start), kept for that run alone (`ideas.run_tag`), and given
+to the run when it is created.
+
 An idea the same as one still pending (the same edit, whatever its words; for a text-only
 idea, the same text) is not queued twice: `Store.add_idea` says which one, in one line.
 
@@ -193,6 +197,8 @@ def current_best(config: Config, repo: Path, tag: str | None):
     if db.exists():
         with Store(db) as store:
             run = _run_for(store, db, tag)
+    if run is None and tag is not None:
+        return git_repo, git_repo.head(), f"HEAD (run '{tag}' not started yet: it will start from HEAD)"
     if run is None:
         return git_repo, git_repo.head(), "HEAD (no run yet)"
     sha = run["best_commit"] or run["base_commit"]
@@ -211,11 +217,10 @@ def _db_path(config: Config, repo: Path) -> Path:
 
 
 def _run_for(store, db: Path, tag: str | None) -> dict | None:
+    """The run an idea is checked against: the --tag run (None when it is not started
+    yet: the idea waits for it), else the most recent run."""
     if tag is not None:
-        run = store.get_run(tag)
-        if run is None:
-            raise AutoloopError(f"no run tagged '{tag}' in {db}: seed without --tag to let any run take it")
-        return run
+        return store.get_run(tag)
     runs = store.runs()
     return runs[-1] if runs else None
 
@@ -280,8 +285,10 @@ def seed_idea(config: Config, repo: Path, description: str, *, sets: list[str], 
     db = _db_path(config, repo)
     store = Store(db)
     try:
-        run_id = _run_for(store, db, tag)["id"] if tag is not None else None
-        return store.add_idea(description, run_id=run_id, sets=sets_parsed, patch=patch_text, priority=priority, source="human")
+        run = _run_for(store, db, tag) if tag is not None else None
+        # A run not started yet: the idea waits for it (run_tag), bound when `autoloop run --tag` creates it.
+        return store.add_idea(description, run_id=run["id"] if run else None, run_tag=tag if tag and not run else None,
+                              sets=sets_parsed, patch=patch_text, priority=priority, source="human")
     finally:
         store.close()
 

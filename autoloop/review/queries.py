@@ -51,7 +51,7 @@ from typing import Any, Iterable
 from autoloop.measure.run_folder import RunFolder
 from autoloop.decide.effects import ablation_effect, decision_of, trial_effect
 from autoloop.errors import AutoloopError, NotFound
-from autoloop.store import Kind, Status
+from autoloop.store import Kind, Status, ideas_for_run
 
 
 def pick_run(store, tag: str | None, *, fix: str = "check --tag") -> dict:
@@ -496,7 +496,7 @@ def idea_outcomes(store, run: dict) -> list[dict]:
         "SELECT i.id, i.text, i.sets, i.patch IS NOT NULL AS has_patch, i.priority, i.status, i.source, "
         "t.number AS trial, t.status AS trial_status, t.metric AS trial_metric, t.delta AS trial_delta, "
         "r.tag AS trial_run FROM ideas i LEFT JOIN trials t ON t.id = i.trial_id LEFT JOIN runs r ON r.id = t.run_id "
-        "WHERE i.run_id = ? OR i.run_id IS NULL ORDER BY i.id",
+        "WHERE " + ideas_for_run("i.") + " ORDER BY i.id",
         (run["id"],),
         table="ideas",
     )

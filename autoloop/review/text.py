@@ -473,6 +473,8 @@ def format_ideas(store, rows: list[dict]) -> str:
                 trial += f" ({t['status']})"
         edit = f" [{idea_edit(idea)}]" if idea_edit(idea) else ""
         lines.append(f"{idea['id']:>4} {idea['priority']:>4} {idea['status']:<9} {trial:>5}  {_cut(idea['text'], 70)}{edit}")
+        if idea.get("run_tag") and not idea.get("run_id") and idea.get("status") == "pending":
+            lines.append(f"{'':>26}↳ waits for run '{idea['run_tag']}': `autoloop run --tag {idea['run_tag']}` starts it")
         if idea.get("waiting"):
             lines.append(f"{'':>26}↳ waiting: {idea['waiting']}")
     return "\n".join(lines)

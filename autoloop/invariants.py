@@ -23,7 +23,7 @@ import operator
 from dataclasses import dataclass
 
 from autoloop import pyast
-from autoloop.pyconst import Expression, Unreadable, evaluate, evaluate_text, read_constants
+from autoloop.pyconst import Expression, Unreadable, check_shape, evaluate, evaluate_text, read_constants
 
 _COMPARE = {
     ast.Eq: operator.eq, ast.NotEq: operator.ne, ast.Lt: operator.lt, ast.LtE: operator.le,
@@ -201,8 +201,9 @@ def _in_constants(test: ast.expr, constants: set[str], keys: dict[str, object]) 
     import copy
 
     try:
+        check_shape(test)  # a trial's assert of 10,000 nested terms is not walked recursively
         return _ToConstants(constants, keys).visit(copy.deepcopy(test))
-    except _Unresolved:
+    except (_Unresolved, Unreadable):
         return None
 
 

@@ -349,3 +349,14 @@ def test_an_idea_seeded_for_a_run_not_started_yet_waits_for_it(fake_repo):
         assert (idea["run_id"], idea["status"]) == (run["id"], "taken")
     finally:
         controller.close()
+
+
+def test_an_assert_too_big_to_read_is_left_alone_and_the_others_still_hold():
+    """The asserts are a trial's code: one past pyconst's caps (here 1,200 nodes) is
+    skipped, never walked recursively, and the readable ones are still checked."""
+    from autoloop.invariants import broken_by, invariants
+
+    source = ("A = 4\nB = 2\n\ndef f():\n    assert A % B == 0\n    assert A + " + "+".join(["B"] * 600) + " > 0\n")
+    assert [i.text for i in invariants(source)] == ["A % B == 0"]
+    (problem,) = broken_by(source, source.replace("B = 2", "B = 3"))
+    assert problem.describe() == "train.py line 5 asserts A % B == 0 (A must be a multiple of B), and with A=4, B=3 it does not hold"

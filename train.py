@@ -74,13 +74,13 @@ VOCAB_PAD_MULTIPLE = 64  # embedding and lm_head rows padded to a multiple of th
 # run these shapes is an error, never a silent fall back to math; "auto" times the usable
 # ones for the model's shapes on CUDA and leaves flash only for one clearly faster.
 ATTENTION_BACKEND = "auto"
-ATTENTION_AUTO_MARGIN = 0.05  # "auto" picks another kernel than flash only if it is this much faster
+ATTENTION_AUTO_MARGIN = 0.05  # "auto" picks another kernel than flash only if it is this much faster; speed
 
 # Batch
 TOTAL_BATCH_TOKENS = 2**19  # tokens per optimizer step (all micro-steps together)
 DEVICE_BATCH_SIZE = 64  # sequences per forward/backward (micro-step); lower it on OOM (`autoloop check` suggests one)
 EVAL_BATCH_SIZE = 32  # sequences per forward in the final evaluation
-LOSS_CHUNK_BYTES = 2**30  # fp32 logits per chunk of the training loss (its working memory is ~4x): bounds it at large vocabularies
+LOSS_CHUNK_BYTES = 2**30  # fp32 logits per chunk of the training loss (its working memory is ~4x): bounds it at large vocabularies; speed
 
 # Optimizer: Muon for the 2-D matrices of the blocks, AdamW for everything else
 MATRIX_LR = 0.04  # Muon learning rate; range 0.001..0.5 log

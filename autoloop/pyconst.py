@@ -61,7 +61,7 @@ class OverCap(Unreadable):
 def evaluate(node: ast.AST):
     """The value of a constant expression, computed within the caps (module docstring);
     raises Unreadable, and nothing else, for anything outside them."""
-    _check_shape(node)
+    check_shape(node)
     try:
         return _eval(node)[0]
     except Unreadable:
@@ -95,8 +95,9 @@ def literal(node: ast.expr):
         return None
 
 
-def _check_shape(root: ast.AST) -> None:
-    """Count the nodes and measure the depth without recursion, stopping at the caps."""
+def check_shape(root: ast.AST) -> None:
+    """Count the nodes and measure the depth without recursion, stopping at the caps
+    (OverCap): before anything walks a trial's expression recursively."""
     stack, count = [(root, 1)], 0
     while stack:
         node, depth = stack.pop()

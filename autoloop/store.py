@@ -144,6 +144,7 @@ class IdeaStatus(str, enum.Enum):
     TAKEN = "taken"
     DONE = "done"
     DROPPED = "dropped"
+    CANCELLED = "cancelled"  # by the user (`autoloop ideas --cancel N`): kept, never proposed
 
 
 FINAL_STATUSES = frozenset(s for s in Status if s is not Status.RUNNING)
@@ -185,6 +186,18 @@ def _storable(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_storable(v) for v in value]
     return value
+
+
+def ideas_for_run(prefix: str = "") -> str:
+    """The SQL condition (one `?`: the run's id) for the ideas a run may take: its own and
+    those for any run, not those waiting for a run of another tag not created yet."""
+    return f"({prefix}run_id = ? OR ({prefix}run_id IS NULL AND {prefix}run_tag IS NULL))"
+
+
+def _cut_words(text: str, width: int = 60) -> str:
+    """An idea's text on one line, shortened for a message."""
+    flat = " ".join(text.split())
+    return f"'{flat}'" if len(flat) <= width else f"'{flat[:width - 3]}...'"
 
 
 def utcnow() -> str:
@@ -442,12 +455,45 @@ def _m0005_machine_speed(conn: sqlite3.Connection) -> None:
     conn.execute("ALTER TABLE measurements ADD COLUMN tokens_per_second REAL")
 
 
+def _m0006_cancelled_ideas(conn: sqlite3.Connection) -> None:
+    """An idea can be cancelled (`autoloop ideas --cancel N`): IdeaStatus gains
+    'cancelled', so the ideas table is rebuilt with the new CHECK constraint (SQLite cannot
+    alter one in place), same rows, same ids: trials.idea_id still points at them.
+    `_migrate` runs this with foreign keys off and checks them before it commits. The
+    rebuilt table gains `run_tag`: an idea seeded with `--tag T` before run T exists waits
+    for it (run_id NULL, run_tag T) and is bound to the run when `autoloop run --tag T`
+    creates it; no other run takes it."""
+    columns = [row[1] for row in conn.execute("PRAGMA table_info(ideas)")]
+    conn.execute(
+        f"""
+        CREATE TABLE ideas_rebuilt (
+            id INTEGER PRIMARY KEY,
+            run_id INTEGER REFERENCES runs(id),
+            text TEXT NOT NULL,
+            sets TEXT,
+            patch TEXT,
+            priority INTEGER NOT NULL DEFAULT 0,
+            status TEXT NOT NULL DEFAULT 'pending' {_check('status', IdeaStatus)},
+            trial_id INTEGER REFERENCES trials(id),
+            source TEXT,
+            created_at TEXT NOT NULL,
+            run_tag TEXT
+        )"""
+    )
+    listed = ", ".join(columns)
+    conn.execute(f"INSERT INTO ideas_rebuilt ({listed}) SELECT {listed} FROM ideas")
+    conn.execute("DROP TABLE ideas")
+    conn.execute("ALTER TABLE ideas_rebuilt RENAME TO ideas")
+    conn.execute("CREATE INDEX ideas_pending ON ideas(status, priority)")
+
+
 MIGRATIONS: list[tuple[str, Callable[[sqlite3.Connection], None]]] = [
     ("0001_initial", _m0001_initial),
     ("0002_trust_and_noise", _m0002_trust_and_noise),
     ("0003_workers", _m0003_workers),
     ("0004_tiers_and_early_stops", _m0004_tiers_and_early_stops),
     ("0005_machine_speed", _m0005_machine_speed),
+    ("0006_cancelled_ideas", _m0006_cancelled_ideas),
 ]
 
 
@@ -555,7 +601,18 @@ class Store:
         # write lock (readers must not block the controller).
         if self.applied_migrations() == known:
             return
+        # A migration that rebuilds a table (a new CHECK vocabulary) drops the table other
+        # tables' foreign keys point at: SQLite's own recipe turns the keys off around the
+        # transaction (the pragma is a no-op inside one) and checks them before the commit.
+        self.conn.execute("PRAGMA foreign_keys = OFF")
+        try:
+            self._apply_migrations(known)
+        finally:
+            self.conn.execute("PRAGMA foreign_keys = ON")
+
+    def _apply_migrations(self, known: list[str]) -> None:
         with self.transaction():
+            before = len(self.conn.execute("PRAGMA foreign_key_check").fetchall())
             self.conn.execute(
                 "CREATE TABLE IF NOT EXISTS _migrations (name TEXT PRIMARY KEY, applied_at TEXT NOT NULL)"
             )
@@ -573,6 +630,11 @@ class Store:
                     self.conn.execute(
                         "INSERT INTO _migrations (name, applied_at) VALUES (?, ?)", (name, utcnow())
                     )
+            broken = self.conn.execute("PRAGMA foreign_key_check").fetchall()
+            if len(broken) > before:  # only what the migrations did: an old file's own stay its own
+                raise AutoloopError(f"migrating {self.path} would break {len(broken)} reference(s) between its tables "
+                                    f"(first: {broken[0][0]} row {broken[0][1]} -> {broken[0][2]}): nothing was changed; "
+                                    "please report this with the database")
 
     # -- transactions and low-level helpers ----------------------------------------------
 
@@ -907,23 +969,47 @@ class Store:
         patch: str | None = None,
         priority: int = 0,
         source: str | None = None,
+        run_tag: str | None = None,
     ) -> dict[str, Any]:
-        """Queue an idea (status pending). run_id None means any run may take it; `sets`
-        maps hyperparameter constant names to values; higher priority is taken first."""
-        row_id = self._insert(
-            "ideas",
-            {
-                "text": text,
-                "run_id": run_id,
-                "sets": sets,
-                "patch": patch,
-                "priority": priority,
-                "source": source,
-                "status": IdeaStatus.PENDING,
-                "created_at": utcnow(),
-            },
-        )
-        return self._rows("ideas", "SELECT * FROM ideas WHERE id = ?", (row_id,))[0]
+        """Queue an idea (status pending). run_id None means any run may take it, unless
+        `run_tag` names the run it waits for (not created yet: `bind_waiting_ideas`); `sets`
+        maps hyperparameter constant names to values; higher priority is taken first.
+
+        An idea still pending that is the same is refused (AutoloopError), in the same
+        transaction as the insert: the same edit (sets and patch) whatever its words, or for
+        a text-only idea the same text."""
+        with self.transaction():
+            same = self._same_pending_idea(text, sets, patch)
+            if same is not None:
+                raise AutoloopError(
+                    f"idea {same['id']} is the same {'edit' if sets or patch else 'text'} and still queued "
+                    f"({_cut_words(same['text'])}): not queued twice; `autoloop ideas --cancel {same['id']}` first "
+                    "to replace it")
+            row_id = self._insert(
+                "ideas",
+                {
+                    "text": text,
+                    "run_id": run_id,
+                    "sets": sets,
+                    "patch": patch,
+                    "priority": priority,
+                    "source": source,
+                    "run_tag": run_tag,
+                    "status": IdeaStatus.PENDING,
+                    "created_at": utcnow(),
+                },
+            )
+            return self._rows("ideas", "SELECT * FROM ideas WHERE id = ?", (row_id,))[0]
+
+    def _same_pending_idea(self, text: str, sets: dict[str, Any] | None, patch: str | None) -> dict[str, Any] | None:
+        edit = (sets or None, patch or None)
+        for idea in self._rows("ideas", "SELECT * FROM ideas WHERE status = ? ORDER BY id", (IdeaStatus.PENDING.value,)):
+            theirs = (idea.get("sets") or None, idea.get("patch") or None)
+            if edit != (None, None) and theirs == edit:
+                return idea
+            if edit == theirs == (None, None) and " ".join(idea["text"].split()) == " ".join(text.split()):
+                return idea
+        return None
 
     def next_idea(self, run_id: int, *, actionable_only: bool = False) -> dict[str, Any] | None:
         """Take the next pending idea for this run (its own or a global one): highest
@@ -934,7 +1020,7 @@ class Store:
         with self.transaction():
             rows = self._rows(
                 "ideas",
-                "SELECT * FROM ideas WHERE status = ? AND (run_id = ? OR run_id IS NULL)" + actionable + " "
+                "SELECT * FROM ideas WHERE status = ? AND " + ideas_for_run() + actionable + " "
                 "ORDER BY priority DESC, id LIMIT 1",
                 (IdeaStatus.PENDING.value, run_id),
             )
@@ -943,6 +1029,37 @@ class Store:
             self._update("ideas", rows[0]["id"], {"status": IdeaStatus.TAKEN})
             rows[0]["status"] = IdeaStatus.TAKEN.value
             return rows[0]
+
+    def bind_waiting_ideas(self, run: dict[str, Any]) -> int:
+        """Give the ideas seeded for this run's tag before it existed to the run; returns
+        how many."""
+        with self.transaction():
+            return self.conn.execute("UPDATE ideas SET run_id = ? WHERE run_id IS NULL AND run_tag = ?",
+                                     (run["id"], run["tag"])).rowcount
+
+    def cancel_idea(self, idea_id: int) -> dict[str, Any]:
+        """Mark a pending idea cancelled (kept, never proposed) and return it. An idea that
+        is taken (being prepared or tried), done or cancelled already is refused in one line."""
+        with self.transaction():
+            rows = self._rows("ideas", "SELECT * FROM ideas WHERE id = ?", (idea_id,))
+            if not rows:
+                raise NotFound(f"there is no idea {idea_id}: `autoloop ideas` lists them with their numbers")
+            idea = rows[0]
+            why = {
+                IdeaStatus.TAKEN.value: "a proposer has taken it (its trial is being prepared or trained); "
+                                        "`autoloop stop` ends the run after that trial",
+                IdeaStatus.DONE.value: "it was tried already" + "".join(
+                    f" (trial {r['number']} of run '{r['tag']}')" for r in self.query(
+                        "SELECT t.number, r.tag FROM trials t JOIN runs r ON r.id = t.run_id WHERE t.id = ?",
+                        (idea.get("trial_id"),))),
+                IdeaStatus.DROPPED.value: "it was dropped already",
+                IdeaStatus.CANCELLED.value: "it is cancelled already",
+            }.get(idea["status"])
+            if why is not None:
+                raise AutoloopError(f"idea {idea_id} cannot be cancelled: {why}")
+            self._update("ideas", idea_id, {"status": IdeaStatus.CANCELLED})
+            idea["status"] = IdeaStatus.CANCELLED.value
+            return idea
 
     def set_idea_status(self, idea_id: int, status: IdeaStatus | str, trial_id: int | None = None) -> None:
         fields: dict[str, Any] = {"status": status}
@@ -954,7 +1071,7 @@ class Store:
         """Ideas oldest first; with run_id, that run's ideas plus the global ones."""
         where, params = [], []
         if run_id is not None:
-            where.append("(run_id = ? OR run_id IS NULL)")
+            where.append(ideas_for_run())
             params.append(run_id)
         if status is not None:
             where.append("status = ?")

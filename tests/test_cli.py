@@ -131,6 +131,41 @@ def test_a_bad_number_in_pyproject_or_the_environment_is_refused_too(fake_repo, 
     assert _files_left(fake_repo) == []
 
 
+def _crash_without_training(monkeypatch):
+    monkeypatch.setattr(measure_mod, "run_training", lambda *a, **k: RunOutcome(
+        status="crash", returncode=1, result=None, metric=None, metric_source=None, reason="boom",
+        error_tail="boom", wall_seconds=0.1, pid=0, pgid=0))
+
+
+def test_max_trials_0_on_a_new_tag_is_refused_and_makes_no_empty_default_run(fake_repo, monkeypatch):
+    from autoloop.store import Store
+
+    result = runner.invoke(app, ["run", "--repo", str(fake_repo), "--no-verify", "--tag", "new", "--max-trials", "0"])
+    assert result.exit_code == 1 and result.output.strip().splitlines() == [result.output.strip()]
+    assert "--max-trials 0 only recovers an existing run" in result.output and "no run 'new'" in result.output
+    assert _files_left(fake_repo) == []  # no db, no run folder
+    _crash_without_training(monkeypatch)
+    assert invoke(fake_repo, "run", "--tag", "known", "--no-verify", "--no-check", "--max-trials", "1").exit_code == 0
+    result = runner.invoke(app, ["run", "--repo", str(fake_repo), "--no-verify", "--tag", "new", "--max-trials", "0"])
+    assert result.exit_code == 1 and "no run 'new'" in result.output
+    with Store(fake_repo / "experiments.db") as store:
+        assert [r["tag"] for r in store.runs()] == ["known"]  # the default run is still the one with trials
+    # On an existing run it recovers and stops, as before.
+    assert invoke(fake_repo, "run", "--tag", "known", "--no-verify", "--max-trials", "0").exit_code == 0
+
+
+def test_best_and_report_of_a_run_that_stopped_before_its_baseline_say_one_line(fake_repo):
+    from autoloop.store import RunStatus, Store
+
+    with Store(fake_repo / "experiments.db") as store:
+        store.create_run("empty", base_commit=None, best_commit=None, status=RunStatus.STOPPED)
+    for command in ("best", "report"):
+        result = runner.invoke(app, [command, "--repo", str(fake_repo)])
+        assert result.exit_code == 1 and result.output.strip().splitlines() == [result.output.strip()], result.output
+        assert "run 'empty' has no trials: it stopped before its baseline" in result.output
+        assert "autoloop run --tag empty" in result.output and "Traceback" not in result.output
+
+
 def test_run_in_a_repository_without_commits_leaves_nothing_behind(tmp_path):
     import subprocess
 

@@ -114,7 +114,7 @@ FLOORS = [
     ("base",),  # the ground floor: processes, the allowed environment, statuses, redaction, faults
     ("harness",),  # train.py's half: torch, numpy, the standard library
     ("config", "pyconst", "gitops", "prepare"),
-    ("decide",),  # statistics on what it is given: no db, no git
+    ("decide", "invariants"),  # pure readings of what they are given (statistics, train.py's asserts): no db, no git
     ("store",),
     ("trust",),
     ("measure",),

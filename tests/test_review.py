@@ -399,6 +399,17 @@ def _html(text: str) -> str:
     return html.escape(text, quote=True)
 
 
+def test_the_report_lists_an_idea_with_a_patch_and_sets_as_both(repo, tmp_path):
+    from autoloop.store import Store
+
+    with Store(repo / "experiments.db") as store:
+        store.add_idea("wider by patch, lower lr", sets={"LR": "0.012"}, source="human",
+                       patch="--- a/train.py\n+++ b/train.py\n@@ -1 +1 @@\n-WIDTH = 64\n+WIDTH = 128\n")
+    cli(repo, "report", "--out", str(tmp_path / "report"))
+    page = (tmp_path / "report" / "report.html").read_text()
+    assert "<td>wider by patch, lower lr</td><td><code>patch, LR=0.012</code></td>" in page
+
+
 def test_report_default_folder(repo):
     cli(repo, "report")
     assert sorted(p.name for p in (repo / ".autoloop" / TAG / "report").iterdir()) == ["report.html"]

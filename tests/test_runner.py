@@ -173,6 +173,25 @@ def test_crash_reason_is_the_exception_line(tmp_path: Path):
     assert outcome.metric is None and outcome.metric_source is None
 
 
+BARE_ASSERT = """
+print("step 1 loss 2.0")
+def attention(cfg):
+    assert cfg["n_embd"] % cfg["n_head"] == 0 and cfg["n_head"] % cfg["n_kv_head"] == 0
+attention({"n_embd": 128, "n_head": 2, "n_kv_head": 3})
+"""
+
+
+def test_a_bare_assertion_error_is_named_by_its_source_line(tmp_path: Path):
+    """A failed assert without a message prints only "AssertionError": the reason adds the
+    line the traceback shows, so the morning review says what broke."""
+    outcome = run_script(tmp_path, BARE_ASSERT)
+    assert outcome.status == "crash"
+    assert outcome.reason == ('AssertionError: assert cfg["n_embd"] % cfg["n_head"] == 0 and '
+                              'cfg["n_head"] % cfg["n_kv_head"] == 0 (train.py line 4)'), outcome.reason
+    # An exception with its own message keeps it as it is.
+    assert run_script(tmp_path, TRACEBACK).reason == "ValueError: shapes (4, 8) and (9, 8) do not match"
+
+
 def test_fail_line_is_the_reason(tmp_path: Path):
     outcome = run_script(tmp_path, FAIL_NAN)
     assert (outcome.status, outcome.returncode, outcome.reason) == ("crash", 1, "FAIL: loss is nan")

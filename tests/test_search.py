@@ -522,3 +522,50 @@ def test_the_lr_range_test_places_the_first_learning_rate_step(tmp_path):
     first = rows[1]
     assert first["description"].startswith("LR range test's suggestion") and sets_of(first) == {"LR": 0.01}
     assert not rows[2]["description"].startswith("LR range test")  # once per run
+
+
+def test_the_search_never_proposes_a_move_that_breaks_an_assert_of_train_py():
+    """N_KV_HEAD 4 -> 8 with N_HEAD = 4 would crash as an AssertionError: blocked like a
+    bound, so the visit goes the other way (4 -> 2), and no move breaks the assert."""
+    from autoloop.proposers.search import FAILURE, SearchState
+    from autoloop.pyconst import set_constants
+
+    source = ("N_HEAD = 4  # query heads; range 1..16 pow2\nN_KV_HEAD = 4  # key/value heads; range 1..16 pow2\n\n"
+              "def config():\n    return {'n_head': N_HEAD, 'n_kv_head': N_KV_HEAD}\n\n"
+              "def attention(cfg):\n    assert cfg['n_head'] % cfg['n_kv_head'] == 0\n")
+    params = build_space(source, step_mode=False)
+    state, seen, moves = SearchState(), set(), []
+    for _ in range(30):
+        move = state.next_move(params, "p", source, seen)
+        if move is None:
+            break
+        moves.append(move.sets)
+        seen.add(move.digest)
+        state.observe(FAILURE)
+    values = [read_constants(set_constants(source, sets)) for sets in moves]
+    assert all(v["N_HEAD"].value % v["N_KV_HEAD"].value == 0 for v in values), moves
+    assert {"N_KV_HEAD": 2} in moves and {"N_KV_HEAD": 8} not in moves
+    assert {"N_HEAD": 8} in moves and {"N_HEAD": 2} not in moves
+
+
+def test_speed_and_memory_knobs_are_not_searched_in_step_mode():
+    """LOSS_CHUNK_BYTES (the loss's working memory) and ATTENTION_AUTO_MARGIN (which kernel
+    runs attention) change how fast the same maths runs, never what is learned: in step
+    mode a trial of either can only tie, so neither is searched; on a time budget they are
+    speed knobs, after the quality constants."""
+    from autoloop.proposers.search_space import explain_space
+
+    source = (REPO_ROOT / "train.py").read_text()
+    searched, skipped = explain_space(source, step_mode=True)
+    names = {p.name for p in searched}
+    why = dict(skipped)
+    for knob in ("LOSS_CHUNK_BYTES", "ATTENTION_AUTO_MARGIN", "DEVICE_BATCH_SIZE"):
+        assert knob not in names
+        assert why[knob] == "a speed or memory knob: it cannot change val_bpb in step mode"
+    assert {"MATRIX_LR", "LOGIT_SOFTCAP", "MUON_NS_STEPS"} <= names  # what is learned still is
+    by_name = {p.name: p.group for p in build_space(source, step_mode=False)}
+    assert by_name["LOSS_CHUNK_BYTES"] == by_name["ATTENTION_AUTO_MARGIN"] == "speed"
+    # The hint is the mechanism: any constant can be marked so, its moves unchanged.
+    marked = space_of("CHUNK = 2**20  # bytes per chunk; speed\nLR = 0.1\n")
+    assert marked["CHUNK"].group == "speed" and marked["CHUNK"].move(1, 0) == {"CHUNK": "2**21"}
+    assert parse_hints("bytes per chunk; speed").speed and not parse_hints("the speed of light").speed

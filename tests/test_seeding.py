@@ -226,3 +226,137 @@ def test_missing_patch_and_empty_description_are_one_line(fake_repo, tmp_path):
 def test_library_errors_are_autoloop_errors(fake_repo):
     with pytest.raises(AutoloopError, match="WIDTH is an int"):
         seed(fake_repo, "x", "WIDTH=2.5")
+
+
+# ---------------------------------------------------------------------------- train.py's invariants
+
+REAL_TRAIN = Path(__file__).resolve().parents[1] / "train.py"
+
+
+@pytest.fixture
+def real_repo(tmp_path) -> Path:
+    """The real train.py (only read here: seeding never runs it)."""
+    return make_repo(tmp_path / "real", REAL_TRAIN.read_text())
+
+
+def test_a_set_that_breaks_an_assert_of_train_py_is_refused_naming_it(real_repo):
+    # On a CPU train.py's CPU block has N_HEAD=2: 3 KV heads do not divide it.
+    line = assert_refused(real_repo, ["gqa", "--set", "N_KV_HEAD=3"],
+                          "asserts N_HEAD % N_KV_HEAD == 0", "N_HEAD must be a multiple of N_KV_HEAD",
+                          "N_HEAD=2, N_KV_HEAD=3", "choose values")
+    lineno = next(i for i, text in enumerate(REAL_TRAIN.read_text().splitlines(), 1) if "assert cfg[" in text)
+    assert f"train.py line {lineno} asserts" in line
+    assert_refused(real_repo, ["odd heads", "--set", "N_HEAD=3"], "MODEL_DIM must be a multiple of N_HEAD")
+
+
+def test_values_that_keep_the_asserts_are_seeded(real_repo):
+    assert seed(real_repo, "one kv head", "N_KV_HEAD=1")["sets"] == {"N_KV_HEAD": "1"}
+    # Two constants changed together keep the rule that each alone would break.
+    assert seed(real_repo, "more heads", "N_HEAD=8", "N_KV_HEAD=4")["sets"] == {"N_HEAD": "8", "N_KV_HEAD": "4"}
+
+
+def test_an_assert_already_broken_at_the_base_does_not_block_other_ideas(tmp_path):
+    source = ("A = 4\nB = 3\nLR = 0.1\n\ndef f(cfg, n):\n    assert cfg['a'] % cfg['b'] == 0\n    assert cfg['a'] > 0\n"
+              "    assert n < A  # n is the run's: not an invariant of the constants\n\nCFG = dict(a=A, b=B)\n")
+    repo = make_repo(tmp_path / "r", source)
+    assert seed(repo, "lr", "LR=0.2")["sets"] == {"LR": "0.2"}
+    assert_refused(repo, ["x", "--set", "A=-4"], "line 7 asserts A > 0", "A=-4")
+
+
+# ---------------------------------------------------------------------------- the queue: listing, cancelling
+
+
+def cli_ideas(repo, *args):
+    return runner.invoke(app, ["ideas", "--repo", str(repo), *args])
+
+
+def test_an_idea_with_a_patch_and_sets_is_listed_with_both(fake_repo, tmp_path):
+    source = (fake_repo / "train.py").read_text()
+    patch = write_patch(tmp_path, diff(source, source.replace("WIDTH = 64", "WIDTH = 128")))
+    assert cli_seed(fake_repo, "wider, lower lr", "--patch", str(patch), "--set", "LR=0.01").exit_code == 0
+    assert cli_seed(fake_repo, "only lr", "--set", "LR=0.03").exit_code == 0
+    assert cli_seed(fake_repo, "only wider", "--patch", str(patch)).exit_code == 0
+    listed = cli_ideas(fake_repo).output
+    assert "wider, lower lr [patch, LR=0.01]" in listed, listed
+    assert "only lr [LR=0.03]" in listed and "only wider [patch]" in listed
+
+
+def test_a_cancelled_idea_stays_listed_and_is_never_proposed(fake_repo):
+    from autoloop.proposers.seeded import IdeasProposer
+
+    seed(fake_repo, "first", "LR=0.01")
+    seed(fake_repo, "second", "LR=0.03")
+    result = cli_ideas(fake_repo, "--cancel", "1")
+    assert result.exit_code == 0 and result.output.strip() == "cancelled idea 1: first"
+    listed = cli_ideas(fake_repo).output.splitlines()
+    assert "cancelled" in next(line for line in listed if "first" in line)
+    again = cli_ideas(fake_repo, "--cancel", "1")
+    assert again.exit_code == 1 and again.output.strip() == "error: idea 1 cannot be cancelled: it is cancelled already"
+    missing = cli_ideas(fake_repo, "--cancel", "7")
+    assert missing.exit_code == 1 and len(missing.output.strip().splitlines()) == 1 and "no idea 7" in missing.output
+    # The ideas proposer, as the loop asks it, takes the second and then nothing.
+    with Store(fake_repo / "experiments.db") as store:
+        run = store.create_run("t", base_commit=git(fake_repo, "rev-parse", "HEAD"))
+        ctx = type("Ctx", (), {"store": store, "run": run})()
+        proposer = IdeasProposer(resolve(fake_repo, {}))
+        assert proposer.propose(ctx).description == "second"
+        assert proposer.propose(ctx) is None
+        assert [i["status"] for i in store.ideas()] == ["cancelled", "taken"]
+
+
+def test_an_idea_the_same_as_one_still_queued_is_not_queued_twice(fake_repo):
+    seed(fake_repo, "lower lr", "LR=0.01")
+    line = assert_refused(fake_repo, ["the same, in other words", "--set", "LR=0.01"],
+                          "idea 1 is the same edit and still queued ('lower lr')", "not queued twice",
+                          "autoloop ideas --cancel 1")
+    assert line.startswith("error: ")
+    seed(fake_repo, "lower lr and more", "LR=0.01", "SLEEP=0.1")  # another edit: queued
+    seed(fake_repo, "try SwiGLU in the MLP")
+    assert_refused(fake_repo, ["try  SwiGLU in the MLP "], "idea 3 is the same text and still queued")
+    # Once the first is no longer queued (cancelled here; tried works the same), it may be seeded again.
+    assert cli_ideas(fake_repo, "--cancel", "1").exit_code == 0
+    assert seed(fake_repo, "lower lr", "LR=0.01")["id"] == 4
+    with Store(fake_repo / "experiments.db") as store:
+        store.set_idea_status(4, "done")
+    assert seed(fake_repo, "lower lr", "LR=0.01")["id"] == 5
+
+
+def test_an_idea_seeded_for_a_run_not_started_yet_waits_for_it(fake_repo):
+    """`seed --tag T` before `run --tag T`: queued for T alone, checked against HEAD (where
+    T will start), and given to T when it is created."""
+    from autoloop.loop.controller import Controller
+    from autoloop.proposers.seeded import IdeasProposer
+
+    result = cli_seed(fake_repo, "lower lr for tonight", "--set", "LR=0.01", "--tag", "tonight")
+    assert result.exit_code == 0, result.output
+    assert "run 'tonight' is not started yet: the idea waits for `autoloop run --tag tonight`" in result.output
+    assert "waits for run 'tonight'" in cli_ideas(fake_repo).output
+    assert_refused(fake_repo, ["same for tonight", "--set", "LR=0.02", "--tag", "tonight", "--set", "LR=0.02x"],
+                   "LR=0.02x")  # still checked now, against HEAD
+    head = git(fake_repo, "rev-parse", "HEAD")
+    with Store(fake_repo / "experiments.db") as store:
+        other = store.create_run("other", base_commit=head, best_commit=head)
+        assert store.next_idea(other["id"]) is None  # another run never takes it
+        assert store.ideas(other["id"]) == []
+    controller = Controller(resolve(fake_repo, {"tag": "tonight", "proposers": "ideas"}), fake_repo, verifier=None)
+    controller.open()  # creates the run, as `autoloop run --tag tonight` does first
+    try:
+        run = controller.run_row
+        assert [i["id"] for i in controller.store.ideas(run["id"])] == [1]
+        ctx = type("Ctx", (), {"store": controller.store, "run": run})()
+        assert IdeasProposer(controller.config).propose(ctx).description == "lower lr for tonight"
+        (idea,) = controller.store.ideas()
+        assert (idea["run_id"], idea["status"]) == (run["id"], "taken")
+    finally:
+        controller.close()
+
+
+def test_an_assert_too_big_to_read_is_left_alone_and_the_others_still_hold():
+    """The asserts are a trial's code: one past pyconst's caps (here 1,200 nodes) is
+    skipped, never walked recursively, and the readable ones are still checked."""
+    from autoloop.invariants import broken_by, invariants
+
+    source = ("A = 4\nB = 2\n\ndef f():\n    assert A % B == 0\n    assert A + " + "+".join(["B"] * 600) + " > 0\n")
+    assert [i.text for i in invariants(source)] == ["A % B == 0"]
+    (problem,) = broken_by(source, source.replace("B = 2", "B = 3"))
+    assert problem.describe() == "train.py line 5 asserts A % B == 0 (A must be a multiple of B), and with A=4, B=3 it does not hold"

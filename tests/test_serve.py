@@ -691,3 +691,23 @@ def test_the_page_survives_seeding_and_another_writer_closing(tmp_path):
         _wait(lambda: "written after the first writer closed" in shown()[0], 5.0)
         assert "written while the page holds the db" in shown("live")[0]
         assert {"from the page", "seeded from the CLI later"} <= shown()[1]
+
+
+@pytest.mark.slow
+def test_the_page_lists_an_idea_with_a_patch_and_sets_as_both(night, server):
+    from browser_support import Browser, chromium
+
+    if chromium() is None:
+        pytest.skip("no chromium installed (.ci/run installs Debian's chromium)")
+    pytest.importorskip("websockets")
+    idea = night.store.add_idea("wider by patch, lower lr", sets={"LR": "0.012"}, source="human",
+                                patch="--- a/train.py\n+++ b/train.py\n@@ -1 +1 @@\n-WIDTH = 64\n+WIDTH = 128\n")
+    try:
+        with Browser(server.link) as browser:
+            browser.navigate(server.base + "/#/r/live")
+            cell = f"document.querySelector('tr[data-idea=\"{idea['id']}\"] code')"
+            browser.wait_for(f"{cell} !== null", 20)
+            assert browser.evaluate(f"{cell}.textContent") == "patch, LR=0.012"
+            assert browser.evaluate("document.body.dataset.jsErrors || '0'") == "0"
+    finally:
+        night.store.cancel_idea(idea["id"])  # the module's other tests see the queue as it was

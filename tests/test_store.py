@@ -278,8 +278,65 @@ def test_a_database_of_three_migrations_gains_the_machine_speed(db_path: Path):
     conn.commit()
     conn.close()
     with Store(db_path) as store:
-        assert store.applied_migrations()[-1] == "0005_machine_speed"
+        assert "0005_machine_speed" in store.applied_migrations()
         old = store.measurements(1)[0]
         assert old["machine_speed"] is None and old["tokens_per_second"] is None
         store.add_measurement(1, 2.4, seed=2, machine_speed=6.25, tokens_per_second=1800.0)
         assert store.measurements(1)[1]["machine_speed"] == 6.25
+
+
+def test_a_database_from_before_cancelled_ideas_keeps_its_ideas_and_can_cancel_them(db_path: Path, monkeypatch):
+    """0006_cancelled_ideas rebuilds the ideas table for the new CHECK vocabulary: the same
+    rows and ids, a trial's idea_id still pointing at its idea, foreign keys still enforced."""
+    import enum
+    import sqlite3
+
+    from autoloop import store as store_mod
+
+    class OldIdeaStatus(str, enum.Enum):  # the vocabulary the first five migrations knew
+        PENDING, TAKEN, DONE, DROPPED = "pending", "taken", "done", "dropped"
+
+    monkeypatch.setattr(store_mod, "IdeaStatus", OldIdeaStatus)
+    conn = sqlite3.connect(db_path)
+    conn.execute("CREATE TABLE _migrations (name TEXT PRIMARY KEY, applied_at TEXT NOT NULL)")
+    for name, migrate in store_mod.MIGRATIONS[:5]:
+        migrate(conn)
+        conn.execute("INSERT INTO _migrations VALUES (?, 'then')", (name,))
+    conn.execute("INSERT INTO runs (tag, status, created_at, updated_at) VALUES ('old', 'active', 'x', 'x')")
+    for text, status in (("tried", "done"), ("waiting", "pending"), ("later", "pending")):
+        conn.execute("INSERT INTO ideas (text, status, created_at) VALUES (?, ?, 'x')", (text, status))
+    conn.execute("INSERT INTO trials (run_id, number, kind, status, idea_id, created_at) VALUES (1, 1, 'proposal', 'keep', 1, 'x')")
+    conn.execute("UPDATE ideas SET trial_id = 1 WHERE id = 1")
+    conn.commit()
+    with pytest.raises(sqlite3.IntegrityError):  # the old table refuses the new status
+        conn.execute("UPDATE ideas SET status = 'cancelled' WHERE id = 2")
+    conn.close()
+    monkeypatch.undo()
+
+    with Store(db_path) as store:
+        assert store.applied_migrations()[-1] == "0006_cancelled_ideas"
+        assert [(i["id"], i["text"], i["status"]) for i in store.ideas()] == [
+            (1, "tried", "done"), (2, "waiting", "pending"), (3, "later", "pending")]
+        assert store.trials(1)[0]["idea_id"] == 1
+        assert store.cancel_idea(2)["status"] == "cancelled"
+        assert store.next_idea(1)["id"] == 3  # a cancelled idea is never handed out
+        assert store.next_idea(1) is None
+        assert store.conn.execute("PRAGMA foreign_keys").fetchone()[0] == 1
+        assert store.conn.execute("PRAGMA foreign_key_check").fetchall() == []
+        with pytest.raises(sqlite3.IntegrityError):  # still enforced on the rebuilt table
+            store.conn.execute("DELETE FROM ideas WHERE id = 1")
+        assert store.conn.execute("SELECT name FROM sqlite_master WHERE name = 'ideas_rebuilt'").fetchone() is None
+        assert store.conn.execute("SELECT name FROM sqlite_master WHERE name = 'ideas_pending'").fetchone() is not None
+
+
+def test_only_a_pending_idea_can_be_cancelled(store: Store, run: dict):
+    first, second = store.add_idea("a", sets={"LR": "0.1"}), store.add_idea("b", sets={"LR": "0.2"})
+    assert store.next_idea(run["id"])["id"] == first["id"]  # taken: its trial is being prepared
+    with pytest.raises(AutoloopError, match=f"idea {first['id']} cannot be cancelled: a proposer has taken it"):
+        store.cancel_idea(first["id"])
+    store.cancel_idea(second["id"])
+    with pytest.raises(AutoloopError, match="cancelled already"):
+        store.cancel_idea(second["id"])
+    with pytest.raises(AutoloopError, match="there is no idea 99: `autoloop ideas` lists them"):
+        store.cancel_idea(99)
+    assert [i["status"] for i in store.ideas()] == ["taken", "cancelled"]  # kept, never deleted

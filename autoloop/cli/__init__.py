@@ -243,7 +243,7 @@ def seed(
     patch: Annotated[Optional[Path], typer.Option(help="A unified diff (git diff format, UTF-8, at most 1 MB) against train.py at the current best.")] = None,
     priority: Annotated[int, typer.Option(help="Higher priorities are tried first; ties go oldest first.")] = 0,
     repo: RepoOpt = Path("."),
-    tag: Annotated[Optional[str], typer.Option(help="Only this run may take the idea; any run by default.")] = None,
+    tag: Annotated[Optional[str], typer.Option(help="Only this run may take the idea (a run not started yet gets it when `autoloop run --tag` starts it); any run by default.")] = None,
     db: DbOpt = None,
 ):
     """Queue an idea for the loop; a running loop picks it up at its next proposal.
@@ -255,6 +255,8 @@ def seed(
     config = config_for(repo, db=db)
     idea = seed_idea(config, repo, description, sets=set_ or [], patch=patch, priority=priority, tag=explicit_tag(tag))
     echo(f"seeded idea {idea['id']}: {description}")
+    if idea.get("run_tag"):
+        echo(f"run '{idea['run_tag']}' is not started yet: the idea waits for `autoloop run --tag {idea['run_tag']}`")
     waiting = text_only_wait(config, repo, idea)
     if waiting:
         echo(waiting)
@@ -263,12 +265,17 @@ def seed(
 @app.command()
 @handles_errors
 def ideas(repo: RepoOpt = Path("."), db: DbOpt = None,
-          as_json: Annotated[bool, typer.Option("--json", help="Print the ideas as JSON.")] = False):
-    """List the seeded ideas and what became of them."""
+          as_json: Annotated[bool, typer.Option("--json", help="Print the ideas as JSON.")] = False,
+          cancel: Annotated[Optional[int], typer.Option(help="Cancel the pending idea with this number: it stays listed, marked cancelled, and is never proposed.")] = None):
+    """List the seeded ideas and what became of them (--cancel N to cancel one)."""
     from autoloop.proposers.seeding import waiting_reason
     from autoloop.review.text import format_ideas
 
     store = open_store(repo, db)
+    if cancel is not None:
+        idea = store.cancel_idea(cancel)
+        echo(f"cancelled idea {idea['id']}: {idea['text']}")
+        return
     rows = store.ideas()
     waiting = waiting_reason(config_for(repo, db=db), store.runs())
     for idea in rows:  # why a pending idea is not taken, where it is known

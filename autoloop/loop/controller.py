@@ -217,6 +217,7 @@ class Controller:
         self.repo = GitRepo.open(self.project_dir)
         register_project(self.project_dir)  # its .env values are never stored, logged, shown or sent
         self.repo.head()  # a repository with no commits is refused before anything is written into it
+        self._refuse_an_empty_new_run()
         self.state_dir.mkdir(exist_ok=True)
         self.store = Store(self.db_path())
         self._lock = RunLock.for_folder(self.project_dir).acquire(self.tag, self.project_dir)  # one loop per working tree
@@ -241,6 +242,7 @@ class Controller:
                     )},
                 )
                 self.branch = branch
+                self.store.bind_waiting_ideas(self.run_row)  # ideas seeded with --tag before the run existed
             else:
                 self.run_row = existing
                 self.branch = existing["branch"]
@@ -256,6 +258,21 @@ class Controller:
         except BaseException:
             self.close()
             raise
+
+    def _refuse_an_empty_new_run(self) -> None:
+        """`--max-trials 0` only recovers a run a dead controller left: on a new tag it would
+        make an empty run that `best`, `report` and `log` then pick by default."""
+        if self.config.max_trials != 0:
+            return
+        db = self.db_path()
+        if db.exists():
+            with Store(db) as store:
+                if store.get_run(self.tag) is not None:
+                    return
+        raise AutoloopError(
+            f"--max-trials 0 only recovers an existing run, and there is no run '{self.tag}' yet: "
+            f"give --max-trials 1 or more (or leave it out) to start it"
+        )
 
     def close(self) -> None:
         lock = self._lock

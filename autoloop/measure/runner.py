@@ -714,10 +714,32 @@ def _crash_reason(lines: list[str], returncode: int, sandboxed: bool = False) ->
         except ValueError:
             name = f"signal {signum}"
         return f"killed by {name}"
-    for line in reversed(lines):
-        if line.strip():
-            return line.strip()
+    for index in range(len(lines) - 1, -1, -1):
+        if lines[index].strip():
+            return _with_source(lines, index)
     return f"exited with code {returncode} and no output"
+
+
+_BARE_EXCEPTION = re.compile(r"^[A-Za-z_][\w.]*:?$")  # `AssertionError`: a traceback's last line, no message
+_FRAME = re.compile(r'^\s*File "(?P<file>[^"]*)", line (?P<line>\d+)')
+_CARETS = re.compile(r"^[\s^~]+$")
+
+
+def _with_source(lines: list[str], index: int) -> str:
+    """The exception line at `index`; a bare one (a failed `assert` without a message says
+    only "AssertionError") with the source line the traceback shows for it, so the morning
+    review says what broke: `AssertionError: assert n_head % n_kv_head == 0 (train.py line 200)`."""
+    last = lines[index].strip()
+    if not _BARE_EXCEPTION.match(last):
+        return last
+    for frame in range(index - 1, max(index - 20, -1), -1):
+        found = _FRAME.match(lines[frame])
+        if found:
+            source = " ".join(line.strip() for line in lines[frame + 1:index] if line.strip() and not _CARETS.match(line))
+            if not source:
+                break
+            return f"{last.rstrip(':')}: {source[:300]} ({Path(found['file']).name} line {found['line']})"
+    return last
 
 
 def parse_summary_block(text: str) -> dict[str, Any] | None:

@@ -38,7 +38,9 @@ preferred direction (up at first) at its current step, then the other direction:
 
 A move whose train.py would be identical to one already evaluated in this run (any
 proposer, any parent: "the same constant and value on the same parent" is a special
-case) counts as a failure without a trial, as does a move blocked by a bound. So a
+case) counts as a failure without a trial, as does a move blocked by a bound or one that breaks
+one of train.py's own asserts over its constants (`N_HEAD % N_KV_HEAD == 0`: see
+`autoloop.invariants`), which would only crash. So a
 (constant, value, parent) is never tried twice, and the search never walks back to a
 configuration it knows.
 
@@ -59,6 +61,7 @@ cached between calls and reused while the trial history only grows.
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import json
 import math
@@ -67,6 +70,7 @@ from dataclasses import dataclass, field
 from autoloop.config import Config
 from autoloop.decide.effects import sensitivity, trial_effect
 from autoloop.errors import AutoloopError
+from autoloop.invariants import Guard
 from autoloop.proposers.proposal import Edit, Proposal, matches
 from autoloop.proposers.search_space import GROUP_LABELS, MAX_LEVEL, Param, build_space
 from autoloop.pyconst import Expression, evaluate_text, format_value, set_constants
@@ -75,6 +79,12 @@ from autoloop.store import Status
 SUCCESS, FAILURE, INERT = "success", "failure", "inert"
 _NOT_EVIDENCE = (Status.RUNNING.value, Status.INTERRUPTED.value)
 _MAX_SKIPS = 100_000  # skips are bounded anyway (each one shrinks or retires a step); a guard against bugs
+
+
+@functools.lru_cache(maxsize=8)
+def _guard(parent_text: str) -> Guard:
+    """The parent's asserts over its constants (autoloop.invariants), read once per parent."""
+    return Guard(parent_text)
 
 
 def _digest(text: str) -> str:
@@ -229,6 +239,8 @@ class SearchState:
                 self.visit = None
                 continue
             sets = param.move(direction, state.level)
+            if sets is not None and _guard(parent_text).breaks(sets):
+                sets = None  # it breaks one of train.py's own asserts (N_HEAD % N_KV_HEAD): blocked, like a bound
             move = Move(param, direction, state.level, sets or {}, "")
             if sets is not None:
                 move.digest = _digest(set_constants(parent_text, sets))

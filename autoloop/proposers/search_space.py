@@ -18,6 +18,7 @@ or space separated):
     pow2 | power of two values are powers of two (doubled and halved)
     step X              the first step: a factor for log, an increment for linear
     fixed               never searched
+    speed               changes speed or memory only, never what is learned (a speed knob)
 
     LR = 0.02  # learning rate; range 0.0001..1 log
     WIDTH = 64  # model width; power of two
@@ -60,6 +61,10 @@ accumulation does the same arithmetic, only faster or slower. The search recogni
   a pair with it (per-device x2, accumulation /2, and back), a two-line diff;
 - any other batch constant changes the total batch: a quality change, the batch group.
 
+A constant whose hint says `speed` is a speed knob too: train.py marks LOSS_CHUNK_BYTES
+(the loss's working memory) and ATTENTION_AUTO_MARGIN (which kernel runs attention) so,
+because either changes only how fast and in how much memory the same maths runs.
+
 Speed knobs cannot change val_bpb in step mode (same steps, same tokens, same maths), so
 they are searched only when trials run on a time budget, where a faster step means more
 steps; they come after the quality constants.
@@ -83,7 +88,7 @@ GROUP_LABELS = {
     "weight_decay": "weight decay",
     "schedule": "schedule",
     "other": "other",
-    "speed": "speed: total batch unchanged",
+    "speed": "speed or memory only: the same maths",
     "architecture": "architecture",
 }
 
@@ -113,6 +118,7 @@ class Hints:
     pow2: bool = False
     fixed: bool = False
     step: float | None = None
+    speed: bool = False
 
     @property
     def given(self) -> bool:
@@ -163,6 +169,8 @@ def _parse_clause(clause: str) -> dict | None:
             found["pow2"] = True
         elif word == "fixed":
             found["fixed"] = True
+        elif word == "speed":
+            found["speed"] = True
         elif word == "step" and i + 1 < len(words):
             try:
                 found["step"] = _number(words[i + 1])
@@ -450,12 +458,14 @@ def _build(source: str, *, step_mode: bool, path: str, strict: bool) -> tuple[li
             continue
         if hints.given and param.kind != "bool":
             param = _apply_hints(param, hints)
+        if hints.speed:
+            param = replace(param, group="speed")
         params.append(param)
     params = _mark_speed(params, constants)
     reassigned = _reassigned_in_blocks(source)
     params = [replace(p, shadowed=True) if p.name in reassigned else p for p in params]
     if step_mode:
-        skipped += [(p.name, "a speed knob (same total batch): it cannot change val_bpb in step mode")
+        skipped += [(p.name, "a speed or memory knob: it cannot change val_bpb in step mode")
                     for p in params if p.group == "speed"]
         params = [p for p in params if p.group != "speed"]
     return sorted(params, key=lambda p: p.order), skipped

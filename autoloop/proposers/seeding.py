@@ -15,8 +15,18 @@ trains:
   an int or a float, a string a (quoted) string, a bool a bool, a list or tuple a list or
   tuple; numbers must be finite (`1e400` would be written as `inf`); a name in the value
   must be another constant of the file (`abc` is a typo for `'abc'`);
+* the constants must keep train.py's own asserts over them (`autoloop.invariants`): with
+  N_HEAD=4, `--set N_KV_HEAD=3` breaks `assert N_HEAD % N_KV_HEAD == 0` and is refused
+  naming that line, instead of crashing at night as a bare AssertionError;
 * a patch file must be UTF-8 text (ideas are stored as text) of at most
   MAX_PATCH_BYTES.
+
+`--tag T` for a run not started yet queues the idea for it: checked against HEAD (where
+`autoloop run --tag T` will start), kept for that run alone (`ideas.run_tag`), and given
+to the run when it is created.
+
+An idea the same as one still pending (the same edit, whatever its words; for a text-only
+idea, the same text) is not queued twice: `Store.add_idea` says which one, in one line.
 
 A text-only idea (no `--set`, no patch) is only ever read by a proposer that reads text:
 an LLM (`llm-model`) or a coding agent (`agent-command`). With neither configured (in
@@ -187,6 +197,8 @@ def current_best(config: Config, repo: Path, tag: str | None):
     if db.exists():
         with Store(db) as store:
             run = _run_for(store, db, tag)
+    if run is None and tag is not None:
+        return git_repo, git_repo.head(), f"HEAD (run '{tag}' not started yet: it will start from HEAD)"
     if run is None:
         return git_repo, git_repo.head(), "HEAD (no run yet)"
     sha = run["best_commit"] or run["base_commit"]
@@ -205,13 +217,31 @@ def _db_path(config: Config, repo: Path) -> Path:
 
 
 def _run_for(store, db: Path, tag: str | None) -> dict | None:
+    """The run an idea is checked against: the --tag run (None when it is not started
+    yet: the idea waits for it), else the most recent run."""
     if tag is not None:
-        run = store.get_run(tag)
-        if run is None:
-            raise AutoloopError(f"no run tagged '{tag}' in {db}: seed without --tag to let any run take it")
-        return run
+        return store.get_run(tag)
     runs = store.runs()
     return runs[-1] if runs else None
+
+
+# ---------------------------------------------------------------------------- train.py's asserts
+
+
+def _check_invariants(what: str, path: str, old: str | None, new: str | None) -> None:
+    """Refuse an idea whose constants break one of train.py's own asserts over them
+    (autoloop.invariants), which would otherwise crash the trial as a bare AssertionError."""
+    from autoloop.invariants import broken_by
+
+    if old is None or new is None or old == new:
+        return
+    try:
+        problems = broken_by(old, new)
+    except SyntaxError:
+        return  # validate has judged the file; nothing more to read here
+    if problems:
+        raise AutoloopError(f"{what} cannot be seeded: {problems[0].describe(path)}: choose values that keep it "
+                            "(several --set flags change constants together)")
 
 
 # ---------------------------------------------------------------------------- seed
@@ -251,11 +281,14 @@ def seed_idea(config: Config, repo: Path, description: str, *, sets: list[str], 
             validate(files, read_best, editable=config.editable, protected=config.protected)
         except InvalidProposal as exc:
             raise AutoloopError(f"{what} cannot be seeded: {exc} (checked against {best[:7]}, {where})") from None
+        _check_invariants(what, config.editable[0], read_best(config.editable[0]), files.get(config.editable[0]))
     db = _db_path(config, repo)
     store = Store(db)
     try:
-        run_id = _run_for(store, db, tag)["id"] if tag is not None else None
-        return store.add_idea(description, run_id=run_id, sets=sets_parsed, patch=patch_text, priority=priority, source="human")
+        run = _run_for(store, db, tag) if tag is not None else None
+        # A run not started yet: the idea waits for it (run_tag), bound when `autoloop run --tag` creates it.
+        return store.add_idea(description, run_id=run["id"] if run else None, run_tag=tag if tag and not run else None,
+                              sets=sets_parsed, patch=patch_text, priority=priority, source="human")
     finally:
         store.close()
 

@@ -55,7 +55,7 @@ from autoloop.measure.run_folder import RunFolder
 from autoloop.decide.effects import ablation_effect, decision_of, trial_effect
 from autoloop.errors import AutoloopError, NotFound
 from autoloop.decide.figures import baseline_to_best, compute_kind, run_seconds, status_counts, trial_seconds
-from autoloop.store import Kind, Status
+from autoloop.store import Kind, Status, ideas_for_run
 
 
 def pick_run(store, tag: str | None, *, fix: str = "check --tag") -> dict:
@@ -341,8 +341,11 @@ def trial_diff(store, run: dict, number: int, repo: Path | None = None) -> tuple
 
 def require_trials(store, run: dict) -> int:
     total = count_trials(store, run)
-    if total == 0:
+    if total == 0 and run.get("status") in (None, "active"):
         raise AutoloopError(f"run '{run['tag']}' has no trials yet: wait for its baseline, or pick another run with --tag")
+    if total == 0:  # it stopped before its baseline: nothing to wait for
+        raise AutoloopError(f"run '{run['tag']}' has no trials: it stopped before its baseline; resume it with "
+                            f"`autoloop run --tag {run['tag']}`, or pick another run with --tag")
     return total
 
 
@@ -517,7 +520,7 @@ def idea_outcomes(store, run: dict) -> list[dict]:
         "SELECT i.id, i.text, i.sets, i.patch IS NOT NULL AS has_patch, i.priority, i.status, i.source, "
         "t.number AS trial, t.status AS trial_status, t.metric AS trial_metric, t.delta AS trial_delta, "
         "r.tag AS trial_run FROM ideas i LEFT JOIN trials t ON t.id = i.trial_id LEFT JOIN runs r ON r.id = t.run_id "
-        "WHERE i.run_id = ? OR i.run_id IS NULL ORDER BY i.id",
+        "WHERE " + ideas_for_run("i.") + " ORDER BY i.id",
         (run["id"],),
         table="ideas",
     )

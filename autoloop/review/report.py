@@ -41,7 +41,7 @@ from autoloop.review.queries import (
     CRASHED, baseline_trial, best_trial, common_reasons, discarded_trials, headline, idea_outcomes, kept_trials,
     latest_ablations, noise_info, outage_info, progress_points, require_trials, select, trial_delta,
 )
-from autoloop.review.text import describe_noise
+from autoloop.review.text import describe_noise, idea_edit
 from autoloop.store import Kind, Status, utcnow
 
 MAX_TABLE_ROWS = 200
@@ -353,8 +353,7 @@ def render_html(data: dict) -> str:
         add("<table id=\"ideas\"><thead><tr><th class=\"num\">id</th><th>idea</th><th>edit</th><th>status</th>"
             "<th>outcome</th></tr></thead><tbody>")
         for idea in ideas[:MAX_TABLE_ROWS]:
-            sets = idea.get("sets")
-            edit = ", ".join(f"{k}={v}" for k, v in sets.items()) if sets else ("patch" if idea["has_patch"] else "text only")
+            edit = idea_edit(idea) or "text only"
             add(f"<tr data-idea=\"{idea['id']}\"><td class=\"num\">{idea['id']}</td><td>{_e(idea['text'])}</td>"
                 f"<td><code>{_e(edit)}</code></td><td>{_e(idea['status'])}</td>"
                 f"<td>{_idea_outcome(idea, run, waiting if edit == 'text only' else None)}</td></tr>")

@@ -461,6 +461,14 @@ def format_noise(info: dict) -> list[str]:
     return lines
 
 
+def idea_edit(idea: dict) -> str:
+    """What an idea edits, in a few words: "patch, LR=0.01" for both (the patch is applied
+    first, then the constants are set), "" for a text-only idea. Rows have `patch` or
+    `has_patch`."""
+    parts = ["patch"] if idea.get("patch") or idea.get("has_patch") else []
+    return ", ".join(parts + [f"{k}={v}" for k, v in (idea.get("sets") or {}).items()])
+
+
 def format_ideas(store, rows: list[dict]) -> str:
     if not rows:
         return "no ideas yet: seed one with `autoloop seed \"what to try\" --set NAME=VALUE`"
@@ -470,7 +478,7 @@ def format_ideas(store, rows: list[dict]) -> str:
         chunk = trial_ids[start:start + 500]
         for t in select(store, f"SELECT id, number, status FROM trials WHERE id IN ({', '.join('?' for _ in chunk)})", chunk):
             trials[t["id"]] = t
-    lines = [f"{'id':>4} {'prio':>4} {'status':<8} {'trial':>5}  idea"]
+    lines = [f"{'id':>4} {'prio':>4} {'status':<9} {'trial':>5}  idea"]
     for idea in rows:
         trial = ""
         t = trials.get(idea.get("trial_id"))
@@ -478,12 +486,10 @@ def format_ideas(store, rows: list[dict]) -> str:
             trial = f"{t['number']}"
             if t.get("status") != "running":
                 trial += f" ({t['status']})"
-        edit = ""
-        if idea.get("sets"):
-            edit = " [" + ", ".join(f"{k}={v}" for k, v in idea["sets"].items()) + "]"
-        elif idea.get("patch"):
-            edit = " [patch]"
-        lines.append(f"{idea['id']:>4} {idea['priority']:>4} {idea['status']:<8} {trial:>5}  {_cut(idea['text'], 70)}{edit}")
+        edit = f" [{idea_edit(idea)}]" if idea_edit(idea) else ""
+        lines.append(f"{idea['id']:>4} {idea['priority']:>4} {idea['status']:<9} {trial:>5}  {_cut(idea['text'], 70)}{edit}")
+        if idea.get("run_tag") and not idea.get("run_id") and idea.get("status") == "pending":
+            lines.append(f"{'':>26}↳ waits for run '{idea['run_tag']}': `autoloop run --tag {idea['run_tag']}` starts it")
         if idea.get("waiting"):
-            lines.append(f"{'':>25}↳ waiting: {idea['waiting']}")
+            lines.append(f"{'':>26}↳ waiting: {idea['waiting']}")
     return "\n".join(lines)

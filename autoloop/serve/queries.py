@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from autoloop.errors import AutoloopError
+from autoloop.store import ideas_for_run
 from autoloop.trust import untrusted as files
 
 
@@ -285,9 +286,9 @@ def ideas(store, run: dict) -> dict:
     latest ideas taken with what became of them."""
     queue = _select(store, "SELECT id, substr(text, 1, 300) AS text, sets, patch IS NOT NULL AS has_patch, priority, "
                            "run_id IS NULL AS any_run, created_at FROM ideas WHERE status = 'pending' "
-                           "AND (run_id = ? OR run_id IS NULL) ORDER BY priority DESC, id LIMIT ?", (run["id"], IDEAS_SHOWN),
+                           "AND " + ideas_for_run() + " ORDER BY priority DESC, id LIMIT ?", (run["id"], IDEAS_SHOWN),
                     table="ideas")
-    pending = _select(store, "SELECT COUNT(*) AS n FROM ideas WHERE status = 'pending' AND (run_id = ? OR run_id IS NULL)",
+    pending = _select(store, "SELECT COUNT(*) AS n FROM ideas WHERE status = 'pending' AND " + ideas_for_run(),
                       (run["id"],))[0]["n"]
     recent = _select(store, "SELECT i.id, substr(i.text, 1, 300) AS text, i.status, t.number AS trial, "
                             "t.status AS trial_status, t.delta AS trial_delta FROM ideas i JOIN trials t ON t.id = i.trial_id "

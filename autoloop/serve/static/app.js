@@ -491,7 +491,7 @@
     fill(byId("ideas-count"), data.pending ? data.pending + " waiting" : "");
     const rows = data.queue.map((i) => h("tr", { data: { idea: i.id } }, h("td", { class: "num" }, String(i.priority)),
       h("td", { class: "desc" }, i.text), h("td", {}, h("code", {},
-        i.sets ? Object.entries(i.sets).map(([k, v]) => k + "=" + v).join(", ") : i.has_patch ? "patch" : "text only"))));
+        [...(i.has_patch ? ["patch"] : []), ...Object.entries(i.sets || {}).map(([k, v]) => k + "=" + v)].join(", ") || "text only"))));
     const recent = data.recent.map((i) => h("li", {}, h("a", { href: trialHref(i.trial) }, "#" + i.trial), " ", statusSpan(i.trial_status || ""),
       i.trial_delta !== null ? " " + signed(i.trial_delta) + " " : " ", i.text));
     fill(byId("ideas"),

@@ -8,42 +8,26 @@ code), trains it for a fixed budget, and keeps the edit only if val_bpb improves
     AUTOLOOP_TIME_BUDGET=30 python train.py          # a 30-second run
     AUTOLOOP_MAX_STEPS=50 AUTOLOOP_SEED=1 python train.py   # step mode (deterministic on a CPU)
 
-Every AUTOLOOP_* variable is optional (docs/architecture.md, "Contracts"):
-the result JSON, checkpoint and progress file are written only when their paths are set.
-Data, tokenizer, evaluation (val_bpb) and the clock come from the fixed harness
-(autoloop.harness) so no edit here can change how a trial is scored.
+Every AUTOLOOP_* variable is optional (docs/architecture.md, "Contracts"). Data, tokenizer,
+evaluation (val_bpb), the clock, and the infrastructure around the model (attention kernel
+timing, FLOP counts and MFU, the torch.compile fallback) are the fixed harness's
+(autoloop.harness), so no edit here can change how a trial is scored or measured.
 
-On CUDA it trains a ~25M-parameter model (the scale of autoresearch's baseline; the byte
-vocabulary makes the embeddings small) with torch.compile and bf16 (embeddings, rotary
-tables and the residual stream in bf16, as autoresearch and nanochat keep them); on a CPU
-it trains a tiny one in fp32, eager, so a 30-second run on a laptop still learns visibly.
-The scale switch is one block ("Device and scale") below the hyperparameters.
-
-Before the first batch is drawn, the model and Muon are warmed up on random tokens and
-put back as they were: torch.compile compiles there, so whether it works is known before
-the harness's data feed serves anything, and a compiler that fails (no C compiler, no
-Triton, an inductor bug) means an eager run, said in one WARNING line. An error of the
-code itself (a shape bug, a pinned attention kernel that cannot run these shapes) is
-raised as itself.
-
-Determinism: step mode repeats bit for bit on a CPU. On CUDA it does not: the fused
-attention kernels' backward (flash, cuDNN, efficient) accumulates in a nondeterministic
-order, so two runs at the same seed differ in the last bits and drift apart slowly.
+On CUDA it trains a ~25M-parameter model (autoresearch's scale) compiled, in bf16; on a
+CPU a tiny one in fp32, eager, so a 30-second run on a laptop still learns visibly (the
+"Device and scale" block). Before the first batch, model and Muon are warmed up on random
+tokens and put back (torch.compile compiles there; a compiler that fails means an eager
+run, said in one WARNING line). Step mode repeats bit for bit on a CPU, not on CUDA
+(docs/gpu.md, "Determinism").
 
 Importable names (the harness, `autoloop check` and tests rely on them): build_model,
 model_config, GPT, muon_orthogonalize, muon_update, Muon, build_optimizers,
-make_train_step, prepare_training, warm_up, attention_kernel, choose_attention_kernel,
-time_attention_kernels, kernel_from_op_names, softcapped_cross_entropy, lr_multiplier,
-weight_decay_at, muon_momentum_at, flops_per_token, flops_per_token_palm,
-executed_flops_per_token, peak_flops, mfu_figures, is_compile_error. Training runs only
-under __main__.
+make_train_step, prepare_training, softcapped_cross_entropy, lr_multiplier,
+weight_decay_at, muon_momentum_at. Training runs only under __main__.
 """
 
-import contextlib
 import gc
-import itertools
 import math
-import resource
 import sys
 import time
 
@@ -51,7 +35,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from autoloop import harness as H
 
@@ -106,12 +89,9 @@ CURVE_POINTS = 256  # the result's loss curve is thinned to at most about this m
 
 # ---------------------------------------------------------------------------
 # ---- Device and scale ----
-# The one place where the device changes the run. On CUDA: the full model, compiled,
-# bf16 activations, bf16 Muon, weights materialised straight on the GPU from the meta
-# device. On a CPU: a tiny model in fp32, eager, so a 30 s run learns visibly (a 2-core
-# CPU does roughly 25k tokens/s at this size). Each derived switch is one line of the
-# form `NAME = <expression>`, so a test can force the CUDA code path on a CPU by
-# replacing the expression (tests/test_train.py does exactly that).
+# The one place where the device changes the run (a 2-core CPU does ~25k tokens/s at its
+# size). Each derived switch is one line `NAME = <expression>`, so a test can force the
+# CUDA code path on a CPU by replacing the expression (tests/test_train.py does).
 # ---------------------------------------------------------------------------
 
 DEVICE_TYPE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -148,18 +128,9 @@ MUON_DTYPE = torch.bfloat16 if DEVICE_TYPE == "cuda" else torch.float32  # Polar
 
 def model_config(vocab_size=None, seq_len=None):
     """The architecture as a plain dict (stored in the checkpoint; build_model reads it)."""
-    return {
-        "vocab_size": int(vocab_size or H.ByteTokenizer.vocab_size),
-        "seq_len": int(seq_len or H.seq_len(DEVICE_TYPE)),
-        "n_layer": DEPTH,
-        "n_embd": MODEL_DIM,
-        "n_head": N_HEAD,
-        "n_kv_head": N_KV_HEAD,
-        "mlp_ratio": MLP_RATIO,
-        "rope_base": ROPE_BASE,
-        "logit_softcap": LOGIT_SOFTCAP,
-        "vocab_pad_to": VOCAB_PAD_MULTIPLE,
-    }
+    return {"vocab_size": int(vocab_size or H.ByteTokenizer.vocab_size), "seq_len": int(seq_len or H.seq_len(DEVICE_TYPE)),
+            "n_layer": DEPTH, "n_embd": MODEL_DIM, "n_head": N_HEAD, "n_kv_head": N_KV_HEAD, "mlp_ratio": MLP_RATIO,
+            "rope_base": ROPE_BASE, "logit_softcap": LOGIT_SOFTCAP, "vocab_pad_to": VOCAB_PAD_MULTIPLE}
 
 
 def padded_vocab(cfg):
@@ -187,11 +158,6 @@ class Linear(nn.Linear):
         return F.linear(x, self.weight.to(x.dtype))
 
 
-# SDPA's kernels by the names ATTENTION_BACKEND uses.
-SDPA_KERNELS = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
-                "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
-
-
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg):
         super().__init__()
@@ -213,7 +179,7 @@ class CausalSelfAttention(nn.Module):
         k = self.c_k(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         v = self.c_v(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         q, k = norm(apply_rotary(q, cos, sin)), norm(apply_rotary(k, cos, sin))
-        with attention_kernel(self.kernel):
+        with H.attention_kernel(self.kernel):
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_head != self.n_head)
         return self.c_proj(y.transpose(1, 2).reshape(B, T, -1))
 
@@ -280,8 +246,7 @@ class GPT(nn.Module):
 
     def set_attention_kernel(self, name):
         """Pin every attention layer's SDPA call to kernel `name` (None: SDPA's own choice)."""
-        if name is not None and name not in SDPA_KERNELS:
-            raise ValueError(f"unknown attention kernel {name!r}: use one of {', '.join(SDPA_KERNELS)} or auto")
+        H.check_kernel_name(name)
         for module in self.modules():
             if isinstance(module, CausalSelfAttention):
                 module.kernel = name
@@ -386,208 +351,6 @@ def build_model(config=None, device="cpu"):
         model.wte.to(dtype=EMBEDDING_DTYPE)
         model.cos, model.sin = model.cos.to(EMBEDDING_DTYPE), model.sin.to(EMBEDDING_DTYPE)
     return model
-
-
-# ---------------------------------------------------------------------------
-# ---- Attention kernel ----
-# ---------------------------------------------------------------------------
-
-
-def attention_kernel(name):
-    """A context that pins SDPA to kernel `name`; None leaves the choice to SDPA.
-
-    Pinned to one kernel, SDPA raises when that kernel cannot run the shapes instead of
-    quietly falling back to the math kernel (several times slower, T x T memory).
-    """
-    if name is None:
-        return contextlib.nullcontext()
-    if name not in SDPA_KERNELS:
-        raise ValueError(f"unknown attention kernel {name!r}: use one of {', '.join(SDPA_KERNELS)} or auto")
-    return sdpa_kernel([SDPA_KERNELS[name]])
-
-
-def time_attention_kernels(config, batch_size, device, dtype, kernels=tuple(SDPA_KERNELS), repeats=30):
-    """Median seconds of one causal SDPA forward + backward, per kernel, as the model calls it.
-
-    The model's layout: q and k contiguous (B, H, T, D) (rotary and norm write new tensors),
-    v a transposed view of the (B, T, H_kv, D) projection, the incoming gradient a
-    transposed view too, and enable_gqa when there are fewer kv heads. Three untimed calls
-    first, then `repeats` timed ones; the median, not the mean, so one hiccup does not
-    decide. A kernel that cannot run the shapes maps to its error text (a str).
-    """
-    head_dim = config["n_embd"] // config["n_head"]
-    B, T, Hq, Hkv = batch_size, config["seq_len"], config["n_head"], config["n_kv_head"]
-    gen = torch.Generator(device="cpu").manual_seed(0)
-
-    def rand(*shape):
-        return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
-
-    q = rand(B, Hq, T, head_dim).requires_grad_()
-    k = rand(B, Hkv, T, head_dim).requires_grad_()
-    v = rand(B, T, Hkv, head_dim).requires_grad_()
-    dy = rand(B, T, Hq, head_dim).transpose(1, 2)
-    cuda = torch.device(device).type == "cuda"
-    out = {}
-    for name in kernels:
-        try:
-            seconds = []
-            for i in range(3 + repeats):
-                if cuda:
-                    torch.cuda.synchronize(device)
-                t0 = time.perf_counter()
-                with attention_kernel(name):
-                    y = F.scaled_dot_product_attention(q, k, v.transpose(1, 2), is_causal=True, enable_gqa=Hkv != Hq)
-                y.backward(dy)
-                if cuda:
-                    torch.cuda.synchronize(device)
-                if i >= 3:
-                    seconds.append(time.perf_counter() - t0)
-            out[name] = float(np.median(seconds))
-        except RuntimeError as exc:
-            out[name] = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        finally:
-            q.grad = k.grad = v.grad = None
-    return out
-
-
-def choose_attention_kernel(config, batch_size, device, dtype, backend=None, margin=None):
-    """The SDPA kernel to pin: `backend` (ATTENTION_BACKEND by default), or with "auto" on
-    CUDA flash unless cuDNN or efficient is faster by more than `margin`
-    (ATTENTION_AUTO_MARGIN) at these shapes; None lets SDPA choose (a CPU).
-
-    The margin keeps the pick steady: two kernels within a few percent of each other swap
-    places from one timing to the next, and a trial's kernel should not depend on that.
-    """
-    backend = backend or ATTENTION_BACKEND
-    if backend != "auto":
-        return backend
-    if torch.device(device).type != "cuda":
-        return None  # a CPU has one fused kernel and math; SDPA picks the fused one when it can
-    margin = ATTENTION_AUTO_MARGIN if margin is None else margin
-    times = time_attention_kernels(config, batch_size, device, dtype, kernels=("flash", "cudnn", "efficient"))
-    return pick_attention_kernel(times, margin)
-
-
-def pick_attention_kernel(times, margin, default="flash"):
-    """`default` unless another usable kernel takes less than (1 - margin) of its time; the
-    fastest when the default cannot run; "math" (said loudly) when none can."""
-    usable = {name: t for name, t in times.items() if isinstance(t, float)}
-    if not usable:
-        # Said loudly: the math kernel is several times slower and needs T x T memory.
-        print(f"WARNING: no fused attention kernel runs these shapes ({times}); using the math kernel", flush=True)
-        return "math"
-    fastest = min(usable, key=usable.get)
-    if default in usable and usable[fastest] >= (1 - margin) * usable[default]:
-        return default
-    return fastest
-
-
-def kernel_from_op_names(names):
-    """The SDPA kernel named by the aten ops that ran (flash, cudnn, efficient, math).
-
-    Compiled code calls the fused kernels as extern ops, so they show by name; the math
-    kernel is composite (matmuls and a softmax, fused by the compiler), so "math" is what
-    ran when attention ran without any fused kernel.
-    """
-    joined = " ".join(names)
-    for op, kernel in (("_flash_attention", "flash"), ("_cudnn_attention", "cudnn"),
-                       ("_efficient_attention", "efficient"), ("_scaled_dot_product_attention_math", "math")):
-        if op in joined:
-            return kernel
-    return "math"
-
-
-def _ops_run(fn):
-    """The names of the ops `fn()` dispatched (torch.profiler, CPU side: it sees the extern
-    kernels that compiled code calls), and fn's result."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        out = fn()
-    return {event.name for event in prof.events()}, out
-
-
-# ---------------------------------------------------------------------------
-# ---- FLOPs ----
-# Two conventions, both in the result JSON:
-#   flops_per_token / mfu_percent: 6 per matmul weight of the real vocabulary + causal
-#     attention at (T + 1) / 2 query-key pairs per token (the masked half is no model work).
-#   flops_per_token_palm / mfu_percent_palm: PaLM's 6N + 12 L H Q T (N every matmul
-#     parameter, padding rows included; attention over all T keys), as nanochat and
-#     autoresearch report MFU. At T = 2048 it is ~1.2x the first at this model's shape.
-# ---------------------------------------------------------------------------
-
-
-def _matmul_params(model):
-    """Parameters used as matmul weights: all but embedding tables (a lookup is no FLOPs)."""
-    lookups = {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
-    return sum(p.numel() for p in model.parameters() if id(p) not in lookups)
-
-
-def _padding_params(model):
-    """lm_head weights of the padding rows (computed, never a prediction)."""
-    head = getattr(model, "lm_head", None)
-    vocab = model.config.get("vocab_size")
-    if head is None or vocab is None or head.weight.size(0) <= vocab:
-        return 0
-    return (head.weight.size(0) - vocab) * head.weight.size(1)
-
-
-def _attention_pairs(seq_len, causal=True):
-    """Mean query-key pairs scored per token: (T + 1) / 2 for causal attention, T if all are."""
-    return (seq_len + 1) / 2 if causal else seq_len
-
-
-def flops_per_token(model):
-    """Model FLOPs per trained token (forward + backward): what mfu_percent counts.
-
-    6 per matmul weight (2 forward, 4 backward) for every parameter except embedding
-    lookups and the lm_head's padding rows, plus attention scores and the weighted sum
-    over the query-key pairs a causal model needs: 2 matmuls x 2 FLOPs x 3 (fwd + bwd) =
-    12 per pair per head dimension, with (T + 1) / 2 pairs per query on average, not T.
-    """
-    cfg = model.config
-    head_dim = cfg["n_embd"] // cfg["n_head"]
-    matmul = _matmul_params(model) - _padding_params(model)
-    return int(6 * matmul + 12 * cfg["n_layer"] * cfg["n_head"] * head_dim * _attention_pairs(cfg["seq_len"]))
-
-
-def flops_per_token_palm(model):
-    """PaLM's 6N + 12 L H Q T (Chowdhery et al. 2022, appendix B), what mfu_percent_palm counts.
-
-    N: every matmul parameter (padding rows included, as nanochat counts them); attention
-    over all T keys. nanochat's and autoresearch's MFU use it, so theirs compare with this one.
-    """
-    cfg = model.config
-    head_dim = cfg["n_embd"] // cfg["n_head"]
-    return int(6 * _matmul_params(model) + 12 * cfg["n_layer"] * cfg["n_head"] * head_dim * cfg["seq_len"])
-
-
-def executed_flops_per_token(model, optimizers=None, tokens_per_step=None, kernel=None):
-    """FLOPs per token the hardware executes: the model FLOPs plus the work that is not model work.
-
-    The lm_head's padding rows are computed; the math SDPA kernel scores all T x T pairs
-    and masks afterwards (flash, cuDNN and efficient kernels skip the masked tiles); Muon's
-    Polar Express iterations run once per optimizer step, so their FLOPs are spread over
-    the step's tokens.
-    """
-    cfg = model.config
-    head_dim = cfg["n_embd"] // cfg["n_head"]
-    flops = flops_per_token(model) + 6 * _padding_params(model)
-    if kernel == "math":
-        wasted = _attention_pairs(cfg["seq_len"], causal=False) - _attention_pairs(cfg["seq_len"])
-        flops += 12 * cfg["n_layer"] * cfg["n_head"] * head_dim * wasted
-    if optimizers and tokens_per_step:
-        for opt in optimizers:
-            if not isinstance(opt, Muon):
-                continue
-            for group in opt.param_groups:
-                rows, cols = group["params"][0].shape
-                small, big = min(rows, cols), max(rows, cols)
-                # Per iteration: A = X X^T (2 s^2 b), A @ A (2 s^3), B @ X (2 s^2 b).
-                per_matrix = MUON_NS_STEPS * (4 * small * small * big + 2 * small**3)
-                flops += len(group["params"]) * per_matrix / tokens_per_step
-    return int(flops)
 
 
 # ---------------------------------------------------------------------------
@@ -717,12 +480,10 @@ def build_optimizers(model, compiled=False):
 def make_train_step(model, optimizers, batches, *, grad_accum=1, train_model=None, kernel=None):
     """One optimizer step as a function: `train_step() -> (mean loss, grad norm)`, floats.
 
-    `batches` yields (inputs, targets); the first batch is drawn here and each next one
-    right after a backward, so on CUDA its copy overlaps the GPU's work. The forward runs
-    through `train_model` (the compiled module; `model` by default) under bf16 autocast
-    where AUTOCAST_DTYPE says so; `kernel`, when given, pins the model's SDPA kernel
-    (inside its forward). Gradients land on `model`'s parameters. The caller sets learning
-    rates and schedules before each call.
+    `batches` yields (inputs, targets); each next batch is drawn right after a backward, so
+    on CUDA its copy overlaps the GPU's work. The forward runs through `train_model` (the
+    compiled module; `model` by default); `kernel`, when given, pins the model's SDPA
+    kernel. Gradients land on `model`'s parameters; the caller sets LRs before each call.
     """
     train_model = model if train_model is None else train_model
     if kernel is not None:
@@ -751,93 +512,10 @@ def make_train_step(model, optimizers, batches, *, grad_accum=1, train_model=Non
     return train_step
 
 
-# ---------------------------------------------------------------------------
-# ---- Compile and warm-up ----
-# torch.compile compiles on the first call, so the first training step used to find out
-# whether the compiler works: after the first batch was drawn, and an eager restart drew
-# it again. Now a warm-up on random tokens compiles everything (forward, backward, Muon)
-# and is undone before the loader opens; the decision is made before any batch exists.
-# ---------------------------------------------------------------------------
-
-# Exception types of torch's compiler stack that mean "the compiler failed", not "the
-# code is wrong": no working C/C++ compiler, no Triton, a failed C++ or Triton build, an
-# internal error of inductor or dynamo, or code dynamo cannot trace (fullgraph).
-COMPILER_FAILURES = ("InductorError", "BackendCompilerFailed", "InvalidCxxCompiler", "CppCompileError",
-                     "TritonMissing", "InternalTorchDynamoError", "Unsupported")
-
-
-def _exception_chain(exc):
-    seen, todo = [], [exc]
-    while todo and len(seen) < 20:
-        e = todo.pop()
-        if e is None or any(e is s for s in seen):
-            continue
-        seen.append(e)
-        todo += [getattr(e, "inner_exception", None), e.__cause__, e.__context__]
-    return seen
-
-
-def is_compile_error(exc):
-    """Whether `exc` is a failure of torch's compiler (missing C compiler or Triton, inductor
-    internal error, untraceable code), not an error of the code it compiled.
-
-    Dynamo runs the code on fake tensors while tracing: a shape bug, or a pinned SDPA
-    kernel that cannot run these shapes, surfaces there as a TorchRuntimeError (wrapping an
-    Unsupported, wrapping the real RuntimeError). That is the code's error: False.
-    """
-    from torch._dynamo.exc import TorchRuntimeError
-
-    chain = _exception_chain(exc)
-    if any(isinstance(e, TorchRuntimeError) for e in chain):
-        return False
-    return any(type(e).__name__ in COMPILER_FAILURES and type(e).__module__.startswith(("torch._dynamo", "torch._inductor"))
-               for e in chain)
-
-
-def warm_up(model, optimizers, train_model=None, *, batch_size, steps=1, seed=0):
-    """`steps` training steps on random tokens, then model and optimizers put back as they were.
-
-    Compiles whatever train_model and the optimizers compile, before any real batch is
-    drawn. The last step runs under the profiler to see which attention kernel ran.
-    Returns (seconds, kernel that ran). Model weights are restored from a copy and the
-    optimizer state is cleared, so training after it is training without it.
-    """
-    t0 = time.perf_counter()
-    device = next(model.parameters()).device
-    cfg = model.config
-    snapshot = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    gen = torch.Generator().manual_seed(seed)  # its own generator: the global RNG is untouched
-    tokens = torch.randint(0, cfg["vocab_size"], (batch_size, cfg["seq_len"] + 1), generator=gen).to(device)
-    step = make_train_step(model, optimizers, itertools.repeat((tokens[:, :-1], tokens[:, 1:])), train_model=train_model)
-    names = set()
-    for i in range(steps):
-        if i == steps - 1:
-            names, _ = _ops_run(step)
-        else:
-            step()
-    with torch.no_grad():
-        for key, value in model.state_dict().items():
-            value.copy_(snapshot[key])
-    for opt in optimizers:
-        opt.state.clear()
-    model.zero_grad(set_to_none=True)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter() - t0, kernel_from_op_names(names)
-
-
 def prepare_training(config, device, *, seed, batch_size=None, kernel=None, compile_model=None, log=print):
-    """Model, optimizers and the module to train through, warmed up: a dict.
-
-    compile_model (COMPILE by default): torch.compile the model and Muon. The warm-up
-    (2 steps compiled, 1 eager) runs on random tokens. When it fails compiled: a compiler
-    failure (is_compile_error) is one WARNING line and an eager setup, seeded, so the run
-    is exactly the eager run; any other error is the code's own, and the same warm-up run
-    eagerly raises it with its real traceback. Keys: model, optimizers, train_model,
-    compiled, warmup_seconds, kernel_ran, compile_error (the one-line reason or None).
-    """
+    """Model, optimizers and the module to train through (compiled where compile_model, by
+    default COMPILE, says), warmed up: the harness's compile_or_eager dict."""
     compile_model = COMPILE if compile_model is None else compile_model
-    batch_size = batch_size or DEVICE_BATCH_SIZE
 
     def setup(compiled):
         # Seeded, so starting over eager builds exactly the model an eager run builds.
@@ -849,29 +527,8 @@ def prepare_training(config, device, *, seed, batch_size=None, kernel=None, comp
         train_model = torch.compile(model, dynamic=False) if compiled else model
         return model, build_optimizers(model, compiled=compiled), train_model
 
-    model, optimizers, train_model = setup(compile_model)
-    reason = None
-    try:
-        seconds, ran = warm_up(model, optimizers, train_model, batch_size=batch_size, steps=2 if compile_model else 1)
-    except Exception as exc:
-        if not compile_model:
-            raise
-        reason = f"{type(exc).__name__}: {_first_line(exc)}"
-        if not is_compile_error(exc):
-            # The code's own error, most likely: eagerly it raises with its real cause and
-            # a traceback into the code. If eager runs, the compiler could not handle it.
-            model, optimizers, train_model = setup(False)
-            warm_up(model, optimizers, train_model, batch_size=batch_size)
-        log(f"WARNING: torch.compile does not work here ({reason}): training eager")
-        model, optimizers, train_model = setup(False)
-        seconds, ran = warm_up(model, optimizers, train_model, batch_size=batch_size)
-    return {"model": model, "optimizers": optimizers, "train_model": train_model, "compiled": reason is None and compile_model,
-            "warmup_seconds": seconds, "kernel_ran": ran, "compile_error": reason}
-
-
-def _first_line(exc):
-    text = str(exc).strip()
-    return (text.splitlines()[0] if text else type(exc).__name__)[:300]
+    return H.compile_or_eager(setup, make_train_step, compile_model=compile_model,
+                              batch_size=batch_size or DEVICE_BATCH_SIZE, log=log)
 
 
 # ---------------------------------------------------------------------------
@@ -909,13 +566,6 @@ def fail(reason):
     sys.exit(1)
 
 
-def peak_memory_mb(device):
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    # Rough on a CPU: the process's peak resident set (Linux reports kilobytes).
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
 def main():
     t_start = time.perf_counter()
     spec = H.RunSpec.from_env()
@@ -923,7 +573,6 @@ def main():
     torch.manual_seed(spec.seed)
     np.random.seed(spec.seed % 2**32)
     if device.type == "cuda":
-        torch.cuda.manual_seed(spec.seed)
         torch.set_float32_matmul_precision("high")  # fp32 matmuls outside autocast may use TF32
     if COMPILE:
         H.configure_compile_cache(spec)
@@ -932,27 +581,24 @@ def main():
     seq_len = H.seq_len(device.type)
     tokens_per_micro = DEVICE_BATCH_SIZE * seq_len
     if TOTAL_BATCH_TOKENS % tokens_per_micro:
-        raise H.HarnessError(
-            f"TOTAL_BATCH_TOKENS={TOTAL_BATCH_TOKENS} is not a multiple of DEVICE_BATCH_SIZE*seq_len={tokens_per_micro}: "
-            "edit the constants so it is"
-        )
+        raise H.HarnessError(f"TOTAL_BATCH_TOKENS={TOTAL_BATCH_TOKENS} is not a multiple of DEVICE_BATCH_SIZE*seq_len="
+                             f"{tokens_per_micro}: edit the constants so it is")
     grad_accum = TOTAL_BATCH_TOKENS // tokens_per_micro
 
     config = model_config(vocab_size=ds.vocab_size, seq_len=seq_len)
-    kernel = choose_attention_kernel(config, DEVICE_BATCH_SIZE, device, EMBEDDING_DTYPE)
+    kernel = H.choose_attention_kernel(config, DEVICE_BATCH_SIZE, device, EMBEDDING_DTYPE, ATTENTION_BACKEND,
+                                       ATTENTION_AUTO_MARGIN)
     tokens_per_step = tokens_per_micro * grad_accum
 
     # Compile (or find it does not work) on random tokens, before the data feed serves a batch.
     training = prepare_training(config, device, seed=spec.seed, kernel=kernel)
     model, optimizers, compiled = training["model"], training["optimizers"], training["compiled"]
     muon = optimizers[0]
-    graphs_at_start = _compiled_graphs()
     loader = H.TokenLoader(ds, "train", DEVICE_BATCH_SIZE, seq_len, device, seed=spec.seed)
     train_step = make_train_step(model, optimizers, loader, grad_accum=grad_accum, train_model=training["train_model"])
     num_params = sum(p.numel() for p in model.parameters())
-    flops_tok, palm_tok = flops_per_token(model), flops_per_token_palm(model)
-    executed_tok = executed_flops_per_token(model, optimizers, tokens_per_step, training["kernel_ran"])
-    peak = peak_flops(device)
+    utilisation = H.Utilisation(model, device, kernel=training["kernel_ran"], muon=muon, ns_steps=MUON_NS_STEPS,
+                                tokens_per_step=tokens_per_step)
     clock = H.TrainingClock(spec)
     progress_log = H.ProgressWriter(spec.progress_path)
 
@@ -962,7 +608,7 @@ def main():
           f"budget: {budget} | compile: {compiled} | dtype: {EMBEDDING_DTYPE} | attention: {kernel or 'sdpa default'} "
           f"(ran {training['kernel_ran']}) | warm-up {training['warmup_seconds']:.1f} s | seed {spec.seed}", flush=True)
 
-    curve, curve_stride = [], 1
+    curve = H.LossCurve(CURVE_POINTS)
     while not clock.done:
         step = clock.steps
         progress = clock.progress
@@ -987,31 +633,18 @@ def main():
             fail(f"loss exploded ({train_loss:.4g} > 100)")
 
         if step == 0:
-            # Python's cyclic GC scans every live object (torch.compile makes a great many)
-            # and its pauses cost hundreds of ms at random steps. Everything long-lived
-            # exists after step 0, and the loop makes no reference cycles, so freeze what
-            # exists and turn the collector off.
+            # The cyclic GC's pauses (torch.compile makes a great many objects) cost hundreds of
+            # ms at random steps; all that lives long exists now and the loop makes no cycles.
             gc.collect()
             gc.freeze()
             gc.disable()
 
         last = clock.done
-        if step % curve_stride == 0 or last:
-            # lr: the schedule's multiplier of every group's peak LR (1 = peak).
-            curve.append({"step": step + 1, "seconds": round(clock.training_seconds, 4), "loss": round(train_loss, 5),
-                          "lr": lr_mult, "grad_norm": round(grad_norm, 5)})
-            if len(curve) > CURVE_POINTS:  # thin to every other point and record half as often
-                curve, curve_stride = curve[::2], curve_stride * 2
+        curve.add(step, clock.training_seconds, train_loss, lr_mult, grad_norm, last)
         if step % LOG_EVERY == 0 or last:
-            tok_per_s = tokens_per_micro * grad_accum / dt
-            mfu = mfu_figures(tok_per_s, flops_tok, palm_tok, executed_tok, peak)["mfu_percent"]
-            record = {"step": step + 1, "progress": round(progress, 4), "loss": round(train_loss, 5), "lr": lr_mult,
-                      "grad_norm": round(grad_norm, 5), "tokens_per_second": round(tok_per_s, 1),
-                      "training_seconds": round(clock.training_seconds, 3), "mfu_percent": mfu}
-            progress_log.log(record)
-            print(f"step {step + 1:05d} ({100 * progress:5.1f}%) | loss {train_loss:.4f} | lr x{lr_mult:.3f} | "
-                  f"grad norm {record['grad_norm']:.3f} | {1000 * dt:.0f} ms | {tok_per_s:,.0f} tok/s"
-                  + (f" | mfu {mfu:.1f}%" if mfu is not None else ""), flush=True)
+            tok_per_s = tokens_per_step / dt
+            progress_log.step(step, progress, train_loss, lr_mult, grad_norm, clock.training_seconds, dt, tok_per_s,
+                              utilisation.figures(tok_per_s)["mfu_percent"])
     gc.enable()
 
     # ---- Evaluation and results ----
@@ -1028,37 +661,22 @@ def main():
         H.save_checkpoint(spec.checkpoint_path, model, config)
 
     timed_steps = max(0, clock.steps - clock.warmup_steps)
-    tokens_per_step = tokens_per_micro * grad_accum
     tok_per_s = timed_steps * tokens_per_step / clock.training_seconds if clock.training_seconds > 0 else None
-    utilisation = mfu_figures(tok_per_s, flops_tok, palm_tok, executed_tok, peak)
     result = {
         "val_bpb": val_bpb,
         "training_seconds": clock.training_seconds,
         "total_seconds": time.perf_counter() - t_start,
         "compile_seconds": clock.compile_seconds,
-        "warmup_seconds": training["warmup_seconds"],  # random-token warm-up before the first batch (compiles)
         "eval_seconds": eval_seconds,
-        "peak_memory_mb": peak_memory_mb(device),
-        "mfu_percent": utilisation["mfu_percent"],  # train.py's convention: flops_per_token (causal attention pairs)
-        "mfu_percent_palm": utilisation["mfu_percent_palm"],  # 6N + 12LHQT, as nanochat and autoresearch
-        "mfu_conventions": {"mfu_percent": "6N + 12*L*H*Q*(T+1)/2 (model FLOPs, causal pairs; train.py)",
-                            "mfu_percent_palm": "6N + 12*L*H*Q*T (PaLM; nanochat and autoresearch report this)"},
+        "peak_memory_mb": H.peak_memory_mb(device),
         "total_tokens": clock.steps * tokens_per_step,
         "num_steps": clock.steps,
         "num_params": num_params,
         "tokens_per_second": tok_per_s,
         "ms_per_step": 1000 * clock.training_seconds / timed_steps if timed_steps else None,
-        "flops_per_token": flops_tok,  # model FLOPs: causal attention, no embedding lookups
-        "flops_per_token_palm": palm_tok,  # 6N + 12 L H Q T
-        "executed_flops_per_token": executed_tok,  # + padding rows, masked attention the kernel computes, Muon
-        "model_tflops": utilisation["model_tflops"],  # achieved, per second
-        "executed_tflops": utilisation["executed_tflops"],
-        "hfu_percent": utilisation["hfu_percent"],  # executed / peak
+        **utilisation.result(tok_per_s),  # FLOPs per token in three conventions, MFU and HFU (harness/flops.py)
         "attention_kernel": kernel or "sdpa default",  # asked for
-        "attention_kernel_ran": training["kernel_ran"],  # seen running (profiler, in the warm-up)
-        "compiled": compiled,  # False after a failed torch.compile (the run went on eager)
-        "compile_error": training["compile_error"],
-        "graphs_compiled_in_training": _compiled_graphs() - graphs_at_start,  # after the warm-up: 0 (no recompiles)
+        **H.compile_result(training),  # compiled or not, the kernel that ran, warm-up seconds, recompiles
         "depth": DEPTH,
         "model_dim": MODEL_DIM,
         "batch_tokens": tokens_per_step,
@@ -1067,41 +685,9 @@ def main():
         "data_fingerprint": ds.fingerprint,
         "harness_fingerprint": H.harness_fingerprint(),
         "seed": spec.seed,
-        "curve": curve,
+        "curve": curve.points,
     }
     H.finish(spec, result)
-
-
-def _compiled_graphs():
-    """How many graphs torch.compile has compiled in this process so far."""
-    from torch._dynamo.utils import counters
-
-    return int(counters["stats"]["unique_graphs"])
-
-
-def peak_flops(device):
-    """The GPU's dense bf16 peak FLOP/s (the harness's table); None on a CPU or an unknown GPU."""
-    if device.type != "cuda":
-        return None
-    return H.gpu_peak_flops(torch.cuda.get_device_name(device))
-
-
-def mfu_figures(tokens_per_second, flops_tok, palm_tok, executed_tok, peak):
-    """Utilisation from tokens/s and FLOPs per token, in both MFU conventions.
-
-    mfu_percent: flops_per_token (causal pairs); mfu_percent_palm: flops_per_token_palm
-    (6N + 12 L H Q T); hfu_percent: executed_flops_per_token; each 100 x FLOP/s / peak,
-    None without a peak (a CPU, an unknown GPU). model_tflops and executed_tflops are the
-    achieved FLOP/s / 1e12, peak or not. All None without a throughput.
-    """
-    tps = tokens_per_second or 0.0
-
-    def percent(per_token):
-        return 100 * per_token * tps / peak if tps and peak else None
-
-    return {"mfu_percent": percent(flops_tok), "mfu_percent_palm": percent(palm_tok), "hfu_percent": percent(executed_tok),
-            "model_tflops": flops_tok * tps / 1e12 if tps else None,
-            "executed_tflops": executed_tok * tps / 1e12 if tps else None}
 
 
 if __name__ == "__main__":

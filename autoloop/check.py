@@ -136,20 +136,33 @@ def training_setup(module, ds, device, *, seed: int, batch_size: int) -> tuple:
     `prepare_training` when it has one (compiled and warmed up where train.py compiles,
     the attention kernel it would pin), else eager from build_model/build_optimizers.
     info: compiled, compile_error, kernel, warmup_seconds."""
-    import torch
 
     if not hasattr(module, "prepare_training"):
         model, optimizers = fresh_model(module, ds, device, seed)
         return model, optimizers, model, {"compiled": False, "compile_error": None, "kernel": None, "warmup_seconds": 0.0}
     config = module.model_config(vocab_size=ds.vocab_size, seq_len=_seq_len(device))
-    kernel = None
-    if hasattr(module, "choose_attention_kernel"):
-        dtype = getattr(module, "EMBEDDING_DTYPE", None) or getattr(module, "AUTOCAST_DTYPE", None) or torch.float32
-        kernel = module.choose_attention_kernel(config, batch_size, device, dtype)
+    kernel = choose_kernel(module, config, batch_size, device)
     t = module.prepare_training(config, device, seed=seed, batch_size=batch_size, kernel=kernel, log=lambda line: None)
     info = {"compiled": bool(t["compiled"]), "compile_error": t.get("compile_error"), "kernel": kernel or "sdpa default",
             "kernel_ran": t.get("kernel_ran"), "warmup_seconds": round(float(t.get("warmup_seconds") or 0.0), 2)}
     return t["model"], t["optimizers"], t["train_model"], info
+
+
+def _dtype(module):
+    import torch
+
+    return getattr(module, "EMBEDDING_DTYPE", None) or getattr(module, "AUTOCAST_DTYPE", None) or torch.float32
+
+
+def choose_kernel(module, config, batch_size: int, device):
+    """The SDPA kernel train.py would pin: its ATTENTION_BACKEND (and ATTENTION_AUTO_MARGIN)
+    through the harness's choice, as train.py's main() asks; None for a script that names none."""
+    from autoloop import harness as H
+
+    if not hasattr(module, "ATTENTION_BACKEND"):
+        return None
+    return H.choose_attention_kernel(config, batch_size, device, _dtype(module), module.ATTENTION_BACKEND,
+                                     getattr(module, "ATTENTION_AUTO_MARGIN", 0.05))
 
 
 def set_lr(optimizers, multiplier: float) -> None:
@@ -464,38 +477,17 @@ def sdpa_kernel_in_use(module, ds, device, seed: int = 0) -> str:
     model, _ = fresh_model(module, ds, device, seed)
     batch, _ = _batch_shape(module, _seq_len(device))
     x, _ = next(H.TokenLoader(ds, "train", min(batch, 2), _seq_len(device), device, seed=seed))
-    kernel = None
-    if hasattr(module, "choose_attention_kernel"):
-        dtype = getattr(module, "EMBEDDING_DTYPE", None) or getattr(module, "AUTOCAST_DTYPE", None) or torch.float32
-        kernel = module.choose_attention_kernel(model.config, batch, device, dtype)
+    kernel = choose_kernel(module, model.config, batch, device)
     if hasattr(model, "set_attention_kernel"):
         model.set_attention_kernel(kernel)  # pinned inside the model's forward, as train.py trains
-        context = _null()
+        context = H.attention_kernel(None)
     else:
-        context = module.attention_kernel(kernel) if hasattr(module, "attention_kernel") else _null()
+        context = H.attention_kernel(kernel)
     recorder = Recorder()
     with torch.no_grad(), _autocast(module, device), context, recorder:
         model(x)
-    return kernel_from_op_names(recorder.names)
-
-
-def _null():
-    import contextlib
-
-    return contextlib.nullcontext()
-
-
-def kernel_from_op_names(names) -> str:
-    """The SDPA kernel named by the aten ops that ran (flash, cudnn, efficient, math)."""
-    joined = " ".join(names)
-    for op, kernel in (("_scaled_dot_product_flash_attention", "flash"), ("_scaled_dot_product_cudnn_attention", "cudnn"),
-                       ("_scaled_dot_product_efficient_attention", "efficient"), ("_efficient_attention", "efficient"),
-                       ("_scaled_dot_product_attention_math", "math")):
-        if op in joined:
-            return kernel
-    if "softmax" in joined:  # the math kernel is composite: it dispatches as bmm + softmax
-        return "math"
-    return "none found (no scaled_dot_product_attention call)"
+    # Eager: no op named for attention at all means the model never called SDPA.
+    return H.kernel_from_op_names(recorder.names, none_found="none found (no scaled_dot_product_attention call)")
 
 
 COMPILE_PROBE = """
@@ -707,11 +699,12 @@ def device_health(module, ds, device, *, repo: Path, python: str, run_seconds: f
     if module is not None:
         out["sdpa_kernel_in_use"] = sdpa_kernel_in_use(module, ds, device)
         lines.append(f"attention runs the {out['sdpa_kernel_in_use']} kernel")
-        if hasattr(module, "time_attention_kernels"):
+        if hasattr(module, "ATTENTION_BACKEND"):  # a script that pins kernels as train.py does
+            from autoloop import harness as H
+
             config = module.model_config(vocab_size=ds.vocab_size, seq_len=_seq_len(device))
             batch, _ = _batch_shape(module, _seq_len(device))
-            dtype = getattr(module, "EMBEDDING_DTYPE", None) or getattr(module, "AUTOCAST_DTYPE", None) or torch.float32
-            times = module.time_attention_kernels(config, batch, device, dtype)
+            times = H.time_attention_kernels(config, batch, device, _dtype(module))
             out["kernel_ms"] = {k: (round(1000 * v, 3) if isinstance(v, float) else v) for k, v in times.items()}
             usable = {k: v for k, v in times.items() if isinstance(v, float)}
             if usable:

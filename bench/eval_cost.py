@@ -150,7 +150,7 @@ def main() -> None:
         transfer = 2 * out_bytes / (args.pcie_gb_s * 1e9)
         with __import__("torch").device("meta"):
             gpu_model = _gpu_module(args.train_py, tmp).GPT(_gpu_config(args.train_py, tmp, ds))
-        fwd_flops = _gpu_module(args.train_py, tmp).flops_per_token(gpu_model) / 3  # train = fwd + 2 x bwd
+        fwd_flops = H.flops_per_token(gpu_model) / 3  # train = fwd + 2 x bwd
         peak = H.gpu_peak_flops(args.gpu) or 989e12
         forward = gpu_tokens * fwd_flops / (peak * args.gpu_mfu)
         probe_cost = forward * probe_batches / scored

@@ -189,8 +189,8 @@ m = H.import_train_module(os.path.join(os.environ["GPU_CHECK_REPO"], "train.py")
 device = torch.device(m.DEVICE_TYPE)
 cfg = m.model_config(seq_len=H.seq_len(device.type))
 cuda = device.type == "cuda"
-times = m.time_attention_kernels(cfg, m.DEVICE_BATCH_SIZE, device, m.EMBEDDING_DTYPE, repeats=30 if cuda else 3)
-pick = m.choose_attention_kernel(cfg, m.DEVICE_BATCH_SIZE, device, m.EMBEDDING_DTYPE, backend="auto")
+times = H.time_attention_kernels(cfg, m.DEVICE_BATCH_SIZE, device, m.EMBEDDING_DTYPE, repeats=30 if cuda else 3)
+pick = H.choose_attention_kernel(cfg, m.DEVICE_BATCH_SIZE, device, m.EMBEDDING_DTYPE, "auto", m.ATTENTION_AUTO_MARGIN)
 report = {"shape": {"batch": m.DEVICE_BATCH_SIZE, "heads": cfg["n_head"], "kv_heads": cfg["n_kv_head"],
                     "seq_len": cfg["seq_len"], "head_dim": cfg["n_embd"] // cfg["n_head"], "dtype": str(m.EMBEDDING_DTYPE)},
           "available": {k: isinstance(v, float) for k, v in times.items()},
@@ -217,7 +217,8 @@ H.configure_compile_cache(H.RunSpec.from_env())
 device = torch.device(m.DEVICE_TYPE)
 cuda = device.type == "cuda"
 cfg = m.model_config(seq_len=H.seq_len(device.type))
-kernel = m.choose_attention_kernel(cfg, m.DEVICE_BATCH_SIZE, device, m.EMBEDDING_DTYPE)
+kernel = H.choose_attention_kernel(cfg, m.DEVICE_BATCH_SIZE, device, m.EMBEDDING_DTYPE, m.ATTENTION_BACKEND,
+                                   m.ATTENTION_AUTO_MARGIN)
 t = m.prepare_training(cfg, device, seed=0, kernel=kernel)
 seq = cfg["seq_len"]
 grad_accum = max(1, m.TOTAL_BATCH_TOKENS // (m.DEVICE_BATCH_SIZE * seq))
@@ -229,7 +230,7 @@ activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
 with profile(activities=activities) as prof:
     step()
 events = prof.events()
-report = {"compiled": t["compiled"], "kernel_asked": kernel or "sdpa default", "kernel_ran": m.kernel_from_op_names(e.name for e in events),
+report = {"compiled": t["compiled"], "kernel_asked": kernel or "sdpa default", "kernel_ran": H.kernel_from_op_names(e.name for e in events),
           "aten_ops_dispatched_per_step": sum(1 for e in events if e.name.startswith("aten::") and
                                               not (e.cpu_parent and e.cpu_parent.name.startswith("aten::")))}
 if cuda:

@@ -47,7 +47,7 @@ _LOADER_ANCHOR = '    loader = H.TokenLoader(ds, "train", DEVICE_BATCH_SIZE, seq
 # Each attack's own copy of _pretrain, far from the other's lines: when one is kept (on the
 # old rules) the other's patch still applies to it.
 _WITH_PRETRAIN = _patched("def fail(reason):", _PRETRAIN + "def fail(reason):")
-_WITH_PRETRAIN_EARLY = _patched("def is_compile_error(exc):", _PRETRAIN + "def is_compile_error(exc):")
+_WITH_PRETRAIN_EARLY = _patched("def muon_orthogonalize(", _PRETRAIN + "def muon_orthogonalize(")
 
 ATTACKS = {
     # Before the loader asks the feed for anything: the start-up the old rules never judged.

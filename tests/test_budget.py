@@ -266,7 +266,7 @@ ONE_THREAD = {"OMP_NUM_THREADS": 1}  # tiny tensors: a second thread only spin-w
 def test_attack_ten_times_more_steps_than_the_clock_is_told(session_cache, embedded_dataset, tmp_path):
     script = patched(tmp_path, "train_10x.py", {
         **TINY,
-        "    curve, curve_stride = [], 1\n": "    curve, curve_stride = [], 1\n    sneaked = 0\n",
+        "    curve = H.LossCurve(CURVE_POINTS)\n": "    curve = H.LossCurve(CURVE_POINTS)\n    sneaked = 0\n",
         "        clock.step_finished(dt)\n": "        sneaked += 1\n        if sneaked % 10 == 0:\n"
                                             "            clock.step_finished(dt)\n",
     })

@@ -450,12 +450,13 @@ def test_attention_kernel_in_use_on_cpu(tmp_path, train_module, embedded_dataset
 
 def test_attention_kernels_timed_side_by_side(train_module):
     config = dict(train_module.model_config(), seq_len=64)
-    times = train_module.time_attention_kernels(config, 2, CPU, torch.float32, repeats=2)
+    times = H.time_attention_kernels(config, 2, CPU, torch.float32, repeats=2)
     assert set(times) == {"flash", "cudnn", "efficient", "math"}
     assert isinstance(times["flash"], float) and isinstance(times["math"], float)
     assert isinstance(times["cudnn"], str)  # not on a CPU: the error, not a silent fallback
-    assert train_module.choose_attention_kernel(config, 2, CPU, torch.float32) is None  # "auto" on a CPU
-    assert train_module.choose_attention_kernel(config, 2, CPU, torch.float32, backend="math") == "math"
+    assert H.choose_attention_kernel(config, 2, CPU, torch.float32) is None  # "auto" on a CPU
+    assert H.choose_attention_kernel(config, 2, CPU, torch.float32, backend="math") == "math"
+    assert C.choose_kernel(train_module, config, 2, CPU) is None  # train.py's ATTENTION_BACKEND, "auto"
 
 
 def test_compile_probe_reports_a_missing_compiler_in_one_line():

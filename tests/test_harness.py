@@ -1,3 +1,4 @@
+import json
 import math
 import os
 
@@ -185,3 +186,68 @@ def test_gpu_peak_table():
     assert H.gpu_peak_flops("NVIDIA A100-SXM4-80GB") == 312e12
     assert H.gpu_peak_flops("Some Future GPU") is None
     assert H.gpu_peak_flops(None) is None
+
+
+# ---------------------------------------------------------------------------- train.py's infrastructure (issue 32)
+
+
+def test_one_kernel_table_reads_profiler_events_and_dispatched_ops_alike():
+    # The names the profiler gives (train.py's warm-up) and the ones a dispatch mode sees
+    # (`autoloop check`): each fused kernel is named from either.
+    assert H.kernel_from_op_names(["aten::_flash_attention_forward", "aten::mm"]) == "flash"
+    assert H.kernel_from_op_names(["aten._scaled_dot_product_flash_attention_for_cpu.default"]) == "flash"
+    assert H.kernel_from_op_names(["aten._scaled_dot_product_cudnn_attention.default"]) == "cudnn"
+    assert H.kernel_from_op_names(["aten::_efficient_attention_forward"]) == "efficient"
+    assert H.kernel_from_op_names(["aten._scaled_dot_product_attention_math.default"]) == "math"
+    # Eager math is a softmax; compiled math is fused away, so attention that ran is math.
+    assert H.kernel_from_op_names(["aten.bmm.default", "aten._softmax.default"], none_found="none") == "math"
+    assert H.kernel_from_op_names(["aten.mm.default"]) == "math"
+    assert H.kernel_from_op_names(["aten.mm.default"], none_found="none found") == "none found"
+
+
+def test_an_unknown_kernel_name_is_one_line_that_names_the_choices():
+    with pytest.raises(ValueError, match="unknown attention kernel 'fast': use one of flash, cudnn, efficient, math or auto"):
+        H.choose_attention_kernel({}, 1, "cpu", None, backend="fast")
+    assert H.choose_attention_kernel({}, 1, "cpu", None, backend="cudnn") == "cudnn"  # named: never timed
+
+
+def test_the_loss_curve_thins_to_at_most_its_points_and_keeps_the_last_step():
+    curve = H.LossCurve(4)
+    for step in range(20):
+        curve.add(step, seconds=step * 0.5, loss=10.0 - step, lr=1.0, grad_norm=1.0, last=step == 19)
+    # 5 points at stride 1 -> every other, stride 2; steps 0, 2, 4 at stride 2 -> thinned to
+    # stride 4: recorded 0-based steps 0, 4, 8, ... then the last (19) as step 20.
+    assert [p["step"] for p in curve.points] == [1, 9, 17, 20]
+    assert curve.points[-1] == {"step": 20, "seconds": 9.5, "loss": -9.0, "lr": 1.0, "grad_norm": 1.0}
+
+
+def test_a_progress_step_is_one_record_and_the_progress_line_as_train_py_printed_it(tmp_path, capsys):
+    writer = H.ProgressWriter(tmp_path / "progress.jsonl")
+    writer.step(9, 0.123456, 2.345678, 0.5, 0.987654, 3.14159, 0.25, 16384.0, 12.345)
+    writer.step(10, 0.2, 2.0, 0.5, 1.0, 3.5, 0.25, 16384.0, None)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == ["step 00010 ( 12.3%) | loss 2.3457 | lr x0.500 | grad norm 0.988 | 250 ms | 16,384 tok/s | mfu 12.3%",
+                     "step 00011 ( 20.0%) | loss 2.0000 | lr x0.500 | grad norm 1.000 | 250 ms | 16,384 tok/s"]
+    records = [json.loads(line) for line in (tmp_path / "progress.jsonl").read_text().splitlines()]
+    assert records[0] == {"step": 10, "progress": 0.1235, "loss": 2.34568, "lr": 0.5, "grad_norm": 0.98765,
+                          "tokens_per_second": 16384.0, "training_seconds": 3.142, "mfu_percent": 12.345}
+
+
+def test_utilisation_gives_the_result_its_flop_keys_in_every_convention():
+    class Tiny(torch.nn.Module):  # a 2-layer shape, 64 wide, one head of 64, T = 8, vocab 10 padded to 16
+        def __init__(self):
+            super().__init__()
+            self.config = {"n_layer": 2, "n_embd": 64, "n_head": 1, "n_kv_head": 1, "seq_len": 8, "vocab_size": 10}
+            self.wte = torch.nn.Embedding(16, 64)
+            self.w = torch.nn.Linear(64, 64, bias=False)
+            self.lm_head = torch.nn.Linear(64, 16, bias=False)
+
+    u = H.Utilisation(Tiny(), "cpu")
+    # 6 x (64*64 + 10*64 real head rows) + 12 x 2 layers x 1 head x 64 x (8 + 1) / 2 pairs
+    assert u.flops_per_token == 6 * (64 * 64 + 10 * 64) + 12 * 2 * 64 * 4.5 == 35328
+    assert u.flops_per_token_palm == 6 * (64 * 64 + 16 * 64) + 12 * 2 * 64 * 8
+    assert u.executed_flops_per_token == u.flops_per_token + 6 * 6 * 64
+    result = u.result(1000.0)
+    assert result["model_tflops"] == pytest.approx(35328 * 1000 / 1e12) and result["mfu_percent"] is None  # a CPU
+    assert set(result) == {"mfu_percent", "mfu_percent_palm", "hfu_percent", "model_tflops", "executed_tflops",
+                           "mfu_conventions", "flops_per_token", "flops_per_token_palm", "executed_flops_per_token"}

@@ -456,3 +456,23 @@ def test_the_controller_is_every_host_it_is_given_as(tmp_path):
         missing = sorted(name for name in members if not hasattr(controller, name))
         assert not missing, f"{protocol.__name__} names what the Controller lacks: {missing}"
         assert len(members) > 20
+
+
+# Infrastructure train.py leans on, each defined once, in the harness (issue 32): a proposal
+# reads train.py whole every trial, and two copies drift (check.py's and train.py's
+# kernel_from_op_names had different tables).
+HARNESS_ONLY = {
+    "kernel_from_op_names": "kernels.py", "time_attention_kernels": "kernels.py", "choose_attention_kernel": "kernels.py",
+    "pick_attention_kernel": "kernels.py", "flops_per_token": "flops.py", "flops_per_token_palm": "flops.py",
+    "executed_flops_per_token": "flops.py", "mfu_figures": "flops.py", "peak_flops": "flops.py",
+    "peak_memory_mb": "hardware.py", "is_compile_error": "compile.py", "warm_up": "compile.py",
+}
+
+
+def test_train_py_is_the_experiment_and_its_infrastructure_is_defined_once_in_the_harness():
+    train_py = (ROOT / "train.py").read_text()
+    assert len(train_py.splitlines()) <= 700, "train.py is the experiment: keep it <= 700 lines, infrastructure in the harness"
+    sources = {p.relative_to(ROOT).as_posix(): p.read_text() for p in [ROOT / "train.py", *sorted(PACKAGE.rglob("*.py"))]}
+    for name, module in HARNESS_ONLY.items():
+        defined = [path for path, text in sources.items() if re.search(rf"^def {name}\(", text, re.M)]
+        assert defined == [f"autoloop/harness/{module}"], (name, defined)

@@ -27,6 +27,7 @@ import pytest
 import torch
 
 from autoloop import harness as H
+from autoloop.harness import compile as compile_module
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TRAIN_PY = REPO_ROOT / "train.py"
@@ -387,23 +388,23 @@ def test_flops_per_token_against_a_hand_count(train_module):
     # against t keys: sum(1..32) = 528 pairs per 32 tokens.
     pairs_per_token = sum(range(1, 33)) / 32
     attention = 3 * 2 * 2 * 2 * 2 * 32 * pairs_per_token
-    assert train_module.flops_per_token(model) == int(6 * n + attention) == 664704
+    assert H.flops_per_token(model) == int(6 * n + attention) == 664704
 
 
 def test_flops_exclude_every_embedding_lookup(train_module):
     model = _small_model(train_module)
-    before = train_module.flops_per_token(model)
+    before = H.flops_per_token(model)
     model.value_embeds = torch.nn.Embedding(257, 64)  # e.g. a proposal's value embeddings
-    assert train_module.flops_per_token(model) == before
+    assert H.flops_per_token(model) == before
 
 
 def test_executed_flops_add_padding_the_math_kernels_masked_half_and_muon(train_module):
     model = _small_model(train_module)
-    model_flops = train_module.flops_per_token(model)
+    model_flops = H.flops_per_token(model)
     padding = 6 * (320 - 257) * 64  # the lm_head's padding rows (257 -> 320) are computed
-    assert train_module.executed_flops_per_token(model) == model_flops + padding  # flash & co skip masked tiles
+    assert H.executed_flops_per_token(model) == model_flops + padding  # flash & co skip masked tiles
     masked = 3 * 2 * 2 * 2 * 2 * 32 * (32 - 33 / 2)  # the pairs above the diagonal, per token
-    assert train_module.executed_flops_per_token(model, kernel="math") == int(model_flops + padding + masked)
+    assert H.executed_flops_per_token(model, kernel="math") == int(model_flops + padding + masked)
     optimizers = train_module.build_optimizers(model)
     muon = [g for g in optimizers[0].param_groups]
     ns = 0
@@ -412,7 +413,8 @@ def test_executed_flops_add_padding_the_math_kernels_masked_half_and_muon(train_
         s, b = min(rows, cols), max(rows, cols)
         ns += len(g["params"]) * train_module.MUON_NS_STEPS * (4 * s * s * b + 2 * s**3)
     tokens = 4096
-    assert train_module.executed_flops_per_token(model, optimizers, tokens) == int(model_flops + padding + ns / tokens)
+    assert H.executed_flops_per_token(model, muon=optimizers[0], ns_steps=train_module.MUON_NS_STEPS,
+                                      tokens_per_step=tokens) == int(model_flops + padding + ns / tokens)
 
 
 def test_palm_flops_convention_against_a_hand_count(train_module):
@@ -421,10 +423,10 @@ def test_palm_flops_convention_against_a_hand_count(train_module):
     model = _small_model(train_module)
     per_layer = 64 * 64 + 2 * 64 * 32 + 64 * 64 + 2 * 64 * 256
     n = 2 * per_layer + 320 * 64
-    assert train_module.flops_per_token_palm(model) == 6 * n + 12 * 2 * 2 * 32 * 32
+    assert H.flops_per_token_palm(model) == 6 * n + 12 * 2 * 2 * 32 * 32
     # At the CUDA shape (T = 2048, head_dim 128) the two conventions differ by ~1.2x.
     big = train_module.GPT(dict(train_module.model_config(), seq_len=2048, n_layer=8, n_embd=512, n_head=4, n_kv_head=4))
-    ratio = train_module.flops_per_token_palm(big) / train_module.flops_per_token(big)
+    ratio = H.flops_per_token_palm(big) / H.flops_per_token(big)
     assert 1.15 < ratio < 1.3, ratio
 
 
@@ -432,22 +434,22 @@ def test_mfu_in_both_conventions_on_known_flop_counts(train_module):
     m = train_module
     # 1M tokens/s at 300M (train.py's count) and 375M (PaLM's) FLOPs a token, 400M executed,
     # on a 1 PFLOP/s peak: 30%, 37.5% and 40%, and 300 / 400 TFLOP/s achieved.
-    figures = m.mfu_figures(1e6, 300e6, 375e6, 400e6, 1e15)
+    figures = H.mfu_figures(1e6, 300e6, 375e6, 400e6, 1e15)
     assert figures == pytest.approx({"mfu_percent": 30.0, "mfu_percent_palm": 37.5, "hfu_percent": 40.0,
                                      "model_tflops": 300.0, "executed_tflops": 400.0})
     # No peak (a CPU, a GPU not in the table): no percentages, the achieved TFLOP/s still.
-    cpu = m.mfu_figures(1e6, 300e6, 375e6, 400e6, None)
+    cpu = H.mfu_figures(1e6, 300e6, 375e6, 400e6, None)
     assert cpu["mfu_percent"] is cpu["mfu_percent_palm"] is cpu["hfu_percent"] is None and cpu["model_tflops"] == 300.0
-    assert set(m.mfu_figures(None, 300e6, 375e6, 400e6, 1e15).values()) == {None}  # no throughput measured
-    assert m.peak_flops(CPU_DEVICE) is None
+    assert set(H.mfu_figures(None, 300e6, 375e6, 400e6, 1e15).values()) == {None}  # no throughput measured
+    assert H.peak_flops(CPU_DEVICE) is None
     # docs/gpu.md's figures: the default CUDA model (8 x 512, T = 2048) at autoresearch's 1.665M
     # tokens/s on an H100 is 34.0% by train.py's count and 42.5% by PaLM's.
     cfg = dict(m.model_config(), seq_len=2048, n_layer=8, n_embd=512, n_head=4, n_kv_head=4)
     with torch.device("meta"):  # shapes only: no memory
         big = m.GPT(cfg)
-    flops, palm = m.flops_per_token(big), m.flops_per_token_palm(big)
+    flops, palm = H.flops_per_token(big), H.flops_per_token_palm(big)
     assert (round(flops / 1e6, 1), round(palm / 1e6, 1)) == (202.1, 252.6)
-    h100 = m.mfu_figures(1.665e6, flops, palm, flops, H.gpu_peak_flops("NVIDIA H100 80GB HBM3"))
+    h100 = H.mfu_figures(1.665e6, flops, palm, flops, H.gpu_peak_flops("NVIDIA H100 80GB HBM3"))
     assert (round(h100["mfu_percent"], 1), round(h100["mfu_percent_palm"], 1)) == (34.0, 42.5)
 
 
@@ -560,7 +562,7 @@ def test_is_compile_error_tells_compiler_failures_from_the_codes_errors(train_mo
     from torch._dynamo.exc import BackendCompilerFailed, InternalTorchDynamoError, TorchRuntimeError, Unsupported
     from torch._inductor.exc import CppCompileError, InductorError, InvalidCxxCompiler, TritonMissing
 
-    is_compile_error = train_module.is_compile_error
+    is_compile_error = H.is_compile_error
     # The compiler's own failures (the chains torch 2.13 raises: see the slow tests for real ones).
     assert is_compile_error(InductorError(InvalidCxxCompiler("/nonexistent/c++"), None))
     assert is_compile_error(BackendCompilerFailed("inductor", TritonMissing(None), None))
@@ -577,7 +579,7 @@ def test_is_compile_error_tells_compiler_failures_from_the_codes_errors(train_mo
 
 
 def test_auto_kernel_pick_leaves_flash_only_for_a_clearly_faster_one(train_module, capsys):
-    pick = train_module.pick_attention_kernel
+    pick = H.pick_attention_kernel
     assert pick({"flash": 1.00, "cudnn": 0.97, "efficient": 1.2}, 0.05) == "flash"  # 3% is noise between trials
     assert pick({"flash": 1.00, "cudnn": 0.90, "efficient": 1.2}, 0.05) == "cudnn"
     assert pick({"flash": "No available kernel", "cudnn": 0.9, "efficient": 0.8}, 0.05) == "efficient"
@@ -587,7 +589,7 @@ def test_auto_kernel_pick_leaves_flash_only_for_a_clearly_faster_one(train_modul
 
 def test_attention_kernels_are_timed_in_the_models_layout(train_module):
     cfg = _tiny(train_module, n_kv_head=1)  # grouped-query: enable_gqa, as the model calls it
-    times = train_module.time_attention_kernels(cfg, 2, CPU_DEVICE, torch.float32, kernels=("flash", "math", "cudnn"), repeats=3)
+    times = H.time_attention_kernels(cfg, 2, CPU_DEVICE, torch.float32, kernels=("flash", "math", "cudnn"), repeats=3)
     assert isinstance(times["flash"], float) and isinstance(times["math"], float) and isinstance(times["cudnn"], str)
 
 
@@ -609,7 +611,7 @@ def test_warm_up_leaves_model_and_optimizers_as_they_were(train_module):
         model = m.build_model(_tiny(m))
         optimizers = m.build_optimizers(model)
         if warm:
-            seconds, ran = m.warm_up(model, optimizers, batch_size=2, steps=2)
+            seconds, ran = H.warm_up(model, optimizers, m.make_train_step, batch_size=2, steps=2)
             assert seconds > 0 and ran == "flash" and all(not opt.state for opt in optimizers)
         runs.append((_steps(m, model, optimizers, 3), [p.detach().clone() for p in model.parameters()]))
     assert runs[0][0] == runs[1][0]  # the same losses, bit for bit ...
@@ -845,7 +847,7 @@ def test_the_warm_up_ends_before_the_loader_says_hello_to_the_feed(tmp_path, mon
     draws (the warm-up drew none)."""
     m = H.import_train_module(variant(tmp_path, "train_order.py", {}))  # a fresh module: main() sets its globals
     events = []
-    real_warm_up, real_loader = m.warm_up, H.TokenLoader
+    real_warm_up, real_loader = compile_module.warm_up, H.TokenLoader
 
     def warm_up(*args, **kwargs):
         out = real_warm_up(*args, **kwargs)
@@ -857,7 +859,7 @@ def test_the_warm_up_ends_before_the_loader_says_hello_to_the_feed(tmp_path, mon
             events.append(("loader opened", time.monotonic()))
             super().__init__(*args, **kwargs)
 
-    monkeypatch.setattr(m, "warm_up", warm_up)
+    monkeypatch.setattr(compile_module, "warm_up", warm_up)  # compile_or_eager calls it
     monkeypatch.setattr(H, "TokenLoader", Loader)
     for key in [k for k in os.environ if k.startswith("AUTOLOOP_")]:
         monkeypatch.delenv(key)

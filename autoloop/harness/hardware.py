@@ -46,3 +46,16 @@ def gpu_peak_flops(device_name: str | None) -> float | None:
         if key.lower() in device_name.lower():
             return flops
     return None
+
+
+def peak_memory_mb(device) -> float:
+    """The most memory this process has held on `device`, in MiB: CUDA's allocator peak,
+    or on a CPU (roughly) the process's peak resident set."""
+    import resource
+
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports kilobytes

@@ -75,6 +75,24 @@ def finish(spec, result: dict) -> None:
     print(summary_block(result), flush=True)
 
 
+class LossCurve:
+    """The result's loss curve, thinned as it grows: past `max_points` points it keeps every
+    other one and records half as often, so a run of any length gives at most about that many."""
+
+    def __init__(self, max_points: int):
+        self.max_points, self.stride, self.points = max_points, 1, []
+
+    def add(self, step: int, seconds: float, loss: float, lr: float, grad_norm: float, last: bool = False) -> None:
+        """Step `step` (0-based) finished; recorded as step + 1 when the stride (or `last`) says so."""
+        if step % self.stride and not last:
+            return
+        # lr: the schedule's multiplier of every group's peak LR (1 = peak).
+        self.points.append({"step": step + 1, "seconds": round(seconds, 4), "loss": round(loss, 5), "lr": lr,
+                            "grad_norm": round(grad_norm, 5)})
+        if len(self.points) > self.max_points:
+            self.points, self.stride = self.points[::2], self.stride * 2
+
+
 class ProgressWriter:
     """Appends one JSON line per logged step, for `autoloop status`; no-op without a path."""
 
@@ -88,3 +106,15 @@ class ProgressWriter:
             return
         with open(self.path, "a") as handle:
             handle.write(json.dumps(record) + "\n")
+
+    def step(self, step: int, progress: float, loss: float, lr: float, grad_norm: float, seconds: float,
+             step_seconds: float, tokens_per_second: float, mfu: float | None) -> None:
+        """Step `step` (0-based) finished: its record to the file and its progress line to stdout
+        (the line `autoloop status` and the logs show; the result JSON, not this, is parsed)."""
+        record = {"step": step + 1, "progress": round(progress, 4), "loss": round(loss, 5), "lr": lr,
+                  "grad_norm": round(grad_norm, 5), "tokens_per_second": round(tokens_per_second, 1),
+                  "training_seconds": round(seconds, 3), "mfu_percent": mfu}
+        self.log(record)
+        print(f"step {step + 1:05d} ({100 * progress:5.1f}%) | loss {loss:.4f} | lr x{lr:.3f} | "
+              f"grad norm {record['grad_norm']:.3f} | {1000 * step_seconds:.0f} ms | {tokens_per_second:,.0f} tok/s"
+              + (f" | mfu {mfu:.1f}%" if mfu is not None else ""), flush=True)

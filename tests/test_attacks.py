@@ -6,7 +6,8 @@ attack trials (seeded as patches); the sandboxed step-mode attacks here and in t
 tests/test_attacks_*.py files go on from one baseline paid once a session (`baseline_run`,
 conftest's `attacked_repo`). The attacks on the budget and on the controller's processes
 are in tests/test_attacks_budget.py and tests/test_attacks_workers.py, so that two CI
-workers share them.
+workers share them; issue 23's sandboxed attacks, the other half of the step-mode run, in
+tests/test_attacks_trust.py.
 """
 
 from __future__ import annotations
@@ -518,32 +519,26 @@ def _kept(trial: dict) -> bool:
     return trial["status"] == "keep"
 
 
-@pytest.mark.slow
-@needs_bwrap
-def test_attacks_in_step_mode_end_invalid_or_fail_inside_the_sandbox_and_leak_nothing(tmp_path, monkeypatch, request,
-                                                                                      attacked_repo):
-    """Issue 12's table and issue 23's items 1, 2, 3 and 5, sandboxed, verification on, in
-    one run (one baseline for all): every attack invalid, a crash, or failed inside the
-    sandbox; none kept; the controller alive (and again after a restart); no secret
-    anywhere; the installed harness, .git/hooks and every file outside the trials' folders
-    unchanged."""
+def sandboxed_attack_run(tmp_path: Path, monkeypatch, request, repo: Path, sources: dict[str, str]) -> dict:
+    """Issue 12's and issue 23's attacks `sources` ({name: train.py}), sandboxed, verification
+    on, in one run on from the shared baseline (`repo`, conftest's `attacked_repo`), then a
+    restart; what every attack must leave true, checked: none kept (but "stash weights", which
+    is honest training), the controller alive and nothing re-run, the installed harness,
+    .git/hooks and every file outside the trials' folders unchanged, no secret anywhere.
+    Returns the run's trials by name for the attacks' own checks."""
     from autoloop.harness import metric
 
-    # A cache of this test's own for the attacks (the shared baseline ran on the session's):
+    # A cache of this run's own for the attacks (the shared baseline ran on the session's):
     # on the old main the bytecode attack poisoned it for every later evaluation, and it must
     # not reach the session's shared cache.
     cache = tmp_path / "cache"
     monkeypatch.setenv("AUTOLOOP_CACHE_DIR", str(cache))
     monkeypatch.setenv("AUTOLOOP_COMPILE_CACHE", str(cache / "compile"))
     write_test_corpus_key(cache)
-    repo = attacked_repo
     far = Path("/var/tmp") / f"autoloop-attack-{os.getpid()}-{time.time_ns()}"
     request.addfinalizer(lambda: __import__("shutil").rmtree(far, ignore_errors=True))
     _plant_canaries(repo, monkeypatch, far=far)
-    names = list(ATTACKS) + list(TRUST_ATTACKS) + ["poison bytecode", "much worse", "secret hunt"]
-    sources = {**ATTACKS, **TRUST_ATTACKS, "poison bytecode": POISON_TORCH_BYTECODE, "much worse": MUCH_WORSE,
-               "secret hunt": SECRET_HUNT}
-    assert len(sources) == len(names)  # no attack hides another of the same name
+    names = list(sources)
     config = _run(repo, monkeypatch, max_steps=6, max_trials=len(names))
     _seed_attacks(repo, config, names, sources)
     before = _protected_state(repo)
@@ -562,36 +557,13 @@ def test_attacks_in_step_mode_end_invalid_or_fail_inside_the_sandbox_and_leak_no
     wrongly_kept = {name: (trials[name]["status"], trials[name]["metric"], trials[name]["reason"])
                     for name in names if _kept(trials[name]) and name != "stash weights"}
     assert not wrongly_kept, wrongly_kept
-
-    def invalid(name: str, *words: str) -> None:
-        trial = trials[name]
-        assert trial["status"] == "invalid", (name, trial["status"], trial["reason"])
-        for word in words:
-            assert word in trial["reason"], (name, trial["reason"])
-
-    invalid("val split", "val split")
-    assert trials["val file"]["status"] == "crash" and "no val file visible" in (trials["val file"]["error_tail"] or "")
-    # The model process's harness is not the scorer's: replacing evaluate_bpb there changes
-    # nothing, and the trial gets exactly the honest value of its unchanged model.
-    forged = trials["replace evaluate_bpb"]
-    assert (forged["status"], forged["metric"]) == ("discard", baseline["metric"]), forged["reason"]
-    invalid("extra steps", "steps")
-    # A number no database takes is the trial's problem, not the controller's.
-    invalid("huge tokens")
-    invalid("nan steps")
     # Failed inside the sandbox: the repository, the installed harness and the db are read-only or invisible.
     assert (pyc.read_bytes() if pyc.exists() else None) == pyc_before
     assert baseline["metric"] is not None and baseline["metric"] < 99
-    assert "pyc attack failed" in _log(repo, trials["poisoned pyc"]) or trials["poisoned pyc"]["status"] == "crash"
-    assert "db attack failed" in _log(repo, trials["db write"]) or trials["db write"]["status"] == "crash"
-    # The weights stashed by one trial never reach another.
-    assert "STASH FOUND" not in _log(repo, trials["load stash"])
-    time.sleep(max(0.0, 6 - (time.time() - _finished_at(trials["daemon"]))))  # the daemon would have written by now
+    if "daemon" in trials:
+        time.sleep(max(0.0, 6 - (time.time() - _finished_at(trials["daemon"]))))  # it would have written by now
     assert "pwned" not in (repo / "train.py").read_text()
     assert not subprocess.run(["pgrep", "-f", "pwned"], capture_output=True).stdout
-    assert "ENV" in _log(repo, trials["environment"])
-    # The secrets outside the project and deep inside it do not exist in the sandbox.
-    assert "HUNT 0 " in _log(repo, trials["secret hunt"]), _log(repo, trials["secret hunt"])[-2000:]
     # Nothing the evaluator could write ran outside the sandbox.
     assert not (tmp_path / "hooked.txt").exists(), (tmp_path / "hooked.txt").read_text()
     assert sorted(p.name for p in (repo / ".git" / "hooks").iterdir()) == hooks_before
@@ -601,6 +573,37 @@ def test_attacks_in_step_mode_end_invalid_or_fail_inside_the_sandbox_and_leak_no
                             capture_output=True, text=True).stdout
     assert status == ""
     _assert_no_secret_anywhere(repo)
+    return trials
+
+
+def assert_invalid(trials: dict, name: str, *words: str) -> None:
+    trial = trials[name]
+    assert trial["status"] == "invalid", (name, trial["status"], trial["reason"])
+    for word in words:
+        assert word in trial["reason"], (name, trial["reason"])
+
+
+@pytest.mark.slow
+@needs_bwrap
+def test_attacks_in_step_mode_end_invalid_or_fail_inside_the_sandbox_and_leak_nothing(tmp_path, monkeypatch, request,
+                                                                                      attacked_repo):
+    """Issue 12's table, sandboxed, verification on, in one run on from the shared baseline:
+    every attack invalid, a crash, or failed inside the sandbox, and what
+    `sandboxed_attack_run` checks of every attack. Issue 23's attacks are in
+    tests/test_attacks_trust.py (the same run's other half, for the other CI worker)."""
+    repo = attacked_repo
+    trials = sandboxed_attack_run(tmp_path, monkeypatch, request, repo, ATTACKS)
+    baseline = trials["baseline"]
+    assert_invalid(trials, "val split", "val split")
+    assert trials["val file"]["status"] == "crash" and "no val file visible" in (trials["val file"]["error_tail"] or "")
+    # The model process's harness is not the scorer's: replacing evaluate_bpb there changes
+    # nothing, and the trial gets exactly the honest value of its unchanged model.
+    forged = trials["replace evaluate_bpb"]
+    assert (forged["status"], forged["metric"]) == ("discard", baseline["metric"]), forged["reason"]
+    assert_invalid(trials, "extra steps", "steps")
+    assert "pyc attack failed" in _log(repo, trials["poisoned pyc"]) or trials["poisoned pyc"]["status"] == "crash"
+    assert "db attack failed" in _log(repo, trials["db write"]) or trials["db write"]["status"] == "crash"
+    assert "ENV" in _log(repo, trials["environment"])
 
 
 def _finished_at(trial: dict) -> float:

@@ -21,11 +21,13 @@ _PARALLEL = "PYTEST_XDIST_WORKER" in os.environ
 
 # The files that take longest, run first under `pytest -n 2` (whole files go to a worker):
 # started late, one of them would leave the other worker idle at the end. Longest first, as
-# measured with two workers on 2 cores (test_attacks.py ~24 min, test_readme.py ~11, the
-# next ones 6 to 2); a file not listed runs after these, in its usual order.
-LONGEST_FILES = ("test_attacks.py", "test_readme.py", "test_check.py", "test_executor_equivalence.py",
-                 "test_crash_safety.py", "test_train.py", "test_verify.py", "test_review.py", "test_e2e.py",
-                 "test_parallel.py", "test_controller.py", "test_agent.py", "test_run_check.py")
+# measured with two workers on 2 cores before issue 32 (test_attacks.py ~24 min then, now split
+# in four: issue 12's table, issue 23's trust attacks, the budget, the workers; test_readme.py
+# ~11, the next ones 6 to 2); a file not listed runs after these, in its usual order.
+LONGEST_FILES = ("test_attacks.py", "test_attacks_trust.py", "test_readme.py", "test_attacks_budget.py",
+                 "test_attacks_workers.py", "test_check.py", "test_executor_equivalence.py", "test_crash_safety.py",
+                 "test_train.py", "test_verify.py", "test_review.py", "test_e2e.py", "test_parallel.py",
+                 "test_controller.py", "test_agent.py", "test_run_check.py")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -75,8 +77,15 @@ def _pairs_regardless_of_machine_speed():
 
 @pytest.fixture(autouse=True)
 def _isolated_cache(session_cache, monkeypatch):
-    monkeypatch.setenv("AUTOLOOP_CACHE_DIR", str(session_cache))
-    monkeypatch.setenv("AUTOLOOP_COMPILE_CACHE", str(session_cache / "compile"))
+    set_test_environment(monkeypatch, session_cache)
+
+
+def set_test_environment(monkeypatch, cache: Path) -> None:
+    """What every test runs under (set with `monkeypatch`, a MonkeyPatch), with `cache` as
+    the harness cache: also for a session fixture's loop, which runs before this autouse
+    fixture would set it."""
+    monkeypatch.setenv("AUTOLOOP_CACHE_DIR", str(cache))
+    monkeypatch.setenv("AUTOLOOP_COMPILE_CACHE", str(cache / "compile"))
     for name in _CONTRACT_VARS:
         monkeypatch.delenv(name, raising=False)
     # A torch-using test subprocess gets the machine's two cores, or one when two test
@@ -88,6 +97,26 @@ def _isolated_cache(session_cache, monkeypatch):
     # A night that ends by its limit re-measures its best at fresh seeds (autoloop.loop.reserve):
     # runs most tests do not count on; the tests of the reserve turn it back on.
     monkeypatch.setenv("AUTOLOOP_RESERVE_SEEDS", "0")
+
+
+@pytest.fixture(scope="session")
+def sandboxed_baseline(tmp_path_factory, session_cache) -> Path:
+    """The attack tests' baseline, paid once a session (each xdist worker that needs it):
+    the real train.py's baseline through the sandboxed, verified loop in step mode, with
+    the attack tests' settings (tests.test_attacks.baseline_run). Read-only: a test takes
+    its copy from `attacked_repo`."""
+    from tests.test_attacks import baseline_run
+
+    with pytest.MonkeyPatch.context() as mp:  # what the autouse fixtures set per test
+        set_test_environment(mp, session_cache)
+        return baseline_run(tmp_path_factory.mktemp("sandboxed-baseline"), mp)
+
+
+@pytest.fixture
+def attacked_repo(sandboxed_baseline, tmp_path) -> Path:
+    """A private copy of the shared sandboxed baseline's run (tag "a", one trial: the baseline,
+    kept) at tmp_path/"repo": a test seeds its attacks and runs the loop on from there."""
+    return copy_run(sandboxed_baseline, tmp_path / "repo")
 
 
 @pytest.fixture
@@ -135,6 +164,30 @@ def make_repo(path: Path, train_source: str, extra_files: dict[str, str] | None 
     for args in (["init", "-q", "-b", "main"], ["add", "-A"], ["commit", "-q", "-m", "init"]):
         subprocess.run(["git", *args], cwd=path, check=True, env=env)
     return path
+
+
+def copy_run(source: Path, target: Path) -> Path:
+    """A private copy of a run's folder `source` at `target` (the repository with .git,
+    experiments.db, .autoloop/) for a test that writes to it or runs the loop on in it: the
+    one way the tests pay for a run once and copy it per test. The paths the db holds into
+    `source` (logs, checkpoints) are pointed into the copy, so nothing reads the original."""
+    import shutil
+    import sqlite3
+
+    shutil.copytree(source, target, symlinks=True)
+    db = target / "experiments.db"
+    if db.exists():
+        conn = sqlite3.connect(db)
+        try:
+            for (table,) in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'").fetchall():
+                for column in conn.execute(f"PRAGMA table_info({table})").fetchall():
+                    if column[2].upper() == "TEXT" and column[1].endswith("_path"):
+                        conn.execute(f"UPDATE {table} SET {column[1]} = replace({column[1]}, ?, ?)",
+                                     (str(source), str(target)))
+            conn.commit()
+        finally:
+            conn.close()
+    return target
 
 
 @pytest.fixture

@@ -20,12 +20,11 @@ plus one text-only idea that the ideas proposer leaves pending.
 from __future__ import annotations
 
 import os
-import shutil
 import sqlite3
 import subprocess
 from pathlib import Path
 
-from conftest import FAKE_TRAIN, make_repo
+from conftest import FAKE_TRAIN, copy_run, make_repo
 
 TAG = "night"
 CHECKPOINTING = '''
@@ -86,14 +85,6 @@ config = resolve(repo, {"tag": sys.argv[2], "time_budget": 1, "grace_seconds": 2
                         "proposers": "ideas", "allow_env_change": True})  # the harness may change meanwhile
 Controller(config, repo, verifier=None).run()
 """
-
-
-def copy_repo(source: Path, target: Path) -> Path:
-    """A private copy of the fixture repository (git, db and .autoloop/) for a test
-    that writes. The db's log and checkpoint paths still point into the original,
-    which the review code reads only."""
-    shutil.copytree(source, target, symlinks=True)
-    return target
 
 
 def db_rows(repo: Path, sql: str, params=()) -> list[dict]:
@@ -248,7 +239,7 @@ def noisy_report(repo: Path, copy: Path, out: Path, change=None) -> Path:
 
     from autoloop.cli import app
 
-    shutil.copytree(repo, copy)
+    copy_run(repo, copy)
     if change is not None:
         conn = sqlite3.connect(copy / "experiments.db")
         try:

@@ -20,7 +20,7 @@ from autoloop.decide.rule import Noise
 from autoloop.decide.effects import ablation_effect
 from autoloop.gitops import GitRepo
 
-from conftest import make_repo
+from conftest import copy_run, make_repo
 
 runner = CliRunner()
 
@@ -191,9 +191,7 @@ def _known_run(root: Path) -> Path:
 @pytest.fixture
 def known_run(known_run_once, tmp_path) -> Path:
     """A private copy of the run (git, db, .autoloop/) for a test that writes."""
-    import shutil
-
-    return Path(shutil.copytree(known_run_once, tmp_path / "repo", symlinks=True))
+    return copy_run(known_run_once, tmp_path / "repo")
 
 
 def trials(repo: Path) -> list[dict]:

@@ -1,15 +1,19 @@
 """Issue 12's table of attacks, one patch to the real train.py each, through the real loop.
 
 Every attack must end `invalid` with a reason that names it, or fail inside the sandbox,
-and nothing outside the trial's folder may change. One run per mode holds a baseline and
-several attack trials (seeded as patches), so the baseline is paid once.
+and nothing outside the trial's folder may change. One run holds a baseline and several
+attack trials (seeded as patches); the sandboxed step-mode attacks here and in the other
+tests/test_attacks_*.py files go on from one baseline paid once a session (`baseline_run`,
+conftest's `attacked_repo`). The attacks on the budget and on the controller's processes
+are in tests/test_attacks_budget.py and tests/test_attacks_workers.py, so that two CI
+workers share them; issue 23's sandboxed attacks, the other half of the step-mode run, in
+tests/test_attacks_trust.py.
 """
 
 from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -84,8 +88,6 @@ ATTACKS = {
         "    open(_os.environ['AUTOLOOP_RESULT'] + '.env', 'w').write(repr(dict(_os.environ)))\n")),
 }
 
-HALF_CLOCK = _patched(LOOP_ANCHOR, "        clock.step_finished(dt / 2)\n")
-
 
 def _seed_attacks(repo: Path, config, names: list[str], sources: dict[str, str]) -> None:
     original = (repo / "train.py").read_text()
@@ -106,6 +108,17 @@ def _run(repo: Path, monkeypatch, **flags):
              "grace_seconds": 240, "llm_api_key_env": "MY_SECRET_VAR", **flags}
     config = resolve(repo, flags)
     return config
+
+
+def baseline_run(root: Path, monkeypatch) -> Path:
+    """The sandboxed baseline the step-mode attack tests share (conftest's `attacked_repo`):
+    the real train.py at 6 steps, verification on, with `_run`'s settings (the secret set
+    too, so its logs are searched for it as well); the repository at root/"repo"."""
+    repo = make_repo(root / "repo", TRAIN_PY.read_text())
+    Controller(_run(repo, monkeypatch, max_steps=6, max_trials=1), repo).run()
+    baseline = _trials(repo)["baseline"]
+    assert baseline["status"] == "keep", baseline["reason"]
+    return repo
 
 
 def _trials(repo: Path, tag: str = "a") -> dict[str, dict]:
@@ -162,41 +175,10 @@ def test_attacks_without_a_sandbox_are_caught_by_the_checks(tmp_path, monkeypatc
             pyc.write_bytes(pyc_before)
 
 
-@pytest.mark.slow
-def test_feeding_the_clock_half_of_each_step_is_over_budget(tmp_path, monkeypatch):
-    repo = make_repo(tmp_path / "repo", TRAIN_PY.read_text())
-    # A budget several steps long even on a busy machine: within one step of the budget an
-    # honest run and one that feeds its clock half the time cannot be told apart.
-    config = _run(repo, monkeypatch, time_budget=20, max_trials=2)
-    _seed_attacks(repo, config, ["half clock"], {"half clock": HALF_CLOCK})
-    Controller(config, repo).run()
-    trials = _trials(repo)
-    assert trials["baseline"]["status"] == "keep", trials["baseline"]["reason"]
-    trial = trials["half clock"]
-    assert trial["status"] == "invalid" and "budget" in trial["reason"], trial["reason"]
-
-
 def _log(repo: Path, trial: dict) -> str:
     folder = repo / ".autoloop" / "a" / "trials" / str(trial["number"])
     return "\n".join(p.read_text(errors="replace") for p in folder.rglob("*.log"))
 
-
-@pytest.mark.slow
-@pytest.mark.parametrize("mode", ["time", "steps"])
-def test_the_baseline_is_kept_beside_two_cpu_burners(tmp_path, monkeypatch, mode):
-    repo = make_repo(tmp_path / "repo", TRAIN_PY.read_text())
-    flags = {"time_budget": 8} if mode == "time" else {"max_steps": 8}
-    config = _run(repo, monkeypatch, max_trials=1, decision_rule="paired", baseline_seeds=2, **flags)
-    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
-    try:
-        summary = Controller(config, repo).run()
-    finally:
-        for burner in burners:
-            burner.kill()
-            burner.wait()
-    baseline = _trials(repo)["baseline"]
-    assert baseline["status"] == "keep", baseline["reason"]
-    assert baseline["n_runs"] == 2 and not summary.paused
 
 
 # =======================================================================================
@@ -437,33 +419,6 @@ POISON_TORCH_BYTECODE = _patched(IMPORT_ANCHOR, IMPORT_ANCHOR + _EVAL_OUT + (
 MUCH_WORSE = _patched("MATRIX_LR = 0.04", "MATRIX_LR = 0.0004", _patched("EMBEDDING_LR = 0.6", "EMBEDDING_LR = 0.006",
                       _patched("UNEMBEDDING_LR = 0.004", "UNEMBEDDING_LR = 0.00004")))
 
-# 4. Training the feed does not see: hoard one extra batch per step (the feed allows a step
-#    twice the median's batches), then train on the hoard after the last tick, before the
-#    checkpoint; or inside a last step made long on purpose.
-_HOARD = (
-    "        if clock.steps == 1:\n"
-    "            _hoard, _extra = [], H.TokenLoader(ds, 'train', DEVICE_BATCH_SIZE, seq_len, device, seed=spec.seed + 7)\n"
-    "        _hoard.append(next(_extra))\n"
-)
-_TRAIN_ON_HOARD = (
-    "def _train_on(model, optimizers, batches):\n"
-    "    for x, y in batches:\n"
-    "        model(x, y).backward()\n"
-    "        for opt in optimizers:\n"
-    "            opt.step()\n"
-    "        model.zero_grad(set_to_none=True)\n\n\n"
-)
-# Four passes over the hoard: four times the budget's training again (tens of seconds),
-# however few steps a busy machine left the run (the rules allow a few steps' worth;
-# docs/verification.md). Eight passes made this the suite's second-slowest test.
-TAIL_TRAINING = _patched(AFTER_LOOP_ANCHOR, "    _train_on(model, optimizers, _hoard * 4)\n" + AFTER_LOOP_ANCHOR,
-                         _patched(LOOP_ANCHOR, LOOP_ANCHOR + _HOARD, _patched("def fail(reason):", _TRAIN_ON_HOARD + "def fail(reason):")))
-LONG_LAST_STEP = _patched(LOOP_ANCHOR, (
-    "        if clock.steps >= clock.warmup_steps and clock.training_seconds + dt >= clock.time_budget:\n"
-    "            _train_on(model, optimizers, _hoard * 4)\n"
-    "            _hoard = []\n") + LOOP_ANCHOR + _HOARD,
-    _patched("def fail(reason):", _TRAIN_ON_HOARD + "def fail(reason):"))
-
 
 def _plant_canaries(repo: Path, monkeypatch, far: Path | None = None) -> None:
     """The environment variable and the project's .env; with `far` (a folder under /var/tmp
@@ -564,31 +519,27 @@ def _kept(trial: dict) -> bool:
     return trial["status"] == "keep"
 
 
-@pytest.mark.slow
-@needs_bwrap
-def test_attacks_in_step_mode_end_invalid_or_fail_inside_the_sandbox_and_leak_nothing(tmp_path, monkeypatch, request):
-    """Issue 12's table and issue 23's items 1, 2, 3 and 5, sandboxed, verification on, in
-    one run (one baseline for all): every attack invalid, a crash, or failed inside the
-    sandbox; none kept; the controller alive (and again after a restart); no secret
-    anywhere; the installed harness, .git/hooks and every file outside the trials' folders
-    unchanged."""
+def sandboxed_attack_run(tmp_path: Path, monkeypatch, request, repo: Path, sources: dict[str, str]) -> dict:
+    """Issue 12's and issue 23's attacks `sources` ({name: train.py}), sandboxed, verification
+    on, in one run on from the shared baseline (`repo`, conftest's `attacked_repo`), then a
+    restart; what every attack must leave true, checked: none kept (but "stash weights", which
+    is honest training), the controller alive and nothing re-run, the installed harness,
+    .git/hooks and every file outside the trials' folders unchanged, no secret anywhere.
+    Returns the run's trials by name for the attacks' own checks."""
     from autoloop.harness import metric
 
-    # A cache of this test's own: on the old main the bytecode attack poisoned it for every
-    # later evaluation, and it must not reach the session's shared cache.
+    # A cache of this run's own for the attacks (the shared baseline ran on the session's):
+    # on the old main the bytecode attack poisoned it for every later evaluation, and it must
+    # not reach the session's shared cache.
     cache = tmp_path / "cache"
     monkeypatch.setenv("AUTOLOOP_CACHE_DIR", str(cache))
     monkeypatch.setenv("AUTOLOOP_COMPILE_CACHE", str(cache / "compile"))
     write_test_corpus_key(cache)
-    repo = make_repo(tmp_path / "repo", TRAIN_PY.read_text())
     far = Path("/var/tmp") / f"autoloop-attack-{os.getpid()}-{time.time_ns()}"
     request.addfinalizer(lambda: __import__("shutil").rmtree(far, ignore_errors=True))
     _plant_canaries(repo, monkeypatch, far=far)
-    names = list(ATTACKS) + list(TRUST_ATTACKS) + ["poison bytecode", "much worse", "secret hunt"]
-    sources = {**ATTACKS, **TRUST_ATTACKS, "poison bytecode": POISON_TORCH_BYTECODE, "much worse": MUCH_WORSE,
-               "secret hunt": SECRET_HUNT}
-    assert len(sources) == len(names)  # no attack hides another of the same name
-    config = _run(repo, monkeypatch, max_steps=6, max_trials=1 + len(names))
+    names = list(sources)
+    config = _run(repo, monkeypatch, max_steps=6, max_trials=len(names))
     _seed_attacks(repo, config, names, sources)
     before = _protected_state(repo)
     outside_before = _files_outside_trials(repo)
@@ -596,7 +547,7 @@ def test_attacks_in_step_mode_end_invalid_or_fail_inside_the_sandbox_and_leak_no
     pyc = Path(__import__("importlib.util").util.cache_from_source(metric.__file__))
     pyc_before = pyc.read_bytes() if pyc.exists() else None
     summary = Controller(config, repo).run()
-    assert summary.trials_run == 1 + len(names), summary.stop_reason
+    assert summary.trials_run == len(names), summary.stop_reason  # the baseline ran before, once a session
     Controller(_run(repo, monkeypatch, max_steps=6, max_trials=2), repo).run()  # a restart: alive, nothing re-run
     trials = _trials(repo)
     baseline = trials["baseline"]
@@ -606,36 +557,13 @@ def test_attacks_in_step_mode_end_invalid_or_fail_inside_the_sandbox_and_leak_no
     wrongly_kept = {name: (trials[name]["status"], trials[name]["metric"], trials[name]["reason"])
                     for name in names if _kept(trials[name]) and name != "stash weights"}
     assert not wrongly_kept, wrongly_kept
-
-    def invalid(name: str, *words: str) -> None:
-        trial = trials[name]
-        assert trial["status"] == "invalid", (name, trial["status"], trial["reason"])
-        for word in words:
-            assert word in trial["reason"], (name, trial["reason"])
-
-    invalid("val split", "val split")
-    assert trials["val file"]["status"] == "crash" and "no val file visible" in (trials["val file"]["error_tail"] or "")
-    # The model process's harness is not the scorer's: replacing evaluate_bpb there changes
-    # nothing, and the trial gets exactly the honest value of its unchanged model.
-    forged = trials["replace evaluate_bpb"]
-    assert (forged["status"], forged["metric"]) == ("discard", baseline["metric"]), forged["reason"]
-    invalid("extra steps", "steps")
-    # A number no database takes is the trial's problem, not the controller's.
-    invalid("huge tokens")
-    invalid("nan steps")
     # Failed inside the sandbox: the repository, the installed harness and the db are read-only or invisible.
     assert (pyc.read_bytes() if pyc.exists() else None) == pyc_before
     assert baseline["metric"] is not None and baseline["metric"] < 99
-    assert "pyc attack failed" in _log(repo, trials["poisoned pyc"]) or trials["poisoned pyc"]["status"] == "crash"
-    assert "db attack failed" in _log(repo, trials["db write"]) or trials["db write"]["status"] == "crash"
-    # The weights stashed by one trial never reach another.
-    assert "STASH FOUND" not in _log(repo, trials["load stash"])
-    time.sleep(max(0.0, 6 - (time.time() - _finished_at(trials["daemon"]))))  # the daemon would have written by now
+    if "daemon" in trials:
+        time.sleep(max(0.0, 6 - (time.time() - _finished_at(trials["daemon"]))))  # it would have written by now
     assert "pwned" not in (repo / "train.py").read_text()
     assert not subprocess.run(["pgrep", "-f", "pwned"], capture_output=True).stdout
-    assert "ENV" in _log(repo, trials["environment"])
-    # The secrets outside the project and deep inside it do not exist in the sandbox.
-    assert "HUNT 0 " in _log(repo, trials["secret hunt"]), _log(repo, trials["secret hunt"])[-2000:]
     # Nothing the evaluator could write ran outside the sandbox.
     assert not (tmp_path / "hooked.txt").exists(), (tmp_path / "hooked.txt").read_text()
     assert sorted(p.name for p in (repo / ".git" / "hooks").iterdir()) == hooks_before
@@ -645,157 +573,40 @@ def test_attacks_in_step_mode_end_invalid_or_fail_inside_the_sandbox_and_leak_no
                             capture_output=True, text=True).stdout
     assert status == ""
     _assert_no_secret_anywhere(repo)
+    return trials
+
+
+def assert_invalid(trials: dict, name: str, *words: str) -> None:
+    trial = trials[name]
+    assert trial["status"] == "invalid", (name, trial["status"], trial["reason"])
+    for word in words:
+        assert word in trial["reason"], (name, trial["reason"])
+
+
+@pytest.mark.slow
+@needs_bwrap
+def test_attacks_in_step_mode_end_invalid_or_fail_inside_the_sandbox_and_leak_nothing(tmp_path, monkeypatch, request,
+                                                                                      attacked_repo):
+    """Issue 12's table, sandboxed, verification on, in one run on from the shared baseline:
+    every attack invalid, a crash, or failed inside the sandbox, and what
+    `sandboxed_attack_run` checks of every attack. Issue 23's attacks are in
+    tests/test_attacks_trust.py (the same run's other half, for the other CI worker)."""
+    repo = attacked_repo
+    trials = sandboxed_attack_run(tmp_path, monkeypatch, request, repo, ATTACKS)
+    baseline = trials["baseline"]
+    assert_invalid(trials, "val split", "val split")
+    assert trials["val file"]["status"] == "crash" and "no val file visible" in (trials["val file"]["error_tail"] or "")
+    # The model process's harness is not the scorer's: replacing evaluate_bpb there changes
+    # nothing, and the trial gets exactly the honest value of its unchanged model.
+    forged = trials["replace evaluate_bpb"]
+    assert (forged["status"], forged["metric"]) == ("discard", baseline["metric"]), forged["reason"]
+    assert_invalid(trials, "extra steps", "steps")
+    assert "pyc attack failed" in _log(repo, trials["poisoned pyc"]) or trials["poisoned pyc"]["status"] == "crash"
+    assert "db attack failed" in _log(repo, trials["db write"]) or trials["db write"]["status"] == "crash"
+    assert "ENV" in _log(repo, trials["environment"])
 
 
 def _finished_at(trial: dict) -> float:
     from datetime import datetime
 
     return datetime.fromisoformat(trial["finished_at"]).timestamp()
-
-
-@pytest.mark.slow
-@needs_bwrap
-def test_training_the_feed_does_not_see_is_over_budget(tmp_path, monkeypatch):
-    """Issue 23, item 4, time mode: extra optimizer steps on hoarded batches after the last
-    clock tick (before the checkpoint), or inside a last step made long on purpose."""
-    repo = make_repo(tmp_path / "repo", TRAIN_PY.read_text())
-    _plant_canaries(repo, monkeypatch)
-    attacks = {"tail training": TAIL_TRAINING, "long last step": LONG_LAST_STEP}
-    config = _run(repo, monkeypatch, time_budget=8, max_trials=1 + len(attacks))
-    _seed_attacks(repo, config, list(attacks), attacks)
-    Controller(config, repo).run()
-    trials = _trials(repo)
-    assert trials["baseline"]["status"] == "keep", trials["baseline"]["reason"]
-    for name in attacks:
-        trial = trials[name]
-        # Caught by the budget, not by luck: on the old rules both passed it (-0.31 and -0.35
-        # bpb), and only the held-out guard's margin happened to refuse them.
-        assert trial["status"] == "invalid", (name, trial["status"], trial["metric"], trial["reason"])
-        # (which of the budget's tail rules fires first depends on how long the extra training
-        # took: the last step, the checkpoint's CPU time, or the time after the last batch)
-        assert "held-out" not in trial["reason"] and any(
-            words in trial["reason"] for words in ("last step", "checkpoint", "after its last training batch")), \
-            (name, trial["reason"])
-    _assert_no_secret_anywhere(repo)
-
-
-def _victim() -> tuple[subprocess.Popen, int | None]:
-    """An unrelated process group of the user's (a `sleep` in a session of its own)."""
-    from autoloop.measure.runner import process_start_time
-
-    victim = subprocess.Popen(["sleep", "600"], start_new_session=True)
-    return victim, process_start_time(victim.pid)
-
-
-@pytest.mark.slow
-@needs_bwrap
-def test_a_trial_cannot_make_a_worker_kill_someone_else(tmp_path, monkeypatch):
-    """Issue 23, item 6: a worker's control files sit where training cannot write; process
-    ids come from the worker's own channel; nothing is killed without a matching start time."""
-    victim, start = _victim()
-    try:
-        pids = f"{{'pid': {victim.pid}, 'pgid': {victim.pid}, 'start_time': {start}}}"
-        attack = _patched(IMPORT_ANCHOR, IMPORT_ANCHOR + _EVAL_OUT + (
-            "if _training():\n"
-            "    import json as _json, time as _time\n"
-            "    _run = _os.path.dirname(_os.environ['AUTOLOOP_RESULT'])\n"
-            "    for _ in range(3):\n"
-            "        for _d in (_run, _os.path.dirname(_run)):\n"
-            "            try:\n"
-            f"                open(_os.path.join(_d, 'pids.json'), 'w').write(_json.dumps({pids}))\n"
-            "            except OSError:\n"
-            "                pass\n"
-            "        _time.sleep(0.5)\n"),
-            _patched(FINISH_ANCHOR, "    result['num_steps'] = float('nan')\n" + FINISH_ANCHOR))
-        repo = make_repo(tmp_path / "repo", TRAIN_PY.read_text())
-        config = _run(repo, monkeypatch, max_steps=6, max_trials=2, workers=1, executor="local")
-        _seed_attacks(repo, config, ["victim pids"], {"victim pids": attack})
-        Controller(config, repo).run()
-        trials = _trials(repo)
-        assert trials["baseline"]["status"] == "keep", trials["baseline"]["reason"]
-        assert not _kept(trials["victim pids"])
-        time.sleep(0.5)
-        assert victim.poll() is None, "the controller killed a process group that was not the trial's"
-    finally:
-        victim.kill()
-        victim.wait()
-
-
-@pytest.mark.slow
-def test_two_workers_with_honest_trials_unsandboxed_lose_nothing(tmp_path, monkeypatch):
-    """Issue 23, item 6: with two trials in flight, one thread's legitimate writes are neither
-    blamed on the other's training nor undone by its seal."""
-    repo = make_repo(tmp_path / "repo", TRAIN_PY.read_text())
-    values = ["0.03", "0.05", "0.035", "0.045"]
-    config = _run(repo, monkeypatch, max_steps=6, max_trials=1 + len(values), workers=2, executor="local",
-                  sandbox="off")
-    for value in values:  # constants set on whatever the best is then, so every one applies
-        seed_idea(config, repo, f"attack: lr {value}", sets=[f"MATRIX_LR={value}"], patch=None)
-    honest = values
-    Controller(config, repo).run()
-    store = Store(repo / "experiments.db")
-    try:
-        run = store.get_run("a")
-        rows = store.trials(run["id"])
-        failed = [(t["number"], t["status"], t["reason"]) for t in rows if t["status"] not in ("keep", "discard")]
-        assert not failed, failed
-        for trial in rows:
-            ok = [m for m in store.measurements(trial["id"]) if m["status"] == "ok" and m["metric"] is not None]
-            assert ok, f"trial {trial['number']} ({trial['status']}, metric {trial['metric']}) has no measurement"
-    finally:
-        store.close()
-    assert len(rows) == 1 + len(honest)
-
-
-@pytest.mark.slow
-def test_the_training_of_a_lost_worker_dies_with_it(tmp_path, monkeypatch):
-    """Issue 23, item 6: whenever a worker dies, before or after it told anyone its
-    training's process group, that training dies with it (here the training kills its own
-    worker at once, unsandboxed, then tries to outlive it)."""
-    marker = tmp_path / "survivor.pid"
-    # First thing in the file, before torch is imported: the worker dies within
-    # milliseconds of starting its training, before it could have told anyone its group.
-    # It also removes whatever told its worker's parent its process group, then kills the worker.
-    attack = (
-        "import os as _os, signal as _signal, time as _time\n"
-        "if _os.environ.get('AUTOLOOP_RESULT'):\n"
-        f"    open({str(marker)!r}, 'w').write(str(_os.getpid()))\n"
-        "    _run = _os.path.dirname(_os.environ['AUTOLOOP_RESULT'])\n"
-        "    for _d in (_run, _os.path.dirname(_run)):\n"
-        "        try:\n"
-        "            _os.unlink(_os.path.join(_d, 'pids.json'))\n"
-        "        except OSError:\n"
-        "            pass\n"
-        "    _os.kill(_os.getppid(), _signal.SIGKILL)\n"
-        "    _time.sleep(120)\n"
-    ) + TRAIN_PY.read_text()
-    repo = make_repo(tmp_path / "repo", TRAIN_PY.read_text())
-    config = _run(repo, monkeypatch, max_steps=6, max_trials=2, workers=1, executor="local", sandbox="off")
-    _seed_attacks(repo, config, ["kill my worker"], {"kill my worker": attack})
-    Controller(config, repo).run()
-    trials = _trials(repo)
-    assert trials["baseline"]["status"] == "keep", trials["baseline"]["reason"]
-    assert marker.exists(), "the attack did not run"
-    pid = int(marker.read_text())
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and Path(f"/proc/{pid}").exists():
-        time.sleep(0.2)
-    alive = Path(f"/proc/{pid}/stat").exists() and Path(f"/proc/{pid}/stat").read_text().split(")")[1].split()[0] != "Z"
-    if alive:
-        os.kill(pid, 9)
-    assert not alive, "the training of a dead worker is still running"
-
-
-@pytest.mark.slow
-@needs_bwrap
-def test_no_verify_under_the_sandbox_sees_a_dataset_in_tmp(tmp_path, monkeypatch):
-    """Issue 23, item 7: with --no-verify training reads its data itself, from wherever it is."""
-    from autoloop import harness as H
-
-    data = H.prepare_embedded(tmp_path / "data")
-    repo = make_repo(tmp_path / "repo", TRAIN_PY.read_text())
-    config = _run(repo, monkeypatch, max_steps=4, max_trials=1, verify=False, dataset=str(tmp_path / "data"))
-    assert data.fingerprint
-    Controller(config, repo).run()
-    baseline = _trials(repo)["baseline"]
-    assert baseline["status"] == "keep", baseline["reason"]

@@ -56,9 +56,11 @@ def _seconds(later: str, earlier: str) -> float:
 
 @pytest.mark.slow
 @needs_bwrap
-def test_a_faked_oom_does_not_make_the_controller_evaluate_a_skipped_constant(tmp_path, monkeypatch):
-    repo = make_repo(tmp_path / "repo", TRAIN_PY.read_text())
-    config = _run(repo, monkeypatch, max_steps=4, max_trials=3)
+def test_a_faked_oom_does_not_make_the_controller_evaluate_a_skipped_constant(attacked_repo, monkeypatch):
+    # The shared sandboxed baseline's run, ours to run on: the attack crashes before training,
+    # and room for the repair trial it must not get.
+    repo = attacked_repo
+    config = _run(repo, monkeypatch, max_steps=6, max_trials=2)
     _seed_attacks(repo, config, ["oom bomb"], {"oom bomb": OOM_BOMB})
     started = time.monotonic()
     Controller(config, repo).run()

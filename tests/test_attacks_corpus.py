@@ -22,9 +22,9 @@ from pathlib import Path
 import pytest
 
 from autoloop.loop.controller import Controller
-from tests.conftest import make_repo, write_test_corpus_key
+from tests.conftest import write_test_corpus_key
 from tests.test_attacks import (
-    BUILD_ANCHOR, IMPORT_ANCHOR, TRAIN_PY, _log, _patched, _run, _seed_attacks, _trials, needs_bwrap,
+    BUILD_ANCHOR, IMPORT_ANCHOR, _log, _patched, _run, _seed_attacks, _trials, needs_bwrap,
 )
 
 # A causal lookup: at each position, the windows of the rebuilt text (cut where the scorer
@@ -117,7 +117,7 @@ ATTACKS = {"rebuild stdlib": REBUILD_STDLIB, "regenerate from the key": REGENERA
 
 @pytest.mark.slow
 @needs_bwrap
-def test_no_stage_of_a_trial_can_rebuild_the_scored_text(tmp_path, monkeypatch):
+def test_no_stage_of_a_trial_can_rebuild_the_scored_text(tmp_path, monkeypatch, attacked_repo):
     """Both attacks, sandboxed, verification on, one run: neither kept, neither better than
     the honest model it wraps, and the key read by neither stage.
 
@@ -127,9 +127,9 @@ def test_no_stage_of_a_trial_can_rebuild_the_scored_text(tmp_path, monkeypatch):
     monkeypatch.setenv("AUTOLOOP_CACHE_DIR", str(cache))
     monkeypatch.setenv("AUTOLOOP_COMPILE_CACHE", str(cache / "compile"))
     write_test_corpus_key(cache)
-    repo = make_repo(tmp_path / "repo", TRAIN_PY.read_text())
+    repo = attacked_repo  # the shared sandboxed baseline's run (on the session's cache), ours to run on
     names = list(ATTACKS)
-    config = _run(repo, monkeypatch, max_steps=6, max_trials=1 + len(names))
+    config = _run(repo, monkeypatch, max_steps=6, max_trials=len(names))
     _seed_attacks(repo, config, names, ATTACKS)
     summary = Controller(config, repo).run()
     trials = _trials(repo)

@@ -128,11 +128,11 @@ def _assert_no_val_bpb_shown(repo, trial: dict) -> None:
 
 @pytest.mark.slow
 @needs_bwrap
-def test_a_sparse_peek_is_not_kept_as_verified_and_causal(tmp_path, monkeypatch, embedded_dataset):
+def test_a_sparse_peek_is_not_kept_as_verified_and_causal(attacked_repo, monkeypatch, embedded_dataset):
     source, fraction = sparse_peek(embedded_dataset)
     assert 0.002 < fraction < 0.008, fraction
-    repo = make_repo(tmp_path / "repo", TRAIN_PY.read_text())
-    config = _run(repo, monkeypatch, max_steps=6, max_trials=2)
+    repo = attacked_repo  # the shared sandboxed baseline's run, ours to run on
+    config = _run(repo, monkeypatch, max_steps=6, max_trials=1)
     _seed_attacks(repo, config, ["sparse peek"], {"sparse peek": source})
     Controller(config, repo).run()
     trials = _trials(repo)

@@ -21,8 +21,7 @@ from typer.testing import CliRunner
 
 from autoloop.proposers.seeding import seed_idea
 from autoloop.store import Store
-from tests.conftest import make_repo
-from tests.test_attacks import IMPORT_ANCHOR, TRAIN_PY, _brief, _patched, _run, needs_bwrap
+from tests.test_attacks import IMPORT_ANCHOR, _brief, _patched, _run, needs_bwrap
 from tests.test_text import controls  # an oracle by Unicode's own categories
 
 # Written as Python escapes in the source, so they are raw only when printed.
@@ -78,13 +77,13 @@ def _db_controls(db: Path) -> dict[str, list[str]]:
 
 @pytest.mark.slow
 @needs_bwrap
-def test_control_sequences_from_a_trial_reach_no_terminal_db_or_brief(tmp_path, monkeypatch, capsys):
+def test_control_sequences_from_a_trial_reach_no_terminal_db_or_brief(attacked_repo, monkeypatch, capsys):
     from autoloop.cli import app
     from autoloop.cli.display import Display
     from autoloop.loop.controller import Controller
 
-    repo = make_repo(tmp_path / "repo", TRAIN_PY.read_text())
-    config = _run(repo, monkeypatch, max_steps=6, max_trials=1 + len(ATTACKS))
+    repo = attacked_repo  # the shared sandboxed baseline's run, ours to run on
+    config = _run(repo, monkeypatch, max_steps=6, max_trials=len(ATTACKS))
     _seed(repo, config)
     Controller(config, repo, display=Display()).run()
     console = capsys.readouterr().out

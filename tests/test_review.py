@@ -23,9 +23,10 @@ import pytest
 from typer.testing import CliRunner
 
 from autoloop.cli import app
+from conftest import copy_run
 from review_support import (
     DRIFT_MESSAGE, EXPECTED, GIT_ENV, NOISE, NOISE_MESSAGE, NOISY_TAG, TAG, WRITER, build_noisy_db, build_old_db,
-    build_run, copy_repo, db_rows, git, noisy_report,
+    build_run, db_rows, git, noisy_report,
 )
 
 runner = CliRunner()
@@ -43,7 +44,7 @@ def night(tmp_path_factory, session_cache, embedded_dataset) -> Path:
 
 @pytest.fixture
 def repo(night, tmp_path) -> Path:
-    return copy_repo(night, tmp_path / "copy")
+    return copy_run(night, tmp_path / "copy")
 
 
 def cli(repo: Path, *args: str, ok: bool = True):

@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import FAKE_TRAIN, REPO_ROOT, make_repo
+from conftest import FAKE_TRAIN, REPO_ROOT, copy_run, make_repo
 from torch import nn
 
 from autoloop.trust import integrity
@@ -395,9 +395,7 @@ def baseline_repo(tmp_path_factory, session_cache):
 def repo(baseline_repo, tmp_path, session_cache, monkeypatch) -> Path:
     """A copy of the repository with its verified baseline: git, db and trial folders."""
     _contract_env(monkeypatch, session_cache)
-    copy = tmp_path / "repo"
-    shutil.copytree(baseline_repo, copy, symlinks=True)
-    return copy
+    return copy_run(baseline_repo, tmp_path / "repo")
 
 
 def _branch_tip(repo: Path) -> str:

@@ -146,6 +146,30 @@ def test_an_agent_that_fails_or_changes_nothing_lets_the_chain_fall_back(repo, m
     assert "the agent changed nothing" in errors
 
 
+def test_an_agent_that_fails_is_an_outage_until_it_answers_again(repo, monkeypatch):
+    """An agent that exits non-zero is an outage where the user looks (status, report, page
+    read the same events) until its next answer, which ends it (`proposer_back`); an agent
+    that answers without an edit is no outage."""
+    from autoloop.review.queries import outage_info
+
+    seed_idea(resolve(repo, {}), repo, "wider", sets=["WIDTH=128"], patch=None)
+    monkeypatch.setenv("FAKE_AGENT_MODE", "fail")
+    run_agent(repo, max_trials=2, proposers="agent,ideas")
+    with Store(repo / "experiments.db") as store:
+        (outage,) = outage_info(store, store.get_run("t"))
+    assert outage["proposer"] == "agent" and outage["until"] is None and "status 3" in outage["error"]
+    assert outage["line"].startswith("agent unavailable since ")
+    monkeypatch.setenv("FAKE_AGENT_MODE", "nothing")
+    run_agent(repo, max_trials=1, proposers="agent,ideas")
+    monkeypatch.setenv("FAKE_AGENT_MODE", "edit")
+    run_agent(repo, max_trials=1)
+    with Store(repo / "experiments.db") as store:
+        (outage,) = outage_info(store, store.get_run("t"))
+        unavailable = store.events(kind="proposer_unavailable")
+    assert outage["until"] is not None and outage["failures"] == 1  # ended by the answer; "nothing" was no failure
+    assert len(unavailable) == 1
+
+
 def test_an_agent_crash_gets_one_repair_started_from_the_crashed_commit(repo, monkeypatch):
     monkeypatch.setenv("FAKE_AGENT_MODE", "crash")
     run_agent(repo, max_trials=3)

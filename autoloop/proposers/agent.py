@@ -38,6 +38,7 @@ import shlex
 import shutil
 import subprocess
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -47,6 +48,7 @@ from autoloop.proposers.proposal import Proposal, patch_text
 from autoloop.measure.runner import process_start_time
 from autoloop.proposers import brief
 from autoloop.proposers.base import ProposerUnavailable
+from autoloop.proposers.outage import Outage, answered, backoff_seconds
 from autoloop.base.processes import kill_group
 
 KILL_GRACE_SECONDS = 10.0
@@ -102,6 +104,43 @@ class AgentProposer:
                 "unset max-cost, or use the llm proposer with llm-prices"
             )
         self.model = "agent:" + Path(executable).name
+        # An agent that fails (exits non-zero, times out) is left alone with the model's
+        # back-off (autoloop.proposers.outage) while the other sources go on; its first
+        # answer after failures is a `proposer_back` event, so the outage ends where shown.
+        self._lock = threading.Lock()
+        self._failures = 0
+        self._cool_until = 0.0
+        self._down_since: float | None = None
+        self._last_error = ""
+        self._checked = False  # whether an outage an earlier invocation left open was looked for
+
+    @property
+    def where(self) -> str:
+        return f"the agent {self.config.agent_command}"
+
+    @property
+    def outage(self) -> Outage | None:
+        """Why the agent cannot propose now (None: it can)."""
+        with self._lock:
+            if self._down_since is None:
+                return None
+            retry_at = time.time() + max(0.0, self._cool_until - time.monotonic())
+            return Outage(self.name, self.where, self._down_since, self._last_error, self._failures, retry_at)
+
+    def _failed(self, error: str) -> float:
+        with self._lock:
+            self._failures += 1
+            pause = backoff_seconds(self._failures, self.config.llm_retry_wait, self.config.llm_retry_max_wait)
+            self._cool_until = time.monotonic() + pause
+            self._down_since = self._down_since or time.time()
+            self._last_error = error
+        return pause
+
+    def _answered(self, ctx) -> None:
+        with self._lock:
+            failures, since, self._failures, self._down_since = self._failures, self._down_since, 0, None
+            checked, self._checked = self._checked, True
+        answered(ctx.store, ctx.run["id"], self.name, self.where, failures, since, checked=checked)
 
     # ------------------------------------------------------------------ proposing
 
@@ -151,6 +190,9 @@ class AgentProposer:
     def _run(self, ctx, start: str, prompt: str) -> Proposal:
         """Run the agent in a clone checked out at `start`; the proposal is the clone's
         diff against the parent commit."""
+        if time.monotonic() < self._cool_until:
+            raise ProposerUnavailable(
+                f"the agent: cooling down for {self._cool_until - time.monotonic():.0f} s after it failed", quiet=True)
         started = time.monotonic()
         transcript = self._transcript_path(ctx)
         tmp = Path(tempfile.mkdtemp(prefix=TEMP_PREFIX))
@@ -181,7 +223,10 @@ class AgentProposer:
                 what = (f"timed out after {self.config.agent_timeout:g} s" if timed_out
                         else f"exited with status {returncode}: {_last_line(text)}")
                 ctx.store.add_proposal_record(run_id=ctx.run["id"], error=f"agent {what}"[:500], **call)
-                raise ProposerUnavailable(f"the agent ({self.config.agent_command}) {what}; transcript: {transcript}")
+                pause = self._failed(f"it {what}"[:500])
+                raise ProposerUnavailable(f"the agent ({self.config.agent_command}) {what}; transcript: {transcript}; "
+                                          f"skipping it for {pause:.0f} s")
+            self._answered(ctx)  # it ran and answered: an outage, if there was one, is over
             _git(clone, "add", "-A")
             # Bytes, not text: a file the agent left in another encoding must reach validation
             # (which names it), not fail decoding here.
@@ -190,7 +235,9 @@ class AgentProposer:
                                          *relative, ctx.parent_commit, "--"))
             if not diff.strip():
                 ctx.store.add_proposal_record(run_id=ctx.run["id"], error="the agent changed nothing", **call)
-                raise ProposerUnavailable(f"the agent ({self.config.agent_command}) changed nothing; transcript: {transcript}")
+                # An answer without an edit: no outage (the proposals table has it), the chain falls through.
+                raise ProposerUnavailable(f"the agent ({self.config.agent_command}) changed nothing; transcript: {transcript}",
+                                          quiet=True)
             description = _description(text) or _commit_subject(clone, start) or "agent edit"
             proposal = Proposal(description=description, patch=diff, source=self.name, model=self.model)
             duplicate = brief.find_duplicate(diff, ctx.history())

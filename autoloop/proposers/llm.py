@@ -55,7 +55,7 @@ from autoloop.proposers.proposal import Edit, InvalidProposal, Proposal, materia
 from autoloop.proposers import brief
 from autoloop.proposers.answer import parse_answer, resolve_searches
 from autoloop.proposers.base import ProposerUnavailable
-from autoloop.proposers.outage import BACK, Outage, backoff_seconds, clock
+from autoloop.proposers.outage import Outage, answered, backoff_seconds
 
 # The check before the night: long enough for a loaded local server to list its models,
 # short enough that a wrong URL is said at once.
@@ -139,6 +139,7 @@ class LLMProposer:
         self._cool_until = 0.0
         self._down_since: float | None = None  # Unix time of the first failure in a row
         self._last_error = ""
+        self._checked = False  # whether an outage an earlier invocation left open was looked for
         self._exhausted: str | None = None  # max-cost reached: not again in this run
         self._exhausted_at = 0.0
         self._warned_program = False
@@ -265,9 +266,9 @@ class LLMProposer:
         latency = time.monotonic() - started
         with self._lock:
             failures, since, self._failures, self._down_since = self._failures, self._down_since, 0, None
-        if failures:
-            ctx.store.add_event(ctx.run["id"], BACK, f"{self.name}: {self.where} answers again after {failures} "
-                                                    f"failed request{'s' * (failures != 1)} (since {clock(since)})")
+            checked, self._checked = self._checked, True
+        answered(ctx.store, ctx.run["id"], self.name, self.where, failures, since, checked=checked,
+                 noun="failed request")
         usage = getattr(response, "usage", None)
         prompt_tokens = getattr(usage, "prompt_tokens", None)
         completion_tokens = getattr(usage, "completion_tokens", None)

@@ -86,3 +86,24 @@ def describe_outage(outage: dict) -> str:
         return f"{outage['proposer']} unavailable since {clock(outage['since'])} ({failures}): {outage['error']}"
     return (f"{outage['proposer']} was unavailable {clock(outage['since'])}-{clock(outage['until'])} ({failures}), "
             f"back since; last error: {outage['error']}")
+
+
+def left_open(store, run_id: int, proposer: str) -> dict | None:
+    """The run's outage of `proposer` still going on by its events (None: none), e.g. one an
+    earlier invocation recorded before it stopped: the proposer's first answer ends it."""
+    events = [e for e in store.events(run_id) if e.get("kind") in (UNAVAILABLE, BACK)]
+    return next((o for o in outages(events) if o["proposer"] == proposer and o["until"] is None), None)
+
+
+def answered(store, run_id: int, proposer: str, where: str, failures: int, since: float | None,
+             *, checked: bool, noun: str = "failure") -> None:
+    """A proposer answered: write `proposer_back` if it was down, in this invocation
+    (`failures` in a row since `since`) or, when not `checked` yet, by an earlier one's events."""
+    if failures:
+        store.add_event(run_id, BACK, f"{proposer}: {where} answers again after {failures} "
+                                      f"{noun}{'s' * (failures != 1)} (since {clock(since)})")
+    elif not checked:
+        earlier = left_open(store, run_id, proposer)
+        if earlier is not None:
+            store.add_event(run_id, BACK, f"{proposer}: {where} answers again (down since {clock(earlier['since'])})")
+

@@ -125,8 +125,20 @@ def test_an_edit_another_worker_kept_first_is_not_tried_again(wide_repo):
     # Two workers given the same change at once (a search proposes what is best next, twice):
     # the one kept first makes the other's re-based edit empty. On the old code it became an
     # `invalid` trial, "the proposal changes nothing", which no trial had earned.
+    import difflib
+
+    from autoloop.config import resolve
+    from autoloop.proposers.seeding import seed_idea
+
     seed(wide_repo, "lr 0.01", "LR=0.01", "SLEEP=1.0")
-    seed(wide_repo, "lr 0.01 again", "LR=0.01", "SLEEP=1.0")
+    # The same change again, written as a patch: the same --set twice is refused as a
+    # duplicate when seeded (autoloop.store.Store.add_idea), as a search's second pick is not.
+    source = (wide_repo / "train.py").read_text()
+    changed = source.replace("LR = 0.02", "LR = 0.01", 1).replace("SLEEP = 0.0", "SLEEP = 1.0", 1)
+    patch = wide_repo.parent / "again.diff"
+    patch.write_text("".join(difflib.unified_diff(source.splitlines(True), changed.splitlines(True),
+                                                  "a/train.py", "b/train.py")))
+    seed_idea(resolve(wide_repo, {}), wide_repo, "lr 0.01 again", sets=[], patch=patch)
     run_loop(wide_repo, executor="local", workers=2, max_trials=4)
     rows = trials(wide_repo)
     assert [r["status"] for r in rows if r["status"] not in ("keep", "discard")] == [], \

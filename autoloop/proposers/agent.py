@@ -38,7 +38,6 @@ import shlex
 import shutil
 import subprocess
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -48,7 +47,7 @@ from autoloop.proposers.proposal import Proposal, patch_text
 from autoloop.measure.runner import process_start_time
 from autoloop.proposers import brief
 from autoloop.proposers.base import ProposerUnavailable
-from autoloop.proposers.outage import Outage, answered, backoff_seconds
+from autoloop.proposers.outage import Availability, Outage
 from autoloop.base.processes import kill_group
 
 KILL_GRACE_SECONDS = 10.0
@@ -107,12 +106,7 @@ class AgentProposer:
         # An agent that fails (exits non-zero, times out) is left alone with the model's
         # back-off (autoloop.proposers.outage) while the other sources go on; its first
         # answer after failures is a `proposer_back` event, so the outage ends where shown.
-        self._lock = threading.Lock()
-        self._failures = 0
-        self._cool_until = 0.0
-        self._down_since: float | None = None
-        self._last_error = ""
-        self._checked = False  # whether an outage an earlier invocation left open was looked for
+        self.availability = Availability(config.llm_retry_wait, config.llm_retry_max_wait)
 
     @property
     def where(self) -> str:
@@ -121,26 +115,7 @@ class AgentProposer:
     @property
     def outage(self) -> Outage | None:
         """Why the agent cannot propose now (None: it can)."""
-        with self._lock:
-            if self._down_since is None:
-                return None
-            retry_at = time.time() + max(0.0, self._cool_until - time.monotonic())
-            return Outage(self.name, self.where, self._down_since, self._last_error, self._failures, retry_at)
-
-    def _failed(self, error: str) -> float:
-        with self._lock:
-            self._failures += 1
-            pause = backoff_seconds(self._failures, self.config.llm_retry_wait, self.config.llm_retry_max_wait)
-            self._cool_until = time.monotonic() + pause
-            self._down_since = self._down_since or time.time()
-            self._last_error = error
-        return pause
-
-    def _answered(self, ctx) -> None:
-        with self._lock:
-            failures, since, self._failures, self._down_since = self._failures, self._down_since, 0, None
-            checked, self._checked = self._checked, True
-        answered(ctx.store, ctx.run["id"], self.name, self.where, failures, since, checked=checked)
+        return self.availability.outage(self.name, self.where)
 
     # ------------------------------------------------------------------ proposing
 
@@ -190,9 +165,9 @@ class AgentProposer:
     def _run(self, ctx, start: str, prompt: str) -> Proposal:
         """Run the agent in a clone checked out at `start`; the proposal is the clone's
         diff against the parent commit."""
-        if time.monotonic() < self._cool_until:
+        if self.availability.cooling():
             raise ProposerUnavailable(
-                f"the agent: cooling down for {self._cool_until - time.monotonic():.0f} s after it failed", quiet=True)
+                f"the agent: cooling down for {self.availability.cooling():.0f} s after it failed", quiet=True)
         started = time.monotonic()
         transcript = self._transcript_path(ctx)
         tmp = Path(tempfile.mkdtemp(prefix=TEMP_PREFIX))
@@ -223,10 +198,10 @@ class AgentProposer:
                 what = (f"timed out after {self.config.agent_timeout:g} s" if timed_out
                         else f"exited with status {returncode}: {_last_line(text)}")
                 ctx.store.add_proposal_record(run_id=ctx.run["id"], error=f"agent {what}"[:500], **call)
-                pause = self._failed(f"it {what}"[:500])
+                pause = self.availability.failed(f"it {what}"[:500])
                 raise ProposerUnavailable(f"the agent ({self.config.agent_command}) {what}; transcript: {transcript}; "
                                           f"skipping it for {pause:.0f} s")
-            self._answered(ctx)  # it ran and answered: an outage, if there was one, is over
+            self.availability.answered(ctx.store, ctx.run["id"], self.name, self.where)  # it answered: no outage now
             _git(clone, "add", "-A")
             # Bytes, not text: a file the agent left in another encoding must reach validation
             # (which names it), not fail decoding here.

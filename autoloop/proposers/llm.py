@@ -55,7 +55,7 @@ from autoloop.proposers.proposal import Edit, InvalidProposal, Proposal, materia
 from autoloop.proposers import brief
 from autoloop.proposers.answer import parse_answer, resolve_searches
 from autoloop.proposers.base import ProposerUnavailable
-from autoloop.proposers.outage import Outage, answered, backoff_seconds
+from autoloop.proposers.outage import Availability, Outage
 
 # The check before the night: long enough for a loaded local server to list its models,
 # short enough that a wrong URL is said at once.
@@ -135,11 +135,7 @@ class LLMProposer:
         self._client = None
         self._lock = threading.Lock()  # the prefetch thread and a repair may call at once
         self._spent: dict[int, float] = {}  # run id -> $ spent (known costs only)
-        self._failures = 0
-        self._cool_until = 0.0
-        self._down_since: float | None = None  # Unix time of the first failure in a row
-        self._last_error = ""
-        self._checked = False  # whether an outage an earlier invocation left open was looked for
+        self.availability = Availability(config.llm_retry_wait, config.llm_retry_max_wait)
         self._exhausted: str | None = None  # max-cost reached: not again in this run
         self._exhausted_at = 0.0
         self._warned_program = False
@@ -187,11 +183,8 @@ class LLMProposer:
         """Why this proposer cannot propose now (None: it can)."""
         with self._lock:
             if self._exhausted is not None:
-                return Outage(self.name, self.where, self._exhausted_at, self._exhausted, self._failures, None)
-            if self._down_since is None:
-                return None
-            retry_at = time.time() + max(0.0, self._cool_until - time.monotonic())
-            return Outage(self.name, self.where, self._down_since, self._last_error, self._failures, retry_at)
+                return Outage(self.name, self.where, self._exhausted_at, self._exhausted, self.availability.failures, None)
+        return self.availability.outage(self.name, self.where)
 
     def check_reachable(self) -> str:
         """One cheap request (the models listing): the line to say when the server answers;
@@ -226,9 +219,9 @@ class LLMProposer:
                              "nothing was run")
 
     def _check_available(self, ctx) -> None:
-        if time.monotonic() < self._cool_until:
+        if self.availability.cooling():
             raise ProposerUnavailable(
-                f"{self.model}: cooling down for {self._cool_until - time.monotonic():.0f} s after failed requests",
+                f"{self.model}: cooling down for {self.availability.cooling():.0f} s after failed requests",
                 quiet=True,
             )
         if self.config.max_cost is not None:
@@ -250,12 +243,7 @@ class LLMProposer:
         except openai.OpenAIError as exc:
             latency = time.monotonic() - started
             error = self._redact(f"{type(exc).__name__}: {exc}")[:500]
-            with self._lock:
-                self._failures += 1
-                pause = backoff_seconds(self._failures, self.config.llm_retry_wait, self.config.llm_retry_max_wait)
-                self._cool_until = time.monotonic() + pause
-                self._down_since = self._down_since or time.time()
-                self._last_error = error
+            pause = self.availability.failed(error)
             ctx.store.add_proposal_record(run_id=ctx.run["id"], proposer=self.name, model=self.model,
                                           latency_seconds=latency, error=error)
             where = self.base_url or "the OpenAI API"
@@ -264,11 +252,7 @@ class LLMProposer:
                 f"skipping it for {pause:.0f} s"
             ) from None
         latency = time.monotonic() - started
-        with self._lock:
-            failures, since, self._failures, self._down_since = self._failures, self._down_since, 0, None
-            checked, self._checked = self._checked, True
-        answered(ctx.store, ctx.run["id"], self.name, self.where, failures, since, checked=checked,
-                 noun="failed request")
+        self.availability.answered(ctx.store, ctx.run["id"], self.name, self.where, noun="failed request")
         usage = getattr(response, "usage", None)
         prompt_tokens = getattr(usage, "prompt_tokens", None)
         completion_tokens = getattr(usage, "completion_tokens", None)

@@ -14,6 +14,7 @@ to the next `proposer_back`; one with no `proposer_back` yet is still going on.
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -95,15 +96,49 @@ def left_open(store, run_id: int, proposer: str) -> dict | None:
     return next((o for o in outages(events) if o["proposer"] == proposer and o["until"] is None), None)
 
 
-def answered(store, run_id: int, proposer: str, where: str, failures: int, since: float | None,
-             *, checked: bool, noun: str = "failure") -> None:
-    """A proposer answered: write `proposer_back` if it was down, in this invocation
-    (`failures` in a row since `since`) or, when not `checked` yet, by an earlier one's events."""
-    if failures:
-        store.add_event(run_id, BACK, f"{proposer}: {where} answers again after {failures} "
-                                      f"{noun}{'s' * (failures != 1)} (since {clock(since)})")
-    elif not checked:
-        earlier = left_open(store, run_id, proposer)
-        if earlier is not None:
-            store.add_event(run_id, BACK, f"{proposer}: {where} answers again (down since {clock(earlier['since'])})")
+class Availability:
+    """One source's failures in a row, its wait before the next try, and its outage: what
+    the LLM and the agent proposer each keep (the prefetch thread and a repair may ask at once)."""
 
+    def __init__(self, first: float, most: float):
+        self.first, self.most = first, most
+        self._lock = threading.Lock()
+        self.failures = 0
+        self._cool_until = 0.0  # monotonic time before which the source is not asked
+        self._since: float | None = None  # Unix time of the first failure in a row
+        self._error = ""
+        self._checked = False  # whether an outage an earlier invocation left open was looked for
+
+    def cooling(self) -> float:
+        """Seconds still to leave the source alone (0: ask it)."""
+        return max(0.0, self._cool_until - time.monotonic())
+
+    def failed(self, error: str) -> float:
+        """Count a failure; the seconds the source is now left alone."""
+        with self._lock:
+            self.failures += 1
+            pause = backoff_seconds(self.failures, self.first, self.most)
+            self._cool_until = time.monotonic() + pause
+            self._since = self._since or time.time()
+            self._error = error
+        return pause
+
+    def outage(self, proposer: str, where: str) -> Outage | None:
+        with self._lock:
+            if self._since is None:
+                return None
+            return Outage(proposer, where, self._since, self._error, self.failures, time.time() + self.cooling())
+
+    def answered(self, store, run_id: int, proposer: str, where: str, noun: str = "failure") -> None:
+        """The source answered: a `proposer_back` event if it was down, in this invocation
+        or, the first time it answers, by an earlier invocation's events."""
+        with self._lock:
+            failures, since, self.failures, self._since = self.failures, self._since, 0, None
+            checked, self._checked = self._checked, True
+        if failures:
+            store.add_event(run_id, BACK, f"{proposer}: {where} answers again after {failures} "
+                                          f"{noun}{'s' * (failures != 1)} (since {clock(since)})")
+        elif not checked:
+            earlier = left_open(store, run_id, proposer)
+            if earlier is not None:
+                store.add_event(run_id, BACK, f"{proposer}: {where} answers again (down since {clock(earlier['since'])})")

@@ -28,11 +28,12 @@ STEPS = r'''
 import json, statistics, sys, time
 import importlib.util, torch
 from autoloop import check as C, harness as H
+from autoloop.check.training import batch_shape, model_seq_len
 spec = importlib.util.spec_from_file_location("train", sys.argv[1])
 module = importlib.util.module_from_spec(spec); spec.loader.exec_module(module)
 device = torch.device("cpu")
-seq_len = C._seq_len(device)
-batch, accum = C._batch_shape(module, seq_len)
+seq_len = model_seq_len(device)
+batch, accum = batch_shape(module, seq_len)
 ds = H.load_dataset(None)
 model, optimizers, train_model, _ = C.training_setup(module, ds, device, seed=0, batch_size=batch)
 loader = H.TokenLoader(ds, "train", batch, seq_len, device, seed=0)

@@ -184,7 +184,7 @@ def test_an_agent_outliving_a_killed_controller_is_ended_and_its_clone_deleted_a
     import os
     import signal
 
-    from autoloop.measure.runner import process_group_alive
+    from autoloop.base.processes import process_group_alive
 
     env = {**os.environ, "FAKE_AGENT_MODE": "sleep", "FAKE_AGENT_OUT": str(tmp_path / "prompt.txt")}
     argv = ["autoloop", "run", "--tag", "t", "--time-budget", "5", "--no-verify", "--proposers", "agent",

@@ -143,7 +143,7 @@ def test_a_reported_summary_block_is_read_at_once():
     """A script without the harness's result JSON is judged on its printed `---` block: a
     value line with a long run of spaces backtracked quadratically, and 5,000 digits made
     int() raise (CPython refuses 4,300) inside the controller."""
-    from autoloop.measure.runner import parse_summary_block
+    from autoloop.measure.judge import parse_summary_block
 
     started = time.process_time()
     block = parse_summary_block(f"---\nval_bpb: 1{' ' * 100_000}x\ntraining_seconds: {'1' * 5000}\nnum_steps:  12  \n")

@@ -22,7 +22,7 @@ from tests.test_attacks import (
 
 def _victim() -> tuple[subprocess.Popen, int | None]:
     """An unrelated process group of the user's (a `sleep` in a session of its own)."""
-    from autoloop.measure.runner import process_start_time
+    from autoloop.base.processes import process_start_time
 
     victim = subprocess.Popen(["sleep", "600"], start_new_session=True)
     return victim, process_start_time(victim.pid)

@@ -20,6 +20,7 @@ import torch
 from typer.testing import CliRunner
 
 from autoloop import check as C
+from autoloop.check.run import plan_budget
 from autoloop import harness as H
 from tests.conftest import make_repo
 
@@ -427,14 +428,14 @@ def test_budget_plan_says_where_its_throughput_comes_from(tmp_path, embedded_dat
     compiled = H.import_train_module(broken_copy(tmp_path, "train_compiles.py", "\nCOMPILE = DEVICE_TYPE == \"cuda\"",
                                                  "\nCOMPILE = True"))
     lr = {"tokens_per_second": 1e6, "tokens_per_step": 4096, "compiled": True}  # ~20 tokens per parameter in 10 s
-    plan = C._plan(compiled, embedded_dataset, CPU, lr, None, time_budget=10.0, max_steps=None, hours=None)
+    plan = plan_budget(compiled, embedded_dataset, CPU, lr, None, time_budget=10.0, max_steps=None, hours=None)
     assert plan["throughput_source"] == "the LR range test (compiled, as training)" and plan["status"] == "ok", plan
     assert plan["message"].startswith("from the LR range test (compiled, as training): 1,000,000 tokens/s")
-    eager = C._plan(compiled, embedded_dataset, CPU, {**lr, "compiled": False}, None, time_budget=10.0, max_steps=None,
+    eager = plan_budget(compiled, embedded_dataset, CPU, {**lr, "compiled": False}, None, time_budget=10.0, max_steps=None,
                     hours=None)
     assert eager["status"] == "warn" and "measured eager while train.py trains compiled" in eager["message"]
     run = {"short_run": {"tokens_per_second": 3e6, "batch_tokens": 4096, "compiled": True}}
-    assert C._plan(compiled, embedded_dataset, CPU, lr, run, time_budget=10.0, max_steps=None,
+    assert plan_budget(compiled, embedded_dataset, CPU, lr, run, time_budget=10.0, max_steps=None,
                    hours=None)["throughput_source"] == "a short run of train.py (compiled)"
 
 

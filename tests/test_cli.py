@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 import autoloop.measure.executors.serial as measure_mod
 from autoloop.cli import app
-from autoloop.measure.runner import RunOutcome
+from autoloop.base.status import RunOutcome
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 runner = CliRunner()

@@ -13,7 +13,7 @@ from autoloop.loop.controller import Controller
 from autoloop.errors import AutoloopError
 from autoloop.gitops import GitRepo
 from autoloop.proposers.seeding import seed_idea
-from autoloop.measure.runner import process_group_alive
+from autoloop.base.processes import process_group_alive
 from autoloop.store import Store
 
 

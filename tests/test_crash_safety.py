@@ -18,7 +18,7 @@ import time
 import pytest
 
 from autoloop.base.faults import POINTS
-from autoloop.measure.runner import process_group_alive
+from autoloop.base.processes import process_group_alive
 from autoloop.store import Store
 
 from test_controller import assert_consistent, run_loop, seed
@@ -71,7 +71,7 @@ def test_controller_killed_at_each_fault_point_recovers(fake_repo, point):
     assert [r["number"] for r in before] == [1, 2]
     orphan = before[1]["pgid"]
     if point == "during_training":
-        # The training child dies with its controller (autoloop.measure.runner.die_with_parent):
+        # The training child dies with its controller (autoloop.measure.logpipe.die_with_parent):
         # nothing of a killed controller trains on unwatched.
         assert orphan
         deadline = time.monotonic() + 30

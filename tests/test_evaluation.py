@@ -29,7 +29,8 @@ from autoloop.trust import integrity
 from autoloop.decide.heldout import HELDOUT_Z, heldout_guard, heldout_threshold, suspicious_identity
 from autoloop.trust.bytecode import pycache_dir, pycache_env
 from autoloop.measure.evaluation import evaluate_checkpoint
-from autoloop.measure.runner import _judge, run_training
+from autoloop.measure.judge import judge
+from autoloop.measure.runner import run_training
 
 STEPS = 4
 SEED = 1
@@ -161,17 +162,17 @@ def test_pycache_env_separates_training_and_evaluation(tmp_path):
 def test_external_eval_outcome_is_ok_without_a_metric(tmp_path):
     result = tmp_path / "result.json"
     result.write_text(json.dumps({"val_bpb": None, "num_steps": 3}))
-    ok = _judge("---\nval_bpb: null\n", stopped=None, returncode=0, result_path=result, deadline_seconds=10,
+    ok = judge("---\nval_bpb: null\n", stopped=None, returncode=0, result_path=result, deadline_seconds=10,
                 external_eval=True)
     assert ok.status == "ok" and ok.metric is None and ok.metric_source == "harness"
     # The trial's own number is never the metric under external evaluation.
     result.write_text(json.dumps({"val_bpb": 0.5}))
-    claimed = _judge("", stopped=None, returncode=0, result_path=result, deadline_seconds=10, external_eval=True)
+    claimed = judge("", stopped=None, returncode=0, result_path=result, deadline_seconds=10, external_eval=True)
     assert claimed.status == "ok" and claimed.metric is None and claimed.result["val_bpb"] == 0.5
     # Without the env, the same JSON is a crash as before; a crash stays a crash.
     result.write_text(json.dumps({"val_bpb": None}))
-    assert _judge("", stopped=None, returncode=0, result_path=result, deadline_seconds=10).status == "crash"
-    assert _judge("", stopped=None, returncode=1, result_path=result, deadline_seconds=10,
+    assert judge("", stopped=None, returncode=0, result_path=result, deadline_seconds=10).status == "crash"
+    assert judge("", stopped=None, returncode=1, result_path=result, deadline_seconds=10,
                   external_eval=True).status == "crash"
 
 

@@ -23,7 +23,7 @@ from autoloop.measure.limits import (
     resident_bytes,
     trial_processes,
 )
-from autoloop.measure.runner import LOG_HEAD_KEEP_BYTES, LOG_TAIL_KEEP_BYTES
+from autoloop.measure.logpipe import LOG_HEAD_KEEP_BYTES, LOG_TAIL_KEEP_BYTES
 from autoloop.measure.sandbox import detect
 from tests.test_runner import SUCCESS, run_script
 

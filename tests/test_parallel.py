@@ -21,7 +21,7 @@ import pytest
 from conftest import FAKE_TRAIN, make_repo
 
 from autoloop.gitops import GitRepo
-from autoloop.measure.runner import process_group_alive
+from autoloop.base.processes import process_group_alive
 from autoloop.store import Store
 
 from test_controller import assert_consistent, run_loop, seed, trials

@@ -14,14 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from autoloop.measure import runner
-from autoloop.measure.runner import (
-    kill_process_group,
-    parse_summary_block,
-    process_group_alive,
-    process_start_time,
-    run_training,
-)
+from autoloop.base.processes import proc_stat
+from autoloop.measure import reaper, runner
+from autoloop.base.processes import kill_process_group, process_group_alive, process_start_time
+from autoloop.measure.judge import parse_summary_block
+from autoloop.measure.runner import run_training
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux /proc")
 
@@ -299,7 +296,7 @@ def processes_with_argument(tag: str) -> list[int]:
 
 
 def our_zombies() -> set[int]:
-    return {int(e) for e in os.listdir("/proc") if e.isdigit() and (s := runner.proc_stat(e)) and s[0] == "Z"
+    return {int(e) for e in os.listdir("/proc") if e.isdigit() and (s := proc_stat(e)) and s[0] == "Z"
             and int(s[1]) == os.getpid()}
 
 
@@ -313,7 +310,7 @@ def test_a_setsid_daemon_does_not_outlive_the_trial(tmp_path: Path):
     # The daemon became our child (we were its subreaper) and was reaped: no zombie is left.
     assert our_zombies() <= zombies
     # And we are a subreaper only while a trial runs.
-    assert not runner._subreaper_users
+    assert not reaper._subreaper_users
 
 
 def test_a_setsid_daemon_is_killed_at_the_deadline_too(tmp_path: Path):

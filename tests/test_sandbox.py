@@ -23,7 +23,8 @@ import pytest
 import autoloop
 from autoloop.measure import sandbox as sb
 from autoloop.errors import AutoloopError
-from autoloop.measure.runner import process_group_alive, run_training
+from autoloop.base.processes import process_group_alive
+from autoloop.measure.runner import run_training
 from autoloop.base.environment import allowed_environment
 from autoloop.measure.sandbox import SandboxPaths, SandboxPolicy, bwrap_arguments, detect
 from tests.conftest import make_repo
@@ -598,7 +599,7 @@ def _wait_for(condition, timeout: float = 20) -> bool:
 @needs_bwrap
 def test_killing_bubblewraps_group_ends_the_namespace(layout):
     """What crash recovery does with a recorded pgid: kill_process_group alone, no sweep."""
-    from autoloop.measure.runner import kill_process_group, process_start_time
+    from autoloop.base.processes import kill_process_group, process_start_time
 
     tag = f"daemon-{os.getpid()}-{time.monotonic_ns()}"
     script = layout["run_dir"] / "probe.py"

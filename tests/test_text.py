@@ -157,7 +157,7 @@ def test_the_store_strips_every_text_but_keeps_code_exact(tmp_path):
 def test_a_childs_log_is_stripped_line_by_line(tmp_path):
     import subprocess
 
-    from autoloop.measure.runner import LogPipe
+    from autoloop.measure.logpipe import LogPipe
 
     pipe = LogPipe(tmp_path / "train.log")
     child = subprocess.Popen([sys.executable, "-c", f"import sys; print({ATTACK!r}); print({ATTACK!r}, file=sys.stderr)"],

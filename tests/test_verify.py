@@ -39,7 +39,7 @@ from autoloop.proposers.proposal import Edit, Proposal
 from autoloop.proposers.base import ProposerChain
 from autoloop.review.queries import log_rows, run_status
 from autoloop.review.text import format_log, format_status
-from autoloop.measure.runner import RunOutcome
+from autoloop.base.status import RunOutcome
 from autoloop.store import Kind, Status, Store
 
 STEPS = 40

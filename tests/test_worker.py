@@ -23,7 +23,7 @@ from autoloop.config import resolve
 from autoloop.loop.controller import Controller
 from autoloop.measure.executors.serial import SerialSlot
 from autoloop.measure.job import JobResult, MeasureJob
-from autoloop.measure.runner import kill_process_group, process_group_alive
+from autoloop.base.processes import kill_process_group, process_group_alive
 from autoloop.proposers.seeding import seed_idea
 from autoloop.store import Store
 from autoloop.measure.worker import run_job

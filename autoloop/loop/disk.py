@@ -21,7 +21,7 @@ import shutil
 
 from autoloop.errors import DiskFull, disk_full_what, is_disk_full
 from autoloop.measure.limits import is_limit_reason
-from autoloop.measure.runner import kill_process_group
+from autoloop.base.processes import kill_process_group
 from autoloop.store import IdeaStatus, Kind, Status
 from autoloop.loop.host import TrialHost
 

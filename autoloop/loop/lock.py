@@ -52,7 +52,7 @@ def _read(path: Path) -> dict | None:
 def holder(folder: Path | str) -> dict | None:
     """{pid, start_time, tag, folder, since} of the controller running in `folder`'s working
     tree, or None when no controller runs there."""
-    from autoloop.measure.runner import process_start_time
+    from autoloop.base.processes import process_start_time
 
     path = lock_path(folder)
     info = _read(path) if path is not None else None
@@ -86,7 +86,7 @@ class RunLock:
         return cls(path)
 
     def acquire(self, tag: str, folder: Path | str | None = None) -> "RunLock":
-        from autoloop.measure.runner import process_start_time
+        from autoloop.base.processes import process_start_time
 
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)

@@ -22,7 +22,7 @@ done. One proposal that kills the controller (or the machine) cannot end the nig
 
 from __future__ import annotations
 
-from autoloop.measure.runner import kill_process_group
+from autoloop.base.processes import kill_process_group
 from autoloop.store import IdeaStatus, Kind, Status
 from autoloop.loop.host import TrialHost
 

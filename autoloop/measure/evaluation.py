@@ -98,7 +98,7 @@ class _Child:
                  max_log_bytes: int | None = None):
         import subprocess
 
-        from autoloop.measure.runner import LogPipe, die_with_parent
+        from autoloop.measure.logpipe import LogPipe, die_with_parent
 
         if sandbox is not None:  # kinds "none" and "off" leave the command as it is
             argv, env = sandbox.wrap(argv, env=env, cwd=cwd, writable=[], readonly=readonly, hidden=hidden)
@@ -127,7 +127,7 @@ class _Child:
         self.kill()
         self.proc.wait()
         self.log.finish()
-        self.log.cut()  # a log over its cap: its head and tail (autoloop.measure.runner.LogPipe)
+        self.log.cut()  # a log over its cap: its head and tail (autoloop.measure.logpipe.LogPipe)
         self.log.close()
 
 
@@ -170,7 +170,7 @@ def evaluate_checkpoint(
     a next-token peek worth `probe_noise` bpb (None: unknown) with probability 95%
     (autoloop.harness.probe_power): a keep's verification."""
     from autoloop.harness.channel import make_region
-    from autoloop.measure.runner import process_start_time
+    from autoloop.base.processes import process_start_time
     from autoloop.base.environment import allowed_environment
     from autoloop.trust.untrusted import UntrustedFile, open_beneath
 

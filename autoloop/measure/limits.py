@@ -4,7 +4,7 @@ A trial over a limit is `invalid` with the limit named, never the controller's p
 the runner (autoloop.measure.runner) asks a `ResourceWatch` at every poll and kills the
 trial's process group at once when it answers, then deletes its out/ and compile/ (before
 it writes another line: the trial may have filled the disk), and the log keeps a head and
-a tail (autoloop.measure.runner.LogPipe).
+a tail (autoloop.measure.logpipe.LogPipe).
 
 How each is bounded, and why this way:
 

@@ -49,17 +49,12 @@ pgid and start time the controller stored when the trial started.
 
 from __future__ import annotations
 
-import math
 import os
-import re
 import secrets
-import select
 import shlex
 import shutil
 import signal
 import subprocess
-import sys
-import threading
 import time
 from collections.abc import Callable
 from datetime import datetime, timezone
@@ -68,35 +63,15 @@ from typing import TYPE_CHECKING, Any
 
 from autoloop.errors import AutoloopError
 from autoloop.base.environment import allowed_environment
-from autoloop.base.processes import (  # noqa: F401 - the process half of a run, re-exported for its users
-    KILL_WAIT_SECONDS,
-    kill_process_group,
-    proc_stat,
-    process_group_alive,
-    process_start_time,
-    signal_group,
-    stop_group,
-    wait_group_gone,
-)
+from autoloop.base.processes import KILL_WAIT_SECONDS, process_start_time, signal_group, stop_group, wait_group_gone
 from autoloop.base.status import RunOutcome
+from autoloop.measure.judge import judge
+from autoloop.measure.logpipe import LogPipe, die_with_parent
+from autoloop.measure.reaper import TRIAL_MARKER, ChildSubreaper, ExitWatch, sweep_trial_processes
 from autoloop.measure.sandbox import SandboxPaths, SandboxPolicy
 
 if TYPE_CHECKING:
     from autoloop.measure.limits import TrialLimits
-
-TRIAL_MARKER = "AUTOLOOP_TRIAL_MARKER"
-PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
-ERROR_TAIL_LINES = 40
-# Only the end of a log matters for the summary block, the FAIL line and the error tail.
-MAX_LOG_READ_BYTES = 2 * 1024 * 1024
-MAX_REASON_CHARS = 500
-
-# autoresearch's summary keys -> (our key, scale)
-REPORTED_KEY_MAP = {
-    "peak_vram_mb": ("peak_memory_mb", 1),
-    "num_params_M": ("num_params", 1_000_000),
-    "total_tokens_M": ("total_tokens", 1_000_000),
-}
 
 
 def gpu_busy_report() -> list[str]:
@@ -110,312 +85,6 @@ def gpu_busy_report() -> list[str]:
 def child_environment(extra: dict[str, Any]) -> dict[str, str]:
     """A child process's environment (see `autoloop.base.environment.allowed_environment`)."""
     return allowed_environment(extra)
-
-
-# ---------------------------------------------------------------------------------------
-# No process of a trial outlives it
-# ---------------------------------------------------------------------------------------
-
-_subreaper_lock = threading.Lock()
-_subreaper_users = 0
-
-
-def _set_child_subreaper(on: bool) -> bool:
-    if not sys.platform.startswith("linux"):
-        return False
-    import ctypes
-
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl(PR_SET_CHILD_SUBREAPER, int(on), 0, 0, 0) == 0
-    except (OSError, AttributeError):
-        return False
-
-
-class _ChildSubreaper:
-    """This process is a child subreaper while at least one unsandboxed trial runs (trials
-    may run in threads side by side); afterwards orphans go to init again, as for any
-    program. A sandboxed trial needs none: its PID namespace dies with it, and bubblewrap's
-    inner process, orphaned at the end, would only become our zombie."""
-
-    def __init__(self, enabled: bool = True):
-        self.enabled = enabled
-
-    def __enter__(self) -> "_ChildSubreaper":
-        global _subreaper_users
-        if not self.enabled:
-            return self
-        with _subreaper_lock:
-            if _subreaper_users == 0:
-                _set_child_subreaper(True)
-            _subreaper_users += 1
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        global _subreaper_users
-        if not self.enabled:
-            return
-        with _subreaper_lock:
-            _subreaper_users -= 1
-            if _subreaper_users == 0:
-                _set_child_subreaper(False)
-
-
-def _marked_pids(needle: bytes) -> list[int]:
-    """Live processes whose initial environment holds `needle` (a zombie's reads empty)."""
-    pids = []
-    me = os.getpid()
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit() or int(entry.name) == me:
-            continue
-        try:
-            with open(f"/proc/{entry.name}/environ", "rb") as handle:
-                environ = handle.read()
-        except OSError:
-            continue  # gone, or another user's
-        if needle in environ.split(b"\0"):
-            pids.append(int(entry.name))
-    return pids
-
-
-def _reap_adopted(pgid: int, pids: set[int]) -> None:
-    """Reap the zombies that became our children during the trial: those of its group and
-    the marked ones we killed. Only these pids, so no other child's status is stolen."""
-    me = os.getpid()
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        pid = int(entry.name)
-        fields = proc_stat(pid)
-        if fields and int(fields[1]) == me and fields[0] == "Z" and (int(fields[2]) == pgid or pid in pids):
-            try:
-                os.waitpid(pid, os.WNOHANG)
-            except ChildProcessError:
-                pass
-
-
-def sweep_trial_processes(marker: str, pgid: int, timeout: float = KILL_WAIT_SECONDS) -> list[int]:
-    """SIGKILL every process that carries the trial's marker until none is left (a process
-    may fork while we look), then reap those that are our zombies. Returns the pids killed.
-    Call it after the trial's main process was reaped."""
-    needle = f"{TRIAL_MARKER}={marker}".encode()
-    killed: set[int] = set()
-    deadline = time.monotonic() + timeout
-    if os.path.isdir("/proc/self"):
-        while True:
-            found = _marked_pids(needle)
-            for pid in found:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                    killed.add(pid)
-                except (ProcessLookupError, PermissionError):
-                    pass
-            if not found or time.monotonic() >= deadline:
-                break
-            time.sleep(0.01)
-        _reap_adopted(pgid, killed)
-    return sorted(killed)
-
-
-class _ExitWatch:
-    """Detects that the child exited without reaping it (see the module docstring)."""
-
-    def __init__(self, proc: subprocess.Popen):
-        self.proc = proc
-        self.fd: int | None = None
-        if hasattr(os, "pidfd_open"):
-            try:
-                # Readable once the process exits: lets wait() wake at once instead of
-                # at the next poll tick.
-                self.fd = os.pidfd_open(proc.pid)
-            except OSError:
-                self.fd = None
-
-    def exited(self) -> bool:
-        if not hasattr(os, "waitid"):
-            return self.proc.poll() is not None  # reaps; acceptable where waitid is missing
-        try:
-            info = os.waitid(os.P_PID, self.proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-        except ChildProcessError:
-            return True  # already reaped
-        return info is not None
-
-    def wait(self, timeout: float) -> bool:
-        if timeout > 0:
-            if self.fd is not None:
-                select.select([self.fd], [], [], timeout)
-            else:
-                time.sleep(timeout)
-        return self.exited()
-
-    def close(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
-
-
-# ---------------------------------------------------------------------------------------
-# Logs through a pipe we own; the child dies with its parent
-# ---------------------------------------------------------------------------------------
-
-# How much of a log the runner keeps in memory (for the summary block, the FAIL line and
-# the error tail): the log file itself is never read back.
-MAX_LOG_MEMORY_BYTES = MAX_LOG_READ_BYTES
-MAX_LOG_LINE_BYTES = 64 * 1024
-
-
-def open_log(path: Path) -> int:
-    """A descriptor appending to `path` (created if missing), never through a link: the log
-    lives in a folder the controller created, but an unsandboxed trial could plant one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return os.open(str(path), os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-
-
-# What a log cut at its cap keeps: its first and last bytes (the start-up and the end).
-LOG_HEAD_KEEP_BYTES = 64 * 1024
-LOG_TAIL_KEEP_BYTES = 256 * 1024
-
-
-class LogPipe:
-    """A child's stdout and stderr: a pipe whose reading end a thread of ours drains into
-    the log file, line by line, every line stripped of control characters
-    (autoloop.base.text), redacted (autoloop.base.redact) and capped; the last
-    MAX_LOG_MEMORY_BYTES stay in memory for the outcome rules, so the log is written but
-    never read back (a trial cannot swap the file we would read).
-
-    `max_bytes`: the child's lines stop reaching the file past it (`over` turns true; the
-    pipe is still drained, so the child never blocks before the runner kills it), and
-    `cut()` leaves the file as its head, a line saying where it was cut, and its tail."""
-
-    def __init__(self, path: Path, *, prefix: str = "", max_bytes: int | None = None):
-        from autoloop.base.redact import redact
-        from autoloop.base.text import strip_controls
-
-        self.path = Path(path)
-        self.prefix = prefix.encode()
-        self._clean = lambda text: redact(strip_controls(text))
-        self._fd = open_log(self.path)
-        self.read_fd, self.write_fd = os.pipe()
-        os.set_inheritable(self.write_fd, True)
-        self._memory = bytearray()
-        self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
-        self.max_bytes = max_bytes
-        self.written = 0  # the child's bytes that reached the file
-        self.dropped = 0  # the child's bytes past max_bytes
-        self.unwritten = 0  # the child's bytes the file did not take (a full disk)
-        self._head = bytearray()
-
-    def write(self, line: str) -> None:
-        """A line of our own (header, footer), cleaned like the child's."""
-        self._emit(line.encode() + b"\n", ours=True)
-
-    def _emit(self, data: bytes, ours: bool = False) -> None:
-        clean = self._clean(data.decode("utf-8", "replace")).encode()
-        if not ours:
-            clean = self.prefix + clean
-            if self.max_bytes is not None and (self.dropped or self.written + len(clean) > self.max_bytes):
-                self.dropped += len(clean)
-            else:
-                self.written += len(clean)
-                try:
-                    os.write(self._fd, clean)
-                except OSError:  # a full disk (the trial's own doing, perhaps): keep draining, keep the tail
-                    self.unwritten += len(clean)
-        else:
-            os.write(self._fd, clean)
-        if len(self._head) < LOG_HEAD_KEEP_BYTES:
-            self._head += clean[: LOG_HEAD_KEEP_BYTES - len(self._head)]
-        with self._lock:
-            self._memory += clean
-            if len(self._memory) > MAX_LOG_MEMORY_BYTES:
-                del self._memory[: len(self._memory) - MAX_LOG_MEMORY_BYTES]
-
-    def start(self) -> None:
-        """After the child is spawned: our copy of the writing end is closed, so the pipe
-        ends when the child (and whatever inherited it) is gone."""
-        os.close(self.write_fd)
-        self.write_fd = -1
-        self._thread = threading.Thread(target=self._drain, name="autoloop-log", daemon=True)
-        self._thread.start()
-
-    def _drain(self) -> None:
-        pending = b""
-        try:
-            while True:
-                block = os.read(self.read_fd, 65536)
-                if not block:
-                    break
-                pending += block
-                while b"\n" in pending or len(pending) > MAX_LOG_LINE_BYTES:
-                    cut = pending.find(b"\n")
-                    cut = cut + 1 if 0 <= cut < MAX_LOG_LINE_BYTES else MAX_LOG_LINE_BYTES
-                    self._emit(pending[:cut] if pending[:cut].endswith(b"\n") else pending[:cut] + b"\n")
-                    pending = pending[cut:]
-            if pending:
-                self._emit(pending + b"\n")
-        except OSError:
-            pass
-
-    @property
-    def over(self) -> bool:
-        """The child printed more than max_bytes."""
-        return self.dropped > 0
-
-    def cut(self) -> None:
-        """Leave the log as its head, a line saying where and why it was cut, and its tail
-        (from memory: the file is never read back). A no-op unless the log went over."""
-        if not self.over:
-            return
-        with self._lock:
-            tail = bytes(self._memory[-LOG_TAIL_KEEP_BYTES:])
-        tail = tail[tail.find(b"\n") + 1:] if b"\n" in tail else tail  # from a line's start
-        total = self.written + self.dropped
-        note = (f"# autoloop: {max(0, total - len(self._head) - len(tail))} bytes cut here: the log grew past "
-                f"{self.max_bytes} bytes (trial-log-mb); its head and its tail are kept\n").encode()
-        os.ftruncate(self._fd, 0)
-        os.write(self._fd, bytes(self._head) + (b"" if self._head.endswith(b"\n") else b"\n") + note + tail)
-
-    def finish(self, timeout: float = 5.0) -> None:
-        """Wait for the pipe to drain (a process that escaped and holds it is abandoned after
-        `timeout`; the sweep kills it)."""
-        if self.write_fd >= 0:
-            os.close(self.write_fd)
-            self.write_fd = -1
-        if self._thread is not None:
-            self._thread.join(timeout)
-
-    def close(self) -> None:
-        self.finish()
-        for fd in (self.read_fd, self._fd):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-        self.read_fd = self._fd = -1
-
-    def text(self) -> str:
-        with self._lock:
-            return bytes(self._memory).decode("utf-8", "replace")
-
-
-# Run by the interpreter in front of an unsandboxed command: the kernel kills the command
-# when its parent (the worker, the controller) dies, so no training outlives a dead worker.
-# (Sandboxed, bubblewrap's --die-with-parent does the same for the whole namespace.)
-DIE_WITH_PARENT_SHIM = (
-    "import ctypes,os,signal,sys\n"
-    "libc=ctypes.CDLL(None,use_errno=True)\n"
-    "libc.prctl(1,signal.SIGKILL,0,0,0)\n"  # PR_SET_PDEATHSIG
-    "os.getppid()!=int(sys.argv[1]) and os._exit(137)\n"  # the parent died before the line above
-    "os.execvp(sys.argv[2],sys.argv[2:])\n"
-)
-
-
-def die_with_parent(argv: list[str]) -> list[str]:
-    """`argv` behind the shim above (Linux); unchanged elsewhere."""
-    if not sys.platform.startswith("linux"):
-        return argv
-    return [sys.executable, "-S", "-c", DIE_WITH_PARENT_SHIM, str(os.getpid()), *argv]
 
 
 # ---------------------------------------------------------------------------------------
@@ -502,7 +171,7 @@ def run_training(
     where = f" [sandbox: {sandbox.kind}]" if sandbox is not None else ""
     log.write(f"# autoloop {_now()}: {shlex.join(map(str, command))}{where}")
     started = time.monotonic()
-    reaper = _ChildSubreaper(enabled=not sandboxed).__enter__()
+    reaper = ChildSubreaper(enabled=not sandboxed).__enter__()
     try:
         proc = subprocess.Popen(
             argv,
@@ -524,7 +193,7 @@ def run_training(
     log.start()
     pid = pgid = proc.pid  # a new session makes the child its group's leader
     start_time = process_start_time(pid)
-    watch = _ExitWatch(proc)
+    watch = ExitWatch(proc)
     # Where zombies cannot be told apart (no /proc), reap the leader as soon as it exits
     # so that the group can be seen to vanish.
     reap = None if os.path.isdir("/proc/self") else proc.poll
@@ -584,7 +253,7 @@ def run_training(
     if stopped == "limit":
         resources.discard()  # its junk, before we write a line more: it may have filled the disk
 
-    outcome = _judge(
+    outcome = judge(
         log.text(),
         stopped=stopped,
         returncode=returncode,
@@ -612,182 +281,6 @@ def run_training(
     log.cut()
     log.close()
     return outcome
-
-
-def _judge(
-    text: str,
-    *,
-    stopped: str | None,
-    returncode: int,
-    result_path: Path | None,
-    deadline_seconds: float,
-    sandboxed: bool = False,
-    external_eval: bool = False,
-    limit: str | None = None,
-) -> RunOutcome:
-    """Apply the outcome rules to what the process left behind.
-
-    `external_eval` (the run's env asked for AUTOLOOP_EVAL=external): the harness evaluates
-    the checkpoint in another process, so exit 0 with a result JSON is "ok" with metric
-    None and metric_source "harness" (the contract was followed; the evaluation supplies
-    the number). A val_bpb the trial wrote anyway is left in `result` but is never the
-    metric. A script with only a printed block keeps today's rules ("reported").
-    """
-    lines = text.splitlines()
-    error_tail = "\n".join(lines[-ERROR_TAIL_LINES:])
-
-    result: dict[str, Any] | None = None
-    source: str | None = None
-    result_problem: str | None = None
-    if result_path is not None:
-        from autoloop.trust.untrusted import UntrustedFile, clean_result, read_json_object
-
-        try:
-            result, source = clean_result(read_json_object(result_path.parent, result_path.name)), "harness"
-        except FileNotFoundError:
-            pass
-        except UntrustedFile as error:
-            result_problem = str(error)
-        except OSError as error:
-            result_problem = f"result JSON {result_path.name} is unreadable: {error.strerror}"
-    if result_problem is not None and stopped is None and returncode == 0:
-        return RunOutcome(status="invalid", returncode=returncode, result=None, metric=None, metric_source=None,
-                          reason=_one_line(result_problem), error_tail=error_tail, wall_seconds=0.0, pid=0, pgid=0)
-    if result is None:
-        result = parse_summary_block(text)
-        source = "reported" if result is not None else None
-
-    raw_metric = result.get("val_bpb") if result is not None else None
-    metric = _as_float(raw_metric)
-    finite = metric is not None and math.isfinite(metric)
-
-    def outcome(status: str, reason: str | None) -> RunOutcome:
-        return RunOutcome(
-            status=status,
-            returncode=returncode,
-            result=result,
-            metric=metric if finite else None,
-            metric_source=source if finite else None,
-            reason=_one_line(reason) if reason else None,
-            error_tail=error_tail,
-            wall_seconds=0.0,
-            pid=0,
-            pgid=0,
-        )
-
-    if stopped == "limit":
-        over = outcome("invalid", limit)
-        over.limit = over.reason
-        return over
-    if stopped == "timeout":
-        return outcome("timeout", f"killed at the {deadline_seconds:g} s deadline")
-    if stopped == "aborted":
-        return outcome("aborted", "aborted before it finished")
-    if returncode != 0:
-        return outcome("crash", _crash_reason(lines, returncode, sandboxed))
-    if external_eval and source == "harness":
-        # Whatever val_bpb the trial wrote is its own claim: the evaluation process decides.
-        ok = outcome("ok", None)
-        ok.metric, ok.metric_source = None, "harness"
-        return ok
-    if metric is None:
-        reason = "finished without a val_bpb metric"
-        if result_problem:
-            reason += f" ({result_problem})"
-        return outcome("crash", reason)
-    if not finite:
-        return outcome("crash", f"val_bpb is {metric}")
-    return outcome("ok", None)
-
-
-def _crash_reason(lines: list[str], returncode: int, sandboxed: bool = False) -> str:
-    """The last `FAIL: ...` line; else, for a signal death, its name; else the last
-    non-empty line (the exception line of a traceback). bubblewrap reports a command
-    killed by signal N as exit 128 + N."""
-    for line in reversed(lines):
-        if line.strip().startswith("FAIL:"):
-            return line.strip()
-    signum = -returncode if returncode < 0 else (returncode - 128 if sandboxed and 128 < returncode <= 192 else 0)
-    if signum:
-        try:
-            name = signal.Signals(signum).name
-        except ValueError:
-            name = f"signal {signum}"
-        return f"killed by {name}"
-    for index in range(len(lines) - 1, -1, -1):
-        if lines[index].strip():
-            return _with_source(lines, index)
-    return f"exited with code {returncode} and no output"
-
-
-_BARE_EXCEPTION = re.compile(r"^[A-Za-z_][\w.]*:?$")  # `AssertionError`: a traceback's last line, no message
-_FRAME = re.compile(r'^\s*File "(?P<file>[^"]*)", line (?P<line>\d+)')
-_CARETS = re.compile(r"^[\s^~]+$")
-
-
-def _with_source(lines: list[str], index: int) -> str:
-    """The exception line at `index`; a bare one (a failed `assert` without a message says
-    only "AssertionError") with the source line the traceback shows for it, so the morning
-    review says what broke: `AssertionError: assert n_head % n_kv_head == 0 (train.py line 200)`."""
-    last = lines[index].strip()
-    if not _BARE_EXCEPTION.match(last):
-        return last
-    for frame in range(index - 1, max(index - 20, -1), -1):
-        found = _FRAME.match(lines[frame])
-        if found:
-            source = " ".join(line.strip() for line in lines[frame + 1:index] if line.strip() and not _CARETS.match(line))
-            if not source:
-                break
-            return f"{last.rstrip(':')}: {source[:300]} ({Path(found['file']).name} line {found['line']})"
-    return last
-
-
-def parse_summary_block(text: str) -> dict[str, Any] | None:
-    """Parse the `key: value` lines after the last line that is exactly `---`.
-
-    Numbers become int or float (nan and inf included), other values stay strings;
-    autoresearch's keys are mapped (see REPORTED_KEY_MAP). None if there is no block.
-    """
-    lines = text.splitlines()
-    starts = [i for i, line in enumerate(lines) if line.strip() == "---"]
-    if not starts:
-        return None
-    block: dict[str, Any] = {}
-    for line in lines[starts[-1] + 1 :]:
-        # Linear in the line (a lazy value before `\s*$` backtracked quadratically on a run of spaces).
-        match = re.match(r"^\s*([A-Za-z_][A-Za-z0-9_.]*)\s*:(.*)$", line)
-        if match:
-            block[match.group(1)] = _parse_scalar(match.group(2).strip())
-    for key, (ours, scale) in REPORTED_KEY_MAP.items():
-        if key in block:
-            value = block.pop(key)
-            if isinstance(value, (int, float)) and scale != 1:
-                value = int(round(value * scale)) if math.isfinite(value) else value
-            block.setdefault(ours, value)
-    return block or None
-
-
-def _parse_scalar(raw: str) -> Any:
-    if re.fullmatch(r"[+-]?\d+", raw) and len(raw) <= 19:  # longer: a float (int() refuses past 4,300 digits)
-        return int(raw)
-    try:
-        return float(raw)
-    except ValueError:
-        return raw
-
-
-def _as_float(value: Any) -> float | None:
-    if value is None or isinstance(value, bool):
-        return None
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        return None
-
-
-def _one_line(text: str) -> str:
-    line = " ".join(text.split())
-    return line if len(line) <= MAX_REASON_CHARS else line[: MAX_REASON_CHARS - 3] + "..."
 
 
 def _default_paths(cwd: str | Path, env: dict[str, Any]) -> SandboxPaths:

@@ -48,7 +48,8 @@ from typing import Any
 
 from autoloop.measure.job import JobResult, MeasureJob
 from autoloop.measure.run_folder import RunFolder
-from autoloop.measure.runner import RunOutcome, run_training
+from autoloop.base.status import RunOutcome
+from autoloop.measure.runner import run_training
 from autoloop.store import MetricSource
 
 # Per-run fields copied from the result JSON into the measurement and the trial row.

@@ -44,7 +44,7 @@ from pathlib import Path
 from autoloop.config import Config
 from autoloop.errors import AutoloopError
 from autoloop.proposers.proposal import Proposal, patch_text
-from autoloop.measure.runner import process_start_time
+from autoloop.base.processes import process_start_time
 from autoloop.proposers import brief
 from autoloop.proposers.base import ProposerUnavailable
 from autoloop.proposers.outage import Availability, Outage
@@ -269,7 +269,7 @@ def reap_helpers(store, run_ids) -> list[str]:
     deleted when it is one of ours (a temporary `autoloop-agent-*` folder), and the row is
     ended. Only call it holding the working tree's run lock: then no live controller owns
     these rows. Returns one line per process, for the event log."""
-    from autoloop.measure.runner import kill_process_group
+    from autoloop.base.processes import kill_process_group
 
     done = []
     for run_id in run_ids:

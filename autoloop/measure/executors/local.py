@@ -116,7 +116,7 @@ class LocalSlot:
         the worktree is imported by trusted code."""
         import dataclasses
 
-        from autoloop.measure.runner import kill_process_group, process_start_time
+        from autoloop.base.processes import kill_process_group, process_start_time
         from autoloop.measure.worker import WARMED_ENV
         from autoloop.trust import bytecode
         from autoloop.measure.evaluation import trusted_python_path

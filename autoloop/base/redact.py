@@ -160,10 +160,6 @@ class Redactor:
             return text
         return self._pattern.sub(REDACTED, text)
 
-    def holds(self, value: str) -> bool:
-        return value in self._values
-
-
 _default: Redactor | None = None
 _projects: set[Path] = set()
 _default_lock = threading.Lock()

@@ -48,7 +48,6 @@ from statistics import NormalDist
 from autoloop.errors import AutoloopError
 
 RULES = ("two-tier", "confirmed-only", "paired", "strict")  # "paired": the old name of "confirmed-only"
-TIERS = ("adopted", "confirmed")
 # The loop's alpha when none is set: confirmed-only moves the branch only on confirmation,
 # and at 0.05 it gives up the sub-sigma steps a night is made of (docs/decisions.md, the
 # confirmed-only grid: 0.75 x strict's gain at 0.05, 0.87 x at 0.2).

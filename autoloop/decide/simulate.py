@@ -273,7 +273,6 @@ class Summary:
     null_kept: int = 0
     null_confirmed: int = 0
     redraw: int = 0
-    redraw_kept: int = 0
     harmful: int = 0
     harmful_kept: int = 0
     big: int = 0  # decided improvements of 2 sigma or more
@@ -304,10 +303,6 @@ class Summary:
         return self.null_confirmed / self.null if self.null else 0.0
 
     @property
-    def redraw_keep_rate(self) -> float:
-        return self.redraw_kept / self.redraw if self.redraw else 0.0
-
-    @property
     def big_kept_share(self) -> float:
         return self.big_kept / self.big if self.big else float("nan")
 
@@ -324,12 +319,6 @@ class Summary:
     def harmful_per_night(self) -> float:
         """Harmful proposals adopted per night (what they cost the night)."""
         return self.harmful_kept / self.nights if self.nights else 0.0
-
-    @property
-    def real_keep_share(self) -> float:
-        """Of the proposals kept, the share that truly helped."""
-        kept = self.null_kept + self.harmful_kept + self.helpful_kept
-        return self.helpful_kept / kept if kept else float("nan")
 
     @property
     def keep_rate(self) -> float:
@@ -621,7 +610,6 @@ def _night(cfg, world, night: Night, proposals, luck: dict, n_seeds, out: Summar
             out.null_confirmed += confirmed
             if kind == REDRAW:
                 out.redraw += 1
-                out.redraw_kept += kept
         elif kind == HARMFUL:
             out.harmful += 1
             out.harmful_kept += kept

@@ -63,7 +63,6 @@ class LogPipe:
         self.max_bytes = max_bytes
         self.written = 0  # the child's bytes that reached the file
         self.dropped = 0  # the child's bytes past max_bytes
-        self.unwritten = 0  # the child's bytes the file did not take (a full disk)
         self._head = bytearray()
 
     def write(self, line: str) -> None:
@@ -81,7 +80,7 @@ class LogPipe:
                 try:
                     os.write(self._fd, clean)
                 except OSError:  # a full disk (the trial's own doing, perhaps): keep draining, keep the tail
-                    self.unwritten += len(clean)
+                    pass
         else:
             os.write(self._fd, clean)
         if len(self._head) < LOG_HEAD_KEEP_BYTES:

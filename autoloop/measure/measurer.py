@@ -150,7 +150,6 @@ class Measurer:
         self.c = host
         self._run_dirs_lock = threading.Lock()  # guards: allocating runs/<k> folders (run_dir)
         self._sandbox = None
-        self._said_unsandboxed = False
         self._secret_files: list[Path] | None = None  # found once per run: the sandbox hides them
 
     # ------------------------------------------------------------------ set-up

@@ -39,7 +39,6 @@ RESULT = "result.json"
 CHECKPOINT = "checkpoint.pt"
 PROGRESS = "progress.jsonl"
 LOG = "train.log"
-MAX_PROGRESS_TAIL_BYTES = 256 * 1024
 
 
 class RunFolder:
@@ -124,16 +123,3 @@ class RunFolder:
         except OSError:
             return False
 
-    def progress_tail(self, max_bytes: int = MAX_PROGRESS_TAIL_BYTES) -> str:
-        """The end of the progress file the trial writes, as untrusted text ("" when there is none)."""
-        from autoloop.trust.untrusted import UntrustedFile, read_tail
-
-        try:
-            return read_tail(self.root, f"{OUT}/{PROGRESS}", max_bytes).decode("utf-8", "replace")
-        except (OSError, UntrustedFile):
-            return ""
-
-
-def run_folder_of(log_path: Path | str | None) -> RunFolder | None:
-    """The run folder a measurement's recorded log path lies in."""
-    return RunFolder(Path(log_path).parent) if log_path else None

@@ -537,10 +537,6 @@ def _noise_section(noise: dict) -> str:
     return "".join(parts)
 
 
-def _plural(count: int, noun: str) -> str:
-    return f"{count} {noun}{'' if count == 1 else 's'}"
-
-
 def _sign(value) -> str:
     if value is None or value == 0:
         return ""

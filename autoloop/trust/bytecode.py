@@ -66,11 +66,6 @@ def pycache_env(kind: str, cache_root: Path | str) -> dict[str, str | None]:
     }
 
 
-def warm_eval_cache(python: str, cache_root: Path | str, *, env: dict[str, str] | None = None) -> float:
-    """Fill the evaluator's bytecode prefix (see `warm_pycache`)."""
-    return warm_pycache("eval", python, cache_root, env=env)
-
-
 def warm_pycache(kind: str, python: str, cache_root: Path | str, *, env: dict[str, str] | None = None,
                  force: bool = False) -> float:
     """Fill a bytecode prefix from a trusted process (the harness + torch, no trial code);

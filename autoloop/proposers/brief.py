@@ -10,6 +10,9 @@ parent commit:
   circle: a theme is an UPPER_CASE constant a diff assigns (with the values tried) or
   else the top-level function or class a hunk falls in (git's hunk header);
 * a compact table of the recent trials and the diffs of the last few;
+* how the recent trials ran (autoloop.proposers.telemetry): each one's loss curve against
+  the incumbent's at the same seed by quarter of the run, steps, tokens/s, MFU, peak
+  memory and where its wall time went;
 * results with their uncertainty (autoloop.decide.effects): a mean of several runs ± its
   standard error, the difference from the incumbent, and "not distinguishable from the
   incumbent" or "near miss" where the decision found it within the noise, so that the
@@ -36,6 +39,7 @@ from pathlib import Path
 
 from autoloop.decide.effects import NEAR_MISS, NOT_DISTINGUISHABLE, format_estimate, trial_effect
 from autoloop.proposers.proposal import matches
+from autoloop.proposers.telemetry import telemetry_section
 from autoloop.store import IdeaStatus, Kind, Status
 
 RECENT_TRIALS = 20  # rows of the recent-trials table
@@ -486,8 +490,11 @@ def render_context(ctx, *, idea: dict | None = None, read_file=None, files_headi
         "# Fixed by the harness (no edit can change these)\n" + harness_facts(ctx.config),
         "# What has been tried, by theme (most recent first)\n" + theme_summary(trials),
         "# Recent trials (newest last)\n" + trials_table(trials),
-        "# Diffs of the last few trials\n" + recent_diffs(trials),
     ]
+    telemetry = telemetry_section(ctx.store, trials, ctx.config)
+    if telemetry:
+        sections.append("# How the recent trials ran (beside the incumbent at the same seed)\n" + telemetry)
+    sections.append("# Diffs of the last few trials\n" + recent_diffs(trials))
     text = "\n\n".join(sections) + "\n\n" + idea_section(idea) + extra
     heading = files_heading or "The editable files at the current best commit (your edits apply to these)"
     from autoloop.base.redact import redact

@@ -186,6 +186,7 @@ def format_trial(d: dict, *, with_diff: bool = True) -> str:
     field("program.md", d.get("program_hash"))
     field("checkpoint", d.get("checkpoint_path"))
     field("curve", f"{d['curve_points']} points" if d.get("curve_points") else None)
+    field("telemetry", d.get("telemetry"))  # what the proposers' brief says of this run
     result = d.get("result") or {}
     shown = {"val_bpb", "training_seconds", "total_seconds", "compile_seconds", "eval_seconds", "num_steps",
              "total_tokens", "num_params", "mfu_percent", "peak_memory_mb", "seed"}

@@ -493,4 +493,6 @@ def format_ideas(store, rows: list[dict]) -> str:
             lines.append(f"{'':>26}↳ waits for run '{idea['run_tag']}': `autoloop run --tag {idea['run_tag']}` starts it")
         if idea.get("waiting"):
             lines.append(f"{'':>26}↳ waiting: {idea['waiting']}")
+        if idea.get("tried_before"):  # autoloop.proposers.memory: the project's earlier runs
+            lines.append(f"{'':>26}↳ {idea['tried_before']}")
     return "\n".join(lines)

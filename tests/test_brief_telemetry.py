@@ -90,3 +90,36 @@ def test_the_brief_and_show_carry_the_telemetry_line(tmp_path):
     shown = CliRunner().invoke(app, ["show", "2", "--repo", str(repo_dir), "--tag", "t", "--no-diff"])
     assert shown.exit_code == 0, shown.output
     assert "telemetry      #2 (seed 1): loss vs #1 at 25/50/75/100%: +0.0400/+0.0100/-0.0100/-0.0300" in shown.output
+
+
+def test_the_brief_with_telemetry_and_memory_fits_its_budget_after_100_trials(tmp_path):
+    """bench/brief_size.py's night of 100 trials with an earlier tag of 100 in the same db:
+    the whole prompt (program.md, the brief, train.py, the answer format) stays within
+    BRIEF_BUDGET_TOKENS at characters / 4, with one telemetry line for each of the last
+    TELEMETRY_TRIALS trials and the memory cut to MEMORY_CHARS."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    from autoloop.proposers.brief import BRIEF_BUDGET_TOKENS
+    from autoloop.proposers.memory import MEMORY_CHARS
+    from autoloop.proposers.telemetry import TELEMETRY_TRIALS
+
+    root = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(root / "bench"))  # the bench imports its bench_repo helper by name
+    try:
+        spec = importlib.util.spec_from_file_location("brief_size", root / "bench" / "brief_size.py")
+        bench = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(bench)
+    finally:
+        sys.path.remove(str(root / "bench"))
+    messages = bench.prompt((root / "train.py").read_text(), (root / "program.md").read_text(), tmp_path, 100)
+    user = messages[1]["content"]
+    telemetry = bench.section(user, "# How the recent trials ran")
+    memory = bench.section(user, "# What earlier runs of this project established")
+    assert [line.split()[1] for line in telemetry.splitlines() if line.startswith("- #")] == \
+        [f"#{n}" for n in range(101 - TELEMETRY_TRIALS + 1, 102)]
+    assert "- run 'earlier': 101 trials, 25 kept; baseline 1.8000 -> best 1.7960" in memory
+    assert len(memory) <= MEMORY_CHARS + len("# What earlier runs of this project established\n")
+    total = sum(len(m["content"]) for m in messages)
+    assert total // 4 <= BRIEF_BUDGET_TOKENS, f"the prompt after 100 trials is ~{total // 4:,} tokens"

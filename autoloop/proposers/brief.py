@@ -54,6 +54,11 @@ DIFF_LINES = 80  # lines of each shown diff
 THEMES = 30  # themes in the rolling summary (most recently tried first)
 THEME_EXAMPLES = 5  # values or descriptions listed per theme
 TEXT_CELL = 70  # characters of a description or reason in the table
+# The whole prompt of one proposal (program.md, this brief, train.py in full, the answer
+# format) at characters / 4: docs/night.md's "budget about 20,000"; telemetry and memory are
+# bounded (TELEMETRY_TRIALS lines, MEMORY_CHARS) so that a long night stays within it
+# (bench/brief_size.py --trials 100 measures it, a test holds it).
+BRIEF_BUDGET_TOKENS = 20_000
 
 FALLBACK_PROGRAM = """\
 You are an ML researcher improving a small GPT pretraining script, train.py. Each change

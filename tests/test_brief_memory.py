@@ -175,3 +175,36 @@ def test_the_memory_section_stays_within_its_budget():
     text = memory_section(earlier)
     assert len(text) <= MEMORY_CHARS
     assert text.endswith("- ... (cut to the brief's budget)") or re.search(r"more themes$", text)
+
+
+def test_an_llm_answer_discarded_in_an_earlier_tag_is_sent_back_and_never_trained(tmp_path, monkeypatch,
+                                                                                   one_run_per_trial):
+    """Two nights of the real loop on the fake script with a fake OpenAI-compatible server:
+    night 'a' trains WIDTH = 128 and discards it; night 't' (from the same best commit) gets
+    the same answer, refuses it with the earlier run named, and the model's next answer runs."""
+    from autoloop.loop.controller import Controller
+    from fakes.fake_openai import FakeOpenAI, edit_answer
+
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-test-memory")
+    monkeypatch.delenv("OPENAI_BASE_URL", raising=False)
+    repo_dir = make_repo(tmp_path / "repo", FAKE_TRAIN.read_text())
+    width = "WIDTH = 64  # model width; power of two"
+    wider = edit_answer(width, "WIDTH = 128", "wider")
+
+    def night(tag: str, answers: list[str], trials: int) -> FakeOpenAI:
+        with FakeOpenAI(answers) as server:
+            flags = {"tag": tag, "time_budget": 5, "grace_seconds": 20, "verify": False, "proposers": "llm",
+                     "llm_model": "fake-model", "llm_base_url": server.base_url, "llm_retries": 0,
+                     "llm_max_repairs": 1, "max_trials": trials, "check": False}
+            Controller(resolve(repo_dir, flags), repo_dir, verifier=None).run()
+        return server
+
+    night("a", [wider], 2)
+    server = night("t", [wider, edit_answer(width, "WIDTH = 32", "narrower")], 2)
+    with Store(repo_dir / "experiments.db") as store:
+        earlier = store.trials(store.get_run("a")["id"])
+        now = store.trials(store.get_run("t")["id"])
+    assert earlier[1]["status"] == "discard" and earlier[1]["description"] == "wider"
+    assert [t["description"] for t in now[1:]] == ["narrower"]  # the repeat never became a trial
+    sent_back = server.requests[1]["messages"][-1]["content"]
+    assert "already discarded on the same parent in run 'a' (this db) as trial 2" in sent_back

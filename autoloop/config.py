@@ -111,7 +111,7 @@ class Config:
     max_cost: float | None = None  # stop calling paid models once the run's proposals cost this many $
     agent_command: str | None = None  # coding agent run in a throwaway clone, e.g. "claude -p"
     # The project's memory (autoloop/proposers/memory.py): the proposers, `autoloop ideas` and
-    # the report know what every other tag of this db tried, kept and discarded, and those of
+    # the report know what every earlier tag of this db tried, kept and discarded, and those of
     # this other experiments.db too (another clone's or machine's; read-only; relative to the
     # repository). An edit discarded there on the same parent is not proposed again unless seeded.
     memory_db: str | None = None

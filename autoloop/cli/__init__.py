@@ -90,7 +90,7 @@ def run(
     allow_mixed_devices: Annotated[Optional[bool], typer.Option("--allow-mixed-devices", help="Allow workers on different GPU models; each candidate is then compared with the incumbent measured on its own kind.")] = None,
     notify: Annotated[Optional[str], typer.Option(help="A shell command run on events (a keep, a confirmed gain, a pause, a lost worker, the end of the run), the event as JSON on stdin; killed after --notify-timeout seconds, and never slows the run (docs/serve.md).")] = None,
     notify_timeout: Annotated[Optional[float], typer.Option(help="Seconds a --notify command may take before it is killed (10 by default).")] = None,
-    memory_db: Annotated[Optional[str], typer.Option(help="Another experiments.db of this project (another clone's or machine's) whose runs the proposers remember, beside every other tag of this db: what was tried, kept and discarded; an edit discarded there on the same parent is not proposed again unless seeded.")] = None,
+    memory_db: Annotated[Optional[str], typer.Option(help="Another experiments.db of this project (another clone's or machine's) whose runs the proposers remember, beside every earlier tag of this db: what was tried, kept and discarded; an edit discarded there on the same parent is not proposed again unless seeded.")] = None,
 ):
     """Run the research loop: baseline first, then proposals, until a stop condition."""
     from autoloop.loop.controller import Controller

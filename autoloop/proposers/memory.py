@@ -1,8 +1,8 @@
 """The project's earlier runs: what the proposers, `autoloop ideas` and the report know of them.
 
 A new tag used to start blind to what earlier nights of the same project tried. The
-memory is every trial of the **other runs** in this experiments.db (every tag but the
-current one) and of **another db the user names** (`memory-db`, `--memory-db PATH`: an
+memory is every trial of the **earlier runs** in this experiments.db (every tag created
+before the current one) and of **another db the user names** (`memory-db`, `--memory-db PATH`: an
 experiments.db of another clone or machine of the project), read-only: a plain SQLite
 connection opened `mode=ro`, so a db another controller is writing is never blocked or
 migrated.
@@ -58,13 +58,14 @@ def memory_db_path(config, project_dir: Path | str) -> Path | None:
     return path
 
 
-def _read(query, source: str, exclude_run: int | None) -> list[dict]:
-    """`query(sql, params) -> [dict]`: the Store's own (its lock), or a plain read-only connection's."""
+def _read(query, source: str, before_run: int | None) -> list[dict]:
+    """The trials of the runs created before `before_run` (all runs for None). `query(sql,
+    params) -> [dict]`: the Store's own (its lock), or a plain read-only connection's."""
     have = {row["name"] for row in query("PRAGMA table_info(trials)", ())}
     columns = ", ".join(f"t.{c}" for c in _COLUMNS if c in have)
     sql = (f"SELECT r.tag AS tag, r.id AS run_key, {columns} FROM trials t JOIN runs r ON r.id = t.run_id "
-           + ("WHERE t.run_id != ? " if exclude_run is not None else "") + "ORDER BY t.run_id, t.number")
-    rows = query(sql, (exclude_run,) if exclude_run is not None else ())
+           + ("WHERE t.run_id < ? " if before_run is not None else "") + "ORDER BY t.run_id, t.number")
+    rows = query(sql, (before_run,) if before_run is not None else ())
     return [{**{c: None for c in _COLUMNS}, **row, "source": source} for row in rows]
 
 
@@ -77,13 +78,13 @@ def _plain_query(conn: sqlite3.Connection):
 
 
 def earlier_trials(store, run_id: int | None, memory_db: Path | None = None) -> list[dict]:
-    """Every trial of the runs of this db but `run_id` (all of them for None), then every
-    trial of `memory_db`, each with its run's `tag` and `source` ('this db' or the other
-    db's file name)."""
+    """Every trial of the runs of this db created before run `run_id` (of every run for
+    None: `autoloop ideas`), then every trial of `memory_db`, each with its run's `tag` and
+    `source` ('this db' or the other db's file name)."""
     rows = _read(store.query, "this db", run_id)
     if memory_db is not None:
         if Path(memory_db).resolve() == Path(store.path).resolve():
-            return rows  # the same file: its other runs are read already
+            return rows  # the same file: its earlier runs are read already
         try:
             conn = sqlite3.connect(f"file:{quote(str(Path(memory_db).resolve()))}?mode=ro", uri=True, timeout=2)
         except sqlite3.Error as error:
@@ -102,7 +103,10 @@ def earlier_trials(store, run_id: int | None, memory_db: Path | None = None) -> 
 def context_memory(ctx) -> list[dict]:
     """The earlier trials a proposal context knows (cached on the context: one read per proposal)."""
     if "memory" not in ctx.extra:
-        path = memory_db_path(ctx.config, ctx.repo.project_dir)
+        try:
+            path = memory_db_path(ctx.config, ctx.repo.project_dir)
+        except AutoloopError:
+            path = None  # `run` refused it before the night; gone since: the night goes on with this db's runs
         ctx.extra["memory"] = earlier_trials(ctx.store, ctx.run["id"], path)
     return ctx.extra["memory"]
 
@@ -274,7 +278,7 @@ def memory_section(earlier: list[dict], limit: int = MEMORY_CHARS) -> str:
     runs = _runs(earlier)
     if not runs:
         return ""
-    lines = ["Earlier runs of this project (other tags; effects are val_bpb against the incumbent of the time, "
+    lines = ["Earlier runs of this project (earlier tags; effects are val_bpb against the incumbent of the time, "
              "negative helps; tag#N is trial N of that run). An edit discarded there on the same parent is "
              "refused here: build on what held, not on what failed."]
     for r in runs[:MEMORY_RUNS]:

@@ -108,8 +108,8 @@ def report_data(store, run: dict) -> dict:
 
 
 def earlier_lessons(store, run: dict) -> list[str]:
-    """What the project's earlier runs established (autoloop.proposers.memory): every other
-    tag of this db and the run's `memory-db` (relative to the db's folder, the repository)."""
+    """What the project's earlier runs established (autoloop.proposers.memory): the tags
+    of this db created before this run and the run's `memory-db` (relative to the db's folder, the repository)."""
     from autoloop.proposers.memory import earlier_trials, lessons
 
     other = (run.get("config") or {}).get("memory_db")
@@ -363,7 +363,7 @@ def render_html(data: dict) -> str:
     # -- lessons of the project's earlier runs
     if data.get("lessons"):
         add(f"<h2>Lessons from earlier runs <span class=\"count\">{len(data['lessons'])}</span></h2>"
-            "<p class=\"muted\">What the project's other runs (other tags, memory-db) tried, kept and discarded; "
+            "<p class=\"muted\">What the project's earlier runs (earlier tags of this db, memory-db) tried, kept and discarded; "
             "effects are val_bpb against the incumbent of the time, negative helps.</p><ul id=\"lessons\">")
         for lesson in data["lessons"]:
             add(f"<li>{_e(lesson)}</li>")

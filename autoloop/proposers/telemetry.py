@@ -173,7 +173,8 @@ def telemetry_line(t: Telemetry) -> str:
         parts.append("peak mem " + _versus(t.peak_memory_mb, t.incumbent_peak_memory_mb, lambda v: f"{v:,.0f} MB"))
     if t.time:
         total = sum(t.time.values())
-        parts.append(f"time {total:.0f} s: " + ", ".join(f"{k} {v:.0f}" for k, v in t.time.items()))
+        spec = ".0f" if total >= 100 else ".1f"  # a CPU trial of 20 s still says where its seconds went
+        parts.append(f"time {total:{spec}} s: " + ", ".join(f"{k} {v:{spec}}" for k, v in t.time.items()))
     seed = f" (seed {t.seed})" if t.seed is not None and t.quarters else ""
     return f"#{t.number}{seed}: " + "; ".join(parts)
 

@@ -42,7 +42,7 @@ from collections import Counter
 from pathlib import Path
 
 from autoloop.decide.effects import NEAR_MISS, NOT_DISTINGUISHABLE, format_estimate, trial_effect
-from autoloop.proposers.diffs import diff_themes, normalised_diff  # noqa: F401 - also this module's names
+from autoloop.proposers.diffs import diff_themes, normalised_diff
 from autoloop.proposers.proposal import matches
 from autoloop.proposers.memory import context_memory, memory_section
 from autoloop.proposers.telemetry import telemetry_section

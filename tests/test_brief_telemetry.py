@@ -123,3 +123,22 @@ def test_the_brief_with_telemetry_and_memory_fits_its_budget_after_100_trials(tm
     assert len(memory) <= MEMORY_CHARS + len("# What earlier runs of this project established\n")
     total = sum(len(m["content"]) for m in messages)
     assert total // 4 <= BRIEF_BUDGET_TOKENS, f"the prompt after 100 trials is ~{total // 4:,} tokens"
+
+
+def test_a_run_stopped_early_shows_its_curve_up_to_the_stop(tmp_path):
+    """A clear loser stopped at 50%: its run has no recorded curve, its progress lines (the
+    curves table) reach 50%, so the quarters after it read '?'."""
+    from conftest import FAKE_TRAIN, make_repo
+
+    repo_dir = make_repo(tmp_path / "repo", FAKE_TRAIN.read_text())
+    store, _, run = recorded_night(repo_dir)
+    try:
+        base = store.get_trial(run["id"], 1)
+        t = store.new_trial(run["id"], "proposal", description="a clear loser", seed=1, parent_commit=base["trial_commit"])
+        store.add_measurement(t["id"], None, seed=1, role="candidate", status="stopped", num_steps=25)
+        store.add_curve(t["id"], [{"step": k, "seconds": 2.0 * (k + 1), "loss": 3.5} for k in range(25)])
+        store.update_trial(t["id"], status="discard", stopped_at=0.5, decision={"incumbent_id": base["id"]})
+        line = telemetry_line(trial_telemetry(store, store.get_trial(run["id"], 3), budget_of({"time_budget": BUDGET})))
+    finally:
+        store.close()
+    assert line.startswith("#3 (seed 1): loss vs #1 at 25/50/75/100%: +0.5000/+0.5000/?/?; steps 25 vs 50 (-50%)")

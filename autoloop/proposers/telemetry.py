@@ -8,8 +8,9 @@ show N`) says, from what the worker already recorded (no new output from train.p
   the incumbent's, averaged over each quarter of the run (progress in (0, 25%], (25%,
   50%], ...; progress is step / max_steps in step mode, training seconds / time budget in
   time mode, as the early stop reads it: autoloop.decide.early_stop.partial_difference).
-  Negative is ahead. The trial's run is its first candidate run with a recorded curve
-  (`measurements.curve`); the incumbent's is that trial's run at the same seed (the
+  Negative is ahead; a quarter the run never reached (stopped early) reads "?". The
+  trial's run is its first candidate run with a recorded curve (`measurements.curve`; for
+  a run stopped early, its progress lines up to the stop); the incumbent's is that trial's run at the same seed (the
   decision's `incumbent_id`, else the kept trial of the parent commit);
 * **steps done and tokens/s**, each against the incumbent's run at that seed, MFU where
   the script reported it, peak memory (against the incumbent's);
@@ -139,11 +140,15 @@ def trial_telemetry(store, trial: dict, budget: dict) -> Telemetry:
         return t
     t.incumbent_steps = partner.get("num_steps")
     t.incumbent_tokens_per_second = _number(partner.get("tokens_per_second"))
-    if run is not None and run.get("curve"):
-        for p in QUARTERS:
-            d = partial_difference(partner["curve"], run["curve"], p, window=0.25, budget=budget)
-            if d is not None:
-                t.quarters[p] = d
+    curve = run.get("curve") if run is not None else None
+    if not curve and run is not None and run.get("status") == "stopped":
+        # A clear loser stopped early has no recorded run curve; the curves table holds its
+        # progress lines up to the stop (autoloop.loop.outcome.progress_curve).
+        curve = store.curve(trial["id"])
+    for p in QUARTERS if curve else ():
+        d = partial_difference(partner["curve"], curve, p, window=0.25, budget=budget)
+        if d is not None:
+            t.quarters[p] = d
     return t
 
 

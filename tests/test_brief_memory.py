@@ -177,6 +177,7 @@ def test_the_memory_section_stays_within_its_budget():
     assert text.endswith("- ... (cut to the brief's budget)") or re.search(r"more themes$", text)
 
 
+@pytest.mark.slow  # two short nights of the real loop (the fake script): 8-12 s
 def test_an_llm_answer_discarded_in_an_earlier_tag_is_sent_back_and_never_trained(tmp_path, monkeypatch,
                                                                                    one_run_per_trial):
     """Two nights of the real loop on the fake script with a fake OpenAI-compatible server:

@@ -110,6 +110,11 @@ class Config:
     llm_prices: dict = field(default_factory=dict)  # $ per 1M tokens: {model: [input, output]}
     max_cost: float | None = None  # stop calling paid models once the run's proposals cost this many $
     agent_command: str | None = None  # coding agent run in a throwaway clone, e.g. "claude -p"
+    # The project's memory (autoloop/proposers/memory.py): the proposers, `autoloop ideas` and
+    # the report know what every earlier tag of this db tried, kept and discarded, and those of
+    # this other experiments.db too (another clone's or machine's; read-only; relative to the
+    # repository). An edit discarded there on the same parent is not proposed again unless seeded.
+    memory_db: str | None = None
     agent_timeout: float = 1800.0  # seconds before the agent is killed
     # Trials under bubblewrap (autoloop/measure/sandbox.py): "auto" where it works here, "on" (an
     # error where it cannot run), "off" (what --no-sandbox sets; recorded on the run).

@@ -90,6 +90,7 @@ def run(
     allow_mixed_devices: Annotated[Optional[bool], typer.Option("--allow-mixed-devices", help="Allow workers on different GPU models; each candidate is then compared with the incumbent measured on its own kind.")] = None,
     notify: Annotated[Optional[str], typer.Option(help="A shell command run on events (a keep, a confirmed gain, a pause, a lost worker, the end of the run), the event as JSON on stdin; killed after --notify-timeout seconds, and never slows the run (docs/serve.md).")] = None,
     notify_timeout: Annotated[Optional[float], typer.Option(help="Seconds a --notify command may take before it is killed (10 by default).")] = None,
+    memory_db: Annotated[Optional[str], typer.Option(help="Another experiments.db of this project (another clone's or machine's) whose runs the proposers remember, beside every earlier tag of this db: what was tried, kept and discarded; an edit discarded there on the same parent is not proposed again unless seeded.")] = None,
 ):
     """Run the research loop: baseline first, then proposals, until a stop condition."""
     from autoloop.loop.controller import Controller
@@ -104,8 +105,11 @@ def run(
         sandbox="off" if no_sandbox else None, check=False if no_check else None, llm_model=llm_model, llm_base_url=llm_base_url, agent_command=agent_command, max_cost=max_cost,
         workers=workers, executor=executor or ("local" if workers and workers > 0 and executor is None else None),
         ray_address=ray_address, search_mode=search_mode, migrate_every=migrate_every,
-        allow_mixed_devices=allow_mixed_devices, notify=notify, notify_timeout=notify_timeout,
+        allow_mixed_devices=allow_mixed_devices, notify=notify, notify_timeout=notify_timeout, memory_db=memory_db,
     )
+    from autoloop.proposers.memory import memory_db_path
+
+    memory_db_path(config, repo)  # a --memory-db that is no file: refused before the night starts
     display = Display()
     # Printed with the first thing the run says: a run that fails before it starts prints its error alone.
     display.later(f"autoloop run '{config.tag}' on branch autoloop/{config.tag} ({config.db})", "bold")
@@ -266,7 +270,8 @@ def seed(
 @handles_errors
 def ideas(repo: RepoOpt = Path("."), db: DbOpt = None,
           as_json: Annotated[bool, typer.Option("--json", help="Print the ideas as JSON.")] = False,
-          cancel: Annotated[Optional[int], typer.Option(help="Cancel the pending idea with this number: it stays listed, marked cancelled, and is never proposed.")] = None):
+          cancel: Annotated[Optional[int], typer.Option(help="Cancel the pending idea with this number: it stays listed, marked cancelled, and is never proposed.")] = None,
+          memory_db: Annotated[Optional[str], typer.Option(help="Another experiments.db of this project: a pending idea tried there (or in any run of this db) says so, with its outcome.")] = None):
     """List the seeded ideas and what became of them (--cancel N to cancel one)."""
     from autoloop.proposers.seeding import waiting_reason
     from autoloop.review.text import format_ideas
@@ -280,6 +285,12 @@ def ideas(repo: RepoOpt = Path("."), db: DbOpt = None,
     waiting = waiting_reason(config_for(repo, db=db), store.runs())
     for idea in rows:  # why a pending idea is not taken, where it is known
         idea["waiting"] = waiting if idea["status"] == "pending" and not (idea.get("sets") or idea.get("patch")) else None
+    from autoloop.proposers.memory import earlier_trials, memory_db_path, tried_before, tried_before_text
+
+    earlier = earlier_trials(store, None, memory_db_path(config_for(repo, db=db, memory_db=memory_db), repo))
+    for idea in rows:  # a pending idea already tried in some run of the project says so
+        before = tried_before(idea, earlier) if idea["status"] == "pending" else None
+        idea["tried_before"] = tried_before_text(before) if before else None
     echo(json.dumps(strip_controls_in(rows), indent=1, default=str) if as_json else format_ideas(store, rows))
 
 

@@ -45,7 +45,7 @@ from autoloop.config import Config
 from autoloop.errors import AutoloopError
 from autoloop.proposers.proposal import Proposal, patch_text
 from autoloop.base.processes import process_start_time
-from autoloop.proposers import brief
+from autoloop.proposers import brief, memory
 from autoloop.proposers.base import ProposerUnavailable
 from autoloop.proposers.outage import Availability, Outage
 from autoloop.base.processes import kill_group
@@ -216,9 +216,13 @@ class AgentProposer:
             description = _description(text) or _commit_subject(clone, start) or "agent edit"
             proposal = Proposal(description=description, patch=diff, source=self.name, model=self.model)
             duplicate = brief.find_duplicate(diff, ctx.history())
+            elsewhere = memory.refused_repeat(ctx, diff) if duplicate is None else None
             if duplicate is not None:
                 call["error"] = "duplicate"
                 proposal.meta["invalid"] = brief.duplicate_reason(duplicate)
+            elif elsewhere is not None:
+                call["error"] = "duplicate"
+                proposal.meta["invalid"] = memory.elsewhere_reason(elsewhere)
             proposal.meta["calls"] = [call]
             proposal.meta["transcript"] = str(transcript)
             return proposal

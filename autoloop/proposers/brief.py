@@ -10,10 +10,15 @@ parent commit:
   circle: a theme is an UPPER_CASE constant a diff assigns (with the values tried) or
   else the top-level function or class a hunk falls in (git's hunk header);
 * a compact table of the recent trials and the diffs of the last few;
+* how the recent trials ran (autoloop.proposers.telemetry): each one's loss curve against
+  the incumbent's at the same seed by quarter of the run, steps, tokens/s, MFU, peak
+  memory and where its wall time went;
 * results with their uncertainty (autoloop.decide.effects): a mean of several runs ± its
   standard error, the difference from the incumbent, and "not distinguishable from the
   incumbent" or "near miss" where the decision found it within the noise, so that the
   proposer does not chase noise; the run's measured noise in the state line;
+* what the project's earlier runs established (autoloop.proposers.memory): their gains,
+  the changes kept there and the themes discarded there, with effect sizes;
 * the human's waiting idea, if the proposer took one;
 * the editable files at the parent commit, in full.
 
@@ -22,7 +27,9 @@ run again. The normalised diff is the multiset of removed and added lines per fi
 stripped of surrounding whitespace, blank lines dropped, and with a line that is both
 removed and added (moved, re-indented) cancelled out. It does not depend on the diff
 algorithm, line numbers or hunk headers, so a git diff stored in a trial row and a diff
-computed here with difflib compare equal when they make the same change.
+computed here with difflib compare equal when they make the same change. The same edit
+already discarded on the same parent in an earlier run is refused too (unless it implements
+a seeded idea): autoloop.proposers.memory.
 """
 
 from __future__ import annotations
@@ -35,7 +42,10 @@ from collections import Counter
 from pathlib import Path
 
 from autoloop.decide.effects import NEAR_MISS, NOT_DISTINGUISHABLE, format_estimate, trial_effect
+from autoloop.proposers.diffs import diff_themes, normalised_diff
 from autoloop.proposers.proposal import matches
+from autoloop.proposers.memory import context_memory, memory_section
+from autoloop.proposers.telemetry import telemetry_section
 from autoloop.store import IdeaStatus, Kind, Status
 
 RECENT_TRIALS = 20  # rows of the recent-trials table
@@ -44,6 +54,11 @@ DIFF_LINES = 80  # lines of each shown diff
 THEMES = 30  # themes in the rolling summary (most recently tried first)
 THEME_EXAMPLES = 5  # values or descriptions listed per theme
 TEXT_CELL = 70  # characters of a description or reason in the table
+# The whole prompt of one proposal (program.md, this brief, train.py in full, the answer
+# format) at characters / 4: docs/night.md's "budget about 20,000"; telemetry and memory are
+# bounded (TELEMETRY_TRIALS lines, MEMORY_CHARS) so that a long night stays within it
+# (bench/brief_size.py --trials 100 measures it, a test holds it).
+BRIEF_BUDGET_TOKENS = 20_000
 
 FALLBACK_PROGRAM = """\
 You are an ML researcher improving a small GPT pretraining script, train.py. Each change
@@ -108,43 +123,6 @@ def give_back_idea(ctx, idea: dict | None) -> None:
 # ---------------------------------------------------------------------------------------
 
 
-def _diff_files(diff: str):
-    """Yield (path, line) for each line of a unified diff, tracking the file it belongs to."""
-    path = None
-    for line in diff.splitlines():
-        if line.startswith("diff --git "):
-            match = re.match(r"diff --git a/(.*) b/(.*)$", line)
-            path = match.group(2) if match else path
-        elif line.startswith("+++ "):
-            target = line[4:].strip()
-            if target != "/dev/null":
-                path = target[2:] if target.startswith("b/") else target
-        elif line.startswith("--- "):
-            source = line[4:].strip()
-            if source != "/dev/null" and path is None:
-                path = source[2:] if source.startswith("a/") else source
-        else:
-            yield path, line
-
-
-def normalised_diff(diff: str | None) -> tuple:
-    """The change a diff makes, independent of line numbers and the diff algorithm."""
-    if not diff:
-        return ()
-    removed: Counter = Counter()
-    added: Counter = Counter()
-    for path, line in _diff_files(diff):
-        if line.startswith(("+++", "---")) or not line[:1] in ("+", "-"):
-            continue
-        text = line[1:].strip()
-        if not text:
-            continue
-        (added if line[0] == "+" else removed)[(path, text)] += 1
-    common = removed & added
-    removed, added = removed - common, added - common
-    return tuple(sorted([("-", *key, n) for key, n in removed.items()] + [("+", *key, n) for key, n in added.items()]))
-
-
 def files_diff(files: dict[str, str | None], read_parent_file) -> str:
     """A unified diff (difflib) from the parent to the materialized files."""
     parts = []
@@ -183,42 +161,6 @@ def duplicate_reason(trial: dict) -> str:
 # ---------------------------------------------------------------------------------------
 # Themes: the rolling summary
 # ---------------------------------------------------------------------------------------
-
-# Linear in the line: a lazy value followed by `\s*(?:#.*)?$` backtracked quadratically, so a
-# trial's diff line of 100,000 spaces held the controller 135 s of CPU per brief.
-_CONSTANT = re.compile(r"^([A-Z][A-Z0-9_]*)\s*(?::[^=]*)?=(.*)$")
-_HUNK = re.compile(r"^@@ [^@]* @@ ?(.*)$")
-_DEF = re.compile(r"^(?:async\s+)?(?:def|class)\s+([A-Za-z_]\w*)")
-
-
-def diff_themes(diff: str | None) -> dict[str, str | None]:
-    """{theme: value}: constants a diff assigns (value = the new text) and the top-level
-    functions/classes it changes (value None). Other changes are theme 'other code'."""
-    themes: dict[str, str | None] = {}
-    context = None
-    for _path, line in _diff_files(diff or ""):
-        hunk = _HUNK.match(line)
-        if hunk:
-            found = _DEF.match(hunk.group(1).strip())
-            context = found.group(1) + "()" if found else None
-            continue
-        if line.startswith(("+++", "---")) or line[:1] not in ("+", "-"):
-            continue
-        body = line[1:]
-        if not body.strip() or body.lstrip().startswith("#"):
-            continue
-        constant = _CONSTANT.match(body)
-        if constant:
-            if line[0] == "+" or constant.group(1) not in themes:
-                themes[constant.group(1)] = constant.group(2).split("#", 1)[0].strip() if line[0] == "+" else None
-            continue
-        defined = _DEF.match(body)
-        if defined and not body.startswith((" ", "\t")):
-            themes.setdefault(defined.group(1) + "()", None)
-        else:
-            themes.setdefault(context or "other code", None)
-    return themes
-
 
 def versus_incumbent(trial: dict, digits: int = 4) -> str:
     """The trial against the incumbent, for a proposer: a mean difference with its
@@ -486,8 +428,14 @@ def render_context(ctx, *, idea: dict | None = None, read_file=None, files_headi
         "# Fixed by the harness (no edit can change these)\n" + harness_facts(ctx.config),
         "# What has been tried, by theme (most recent first)\n" + theme_summary(trials),
         "# Recent trials (newest last)\n" + trials_table(trials),
-        "# Diffs of the last few trials\n" + recent_diffs(trials),
     ]
+    telemetry = telemetry_section(ctx.store, trials, ctx.config)
+    if telemetry:
+        sections.append("# How the recent trials ran (beside the incumbent at the same seed)\n" + telemetry)
+    sections.append("# Diffs of the last few trials\n" + recent_diffs(trials))
+    earlier = memory_section(context_memory(ctx))
+    if earlier:
+        sections.append("# What earlier runs of this project established\n" + earlier)
     text = "\n\n".join(sections) + "\n\n" + idea_section(idea) + extra
     heading = files_heading or "The editable files at the current best commit (your edits apply to these)"
     from autoloop.base.redact import redact

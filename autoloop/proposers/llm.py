@@ -52,7 +52,7 @@ from pathlib import Path
 from autoloop.config import Config
 from autoloop.errors import AutoloopError
 from autoloop.proposers.proposal import Edit, InvalidProposal, Proposal, materialize, validate
-from autoloop.proposers import brief
+from autoloop.proposers import brief, memory
 from autoloop.proposers.answer import parse_answer, resolve_searches
 from autoloop.proposers.base import ProposerUnavailable
 from autoloop.proposers.outage import Availability, Outage
@@ -302,6 +302,9 @@ class LLMProposer:
         duplicate = brief.find_duplicate(brief.files_diff(changed, ctx.read_parent_file), ctx.history())
         if duplicate is not None:
             raise InvalidProposal(brief.duplicate_reason(duplicate) + ": propose something different")
+        elsewhere = memory.refused_repeat(ctx, brief.files_diff(changed, ctx.read_parent_file))
+        if elsewhere is not None:
+            raise InvalidProposal(memory.elsewhere_reason(elsewhere))
         return proposal
 
     def _converse(self, ctx, messages: list[dict], check) -> Proposal:

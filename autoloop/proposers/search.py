@@ -42,7 +42,9 @@ case) counts as a failure without a trial, as does a move blocked by a bound or 
 one of train.py's own asserts over its constants (`N_HEAD % N_KV_HEAD == 0`: see
 `autoloop.invariants`), which would only crash. So a
 (constant, value, parent) is never tried twice, and the search never walks back to a
-configuration it knows.
+configuration it knows. The project's earlier runs count too: a move whose train.py
+is that of a proposal discarded in another run (another tag of this db, or `memory-db`;
+autoloop.proposers.memory), where this repository has its commit, is skipped the same way.
 
 Crashes, timeouts, invalid trials and discards are failures; interrupted trials are not
 evidence (the same move is proposed again).
@@ -328,6 +330,7 @@ class SearchProposer:
         self._spaces: dict[str, list[Param]] = {}  # commit -> search space
         self._cache: tuple[list, SearchState, set] | None = None  # (replayed keys, state, seen)
         self.replayed: SearchState | None = None  # the state the last proposal started from
+        self._memory: set[str] | None = None  # train.py digests discarded in earlier runs (read once)
 
     # -- reading commits -----------------------------------------------------------------
 
@@ -371,7 +374,7 @@ class SearchProposer:
             done, state, seen = self._cache
             state, seen = copy.deepcopy(state), set(seen)
         else:
-            done, state, seen = [], SearchState(), set()
+            done, state, seen = [], SearchState(), set(self._earlier_discards(ctx))
         for trial in trials[len(done):]:
             digest = None
             if trial.get("proposer") == self.name and trial.get("parent_commit"):
@@ -383,6 +386,19 @@ class SearchProposer:
         self._cache = (keys, copy.deepcopy(state), set(seen))
         self.replayed = self._cache[1]
         return state, seen
+
+    def _earlier_discards(self, ctx) -> set[str]:
+        """The train.py of every proposal discarded in the project's earlier runs
+        (autoloop.proposers.memory) whose commit this repository has: a move that would
+        reproduce one is skipped as already evaluated, like a move of this run. Read once
+        per proposer, so a replay always starts from the same set."""
+        if self._memory is None:
+            from autoloop.proposers.memory import context_memory, discarded_commits
+
+            commits = [c for c in discarded_commits(context_memory(ctx)) if ctx.repo.commit_exists(c)]
+            texts = (self._text(ctx, commit) for commit in commits)
+            self._memory = {_digest(text) for text in texts if text is not None}
+        return self._memory
 
     def _replay_search_trial(self, ctx, state: SearchState, seen: set, trial: dict) -> str | None:
         parent = trial["parent_commit"]

@@ -267,6 +267,11 @@ def trial_detail(store, run: dict, number: int, repo: Path | None = None, *, log
     detail["log_tail"] = tail_lines(log, log_lines) if log else None
     if trial["status"] == Status.RUNNING.value and log is not None:
         detail["progress"] = last_progress(RunFolder(log.parent).progress)
+    from autoloop.proposers.telemetry import budget_of, telemetry_line, trial_telemetry
+
+    # The line the proposers' brief shows for this trial: its run beside the incumbent's.
+    telemetry = trial_telemetry(store, trial, budget_of(run.get("config") or {}))
+    detail["telemetry"] = None if telemetry.empty else telemetry_line(telemetry)
     return detail
 
 

@@ -103,7 +103,24 @@ def report_data(store, run: dict) -> dict:
         "ideas": idea_outcomes(store, run), "running": running, "curves": curves,
         "flags": flagged_trials(store, run), "workers": worker_counts(store, run),
         "tree": experiment_tree(store, run), "generated_at": utcnow(), "outages": outages,
+        "lessons": earlier_lessons(store, run),
     }
+
+
+def earlier_lessons(store, run: dict) -> list[str]:
+    """What the project's earlier runs established (autoloop.proposers.memory): the tags
+    of this db created before this run and the run's `memory-db` (relative to the db's folder, the repository)."""
+    from autoloop.proposers.memory import earlier_trials, lessons
+
+    other = (run.get("config") or {}).get("memory_db")
+    path = None
+    if other:
+        path = Path(other).expanduser()
+        path = path if path.is_absolute() else Path(store.path).parent / path
+    try:
+        return lessons(earlier_trials(store, run["id"], path if path is not None and path.is_file() else None))
+    except AutoloopError as error:  # the other db went bad since: this run's report still stands
+        return [str(error)]
 
 
 def _fresh_checks(store, run: dict) -> int:
@@ -342,6 +359,15 @@ def render_html(data: dict) -> str:
             add(f"<tr><td class=\"num\">{f['number']}</td><td>{_e(f['status'])}</td><td>{_e(f['description'] or '')}</td>"
                 f"<td>{'<br>'.join(_e(m) for m in f['messages'])}</td></tr>")
         add("</tbody></table>")
+
+    # -- lessons of the project's earlier runs
+    if data.get("lessons"):
+        add(f"<h2>Lessons from earlier runs <span class=\"count\">{len(data['lessons'])}</span></h2>"
+            "<p class=\"muted\">What the project's earlier runs (earlier tags of this db, memory-db) tried, kept and discarded; "
+            "effects are val_bpb against the incumbent of the time, negative helps.</p><ul id=\"lessons\">")
+        for lesson in data["lessons"]:
+            add(f"<li>{_e(lesson)}</li>")
+        add("</ul>")
 
     # -- ideas
     ideas = data["ideas"]

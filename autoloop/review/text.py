@@ -186,6 +186,7 @@ def format_trial(d: dict, *, with_diff: bool = True) -> str:
     field("program.md", d.get("program_hash"))
     field("checkpoint", d.get("checkpoint_path"))
     field("curve", f"{d['curve_points']} points" if d.get("curve_points") else None)
+    field("telemetry", d.get("telemetry"))  # what the proposers' brief says of this run
     result = d.get("result") or {}
     shown = {"val_bpb", "training_seconds", "total_seconds", "compile_seconds", "eval_seconds", "num_steps",
              "total_tokens", "num_params", "mfu_percent", "peak_memory_mb", "seed"}
@@ -492,4 +493,6 @@ def format_ideas(store, rows: list[dict]) -> str:
             lines.append(f"{'':>26}↳ waits for run '{idea['run_tag']}': `autoloop run --tag {idea['run_tag']}` starts it")
         if idea.get("waiting"):
             lines.append(f"{'':>26}↳ waiting: {idea['waiting']}")
+        if idea.get("tried_before"):  # autoloop.proposers.memory: the project's earlier runs
+            lines.append(f"{'':>26}↳ {idea['tried_before']}")
     return "\n".join(lines)

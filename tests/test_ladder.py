@@ -195,6 +195,8 @@ def test_the_ladder_tags_the_change_that_holds_and_the_one_that_reverses(known_r
     assert git(repo, "rev-parse", "HEAD").strip() == best_commit and git(repo, "status", "--porcelain") == ""
     assert "WIDTH = 1" in (repo / "train.py").read_text()
 
-    # A second call measures nothing again: the rung is done, a new one is made only for a new spec.
+    # A second call trains nothing: the rung is done for this best commit, its figures stand.
     again = ladder_known(repo, "WIDTH=4 budget=2x", seeds=3)
-    assert {r.trial: r.tag for r in again.rows} == {2: "holds", 3: "reverses"}
+    assert {r.trial: r.tag for r in again.rows} == {2: "holds", 3: "reverses"} and again.rung_id == rung.rung_id
+    with Store(repo / "experiments.db") as store:
+        assert len(store.trials(store.get_run("k")["id"], kind="ladder")) == 4 and len(store.rungs(run["id"])) == 1

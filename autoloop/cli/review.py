@@ -232,6 +232,35 @@ def ablate(
     echo(_dump(result.to_dict()) if as_json else format_ablation(result))
 
 
+def ladder(
+    spec: Annotated[Optional[str], typer.Argument(help="The larger scale, e.g. 'DEPTH=8 MODEL_DIM=512', 'budget=4x' or both; the run's --ladder by default.")] = None,
+    repo: RepoOpt = Path("."),
+    tag: TagOpt = None,
+    db: DbOpt = None,
+    seeds: Annotated[Optional[int], typer.Option(help="Fresh seeds each commit is measured at (the run's ladder-seeds, 3 by default; 2 at least).")] = None,
+    as_json: JsonOpt = False,
+):
+    """Re-measure the kept changes at a larger scale: the best, the baseline and the best with each kept change left out, at the same fresh seeds; tag each change holds, fades or reverses (an unfinished rung goes on where it stopped)."""
+    from autoloop.review.ladder import format_rung, ladder_run
+    from autoloop.cli.display import Display
+
+    nothing = _nothing_kept(repo, db, tag, "nothing to ladder")
+    if nothing:
+        echo(_dump({"rows": [], "nothing_kept": nothing}) if as_json else nothing)
+        return
+    with _Session(repo, db, tag) as s:
+        run = s.run
+    stored = run.get("config") or {}
+    spec = spec or stored.get("ladder")
+    if not spec:
+        raise AutoloopError(f"run '{run['tag']}' has no --ladder: name the scale, e.g. "
+                            f"`autoloop ladder 'DEPTH=8 MODEL_DIM=512' --tag {run['tag']}`")
+    display = None if as_json else Display()
+    result = ladder_run(repo, run, spec, db=db, seeds=seeds or stored.get("ladder_seeds") or 3, display=display,
+                        say=display.say if display else None)
+    echo(_dump(result.to_dict()) if as_json else format_rung(result))
+
+
 def report(
     repo: RepoOpt = Path("."),
     tag: TagOpt = None,

@@ -248,7 +248,8 @@ class Loop:
             return "stopped by `autoloop stop`"
         if cfg.hours is not None:
             left = started + cfg.hours * 3600 - time.time()
-            if left < self.trial_estimate() + reserve.seconds_needed(c):  # the headline's runs come after
+            # the headline's runs and the ladder's (`--ladder`) come after
+            if left < self.trial_estimate() + reserve.seconds_needed(c) + reserve.ladder_seconds_needed(c):
                 return f"--hours {cfg.hours}: the next trial could not finish in the {max(left, 0) / 60:.1f} min left"
         return None
 

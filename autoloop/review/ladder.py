@@ -32,6 +32,7 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from autoloop.base.faults import fault_point
 from autoloop.decide.ladder import DEFAULT_SEEDS, RungSpec, level_of, parse_spec, runs_needed, seconds_needed, tag_of
 from autoloop.errors import AutoloopError
 from autoloop.gitops import REF_PREFIX
@@ -226,8 +227,12 @@ def ladder(controller: TrialHost, spec: RungSpec | str, *, seeds: int = DEFAULT_
         raise AutoloopError(f"run '{run['tag']}' kept no change over its baseline: there is nothing to ladder")
     measured = [a for a in arms if a.reason is None]
 
-    rung = next((r for r in store.rungs(run["id"]) if r["spec"] == spec.text and r["best_commit"] == best_commit
-                 and r["status"] != "done"), None)
+    same = [r for r in store.rungs(run["id"]) if r["spec"] == spec.text and r["best_commit"] == best_commit
+            and len(r.get("seeds") or []) == seeds]
+    if same and same[-1]["status"] == "done":  # measured already: its figures stand, nothing is trained again
+        say(f"the ladder at {spec.text} was measured already for this best commit (rung {same[-1]['id']})")
+        return stored_rung(store, run, same[-1])
+    rung = same[-1] if same else None
     seed_list = [controller.config.seed + SEED_OFFSET + k for k in range(seeds)]
     run_seconds = median_run_seconds(store, run["id"])
     if rung is None:
@@ -257,6 +262,7 @@ def ladder(controller: TrialHost, spec: RungSpec | str, *, seeds: int = DEFAULT_
                 if a.trial["id"] in failed or seed in runs_of(store, a.trial, (ROLE,)):
                     continue
                 m = controller.measure_commit(a.sha, seed, owner=a.trial, role=ROLE)
+                fault_point("between_measurements")  # a run recorded, the rung asks for another
                 if _get(m, "status") == "aborted" or controller.abort_requested:
                     interrupted = True
                     break
@@ -443,6 +449,24 @@ def ladder_run(repo: Path, run: dict, spec: str, *, db: str | None = None, seeds
     finally:
         for sig, handler in previous_handlers.items():
             signal.signal(sig, handler)
+
+
+def stored_rung(store, run: dict, row: dict) -> Rung:
+    """A rung as the db holds it (its figures once done)."""
+    best = store.trial_by_id(row["best_trial_id"]) if row.get("best_trial_id") else None
+    result = row.get("result") or {}
+    return Rung(run=run["tag"], spec=row["spec"], rung_id=row["id"], seeds=list(row.get("seeds") or []),
+                best_trial=best["number"] if best else 0, status=row["status"], plan=row.get("plan") or {},
+                headline=result.get("headline"), rows=[TagRow(**r) for r in result.get("rows") or []])
+
+
+def latest_rungs(store, run: dict) -> list[Rung]:
+    """The run's latest finished rung of each spec, in the order they were first measured."""
+    latest: dict[str, dict] = {}
+    for row in store.rungs(run["id"]):
+        if row["status"] == "done":
+            latest[row["spec"]] = row
+    return [stored_rung(store, run, row) for row in latest.values()]
 
 
 def latest_tags(store, run_id: int) -> dict[int, dict]:

@@ -200,3 +200,65 @@ def test_the_ladder_tags_the_change_that_holds_and_the_one_that_reverses(known_r
     assert {r.trial: r.tag for r in again.rows} == {2: "holds", 3: "reverses"} and again.rung_id == rung.rung_id
     with Store(repo / "experiments.db") as store:
         assert len(store.trials(store.get_run("k")["id"], kind="ladder")) == 4 and len(store.rungs(run["id"])) == 1
+
+
+# ---------------------------------------------------------------------------- `autoloop run --ladder`, killed and resumed
+
+
+def autoloop(repo: Path, *args: str, fault: str | None = None) -> subprocess.CompletedProcess:
+    import os
+
+    env = {**os.environ, "AUTOLOOP_DECISION_RULE": "strict", "AUTOLOOP_BASELINE_SEEDS": "1",
+           "AUTOLOOP_DRIFT_EVERY": "0"}
+    env.pop("AUTOLOOP_FAULT", None)
+    if fault:
+        env["AUTOLOOP_FAULT"] = fault
+    return subprocess.run(["autoloop", *args], cwd=repo, env=env, capture_output=True, text=True, timeout=300)
+
+
+NIGHT = ("run", "--tag", "t", "--max-steps", "2", "--grace-seconds", "30", "--no-verify", "--no-sandbox", "--no-check",
+         "--proposers", "ideas", "--reserve-seeds", "0", "--ladder", "WIDTH=4", "--ladder-seeds", "3")
+
+
+@pytest.mark.slow  # about 40 s: three `autoloop` processes, 3 trials and 12 ladder runs
+def test_run_with_a_ladder_killed_mid_rung_resumes_it_and_shows_the_tags_everywhere(tmp_path):
+    from autoloop.store import Store
+
+    repo = make_repo(tmp_path / "repo", KNOWN)
+    with Store(repo / "experiments.db") as store:
+        for text, sets in IDEAS:
+            store.add_idea(text, sets=sets, source="human")
+    # The controller dies (SIGKILL) at the fifth point where a run is recorded and another
+    # follows: inside the ladder, the night's own few such points come first.
+    killed = autoloop(repo, *NIGHT, "--max-trials", "3", fault="between_measurements:5")
+    assert killed.returncode == -9, killed.stdout + killed.stderr
+    assert "the ladder at WIDTH=4: 12 runs x" in killed.stdout
+    with Store(repo / "experiments.db") as store:
+        run = store.get_run("t")
+        assert [r["status"] for r in store.rungs(run["id"])] == ["running"]
+        ladder_trials = store.trials(run["id"], kind="ladder")
+        assert 0 < sum(len(store.measurements(t["id"])) for t in ladder_trials) < 12
+
+    # The next `autoloop run` recovers, finds the unfinished rung and goes on where it stopped.
+    done = autoloop(repo, *NIGHT, "--max-trials", "0")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "resuming its unfinished rung" in done.stdout
+    with Store(repo / "experiments.db") as store:
+        run = store.get_run("t")
+        assert [r["status"] for r in store.rungs(run["id"])] == ["done"]
+        ladder_trials = store.trials(run["id"], kind="ladder")
+        assert len(ladder_trials) == 4 and {t["status"] for t in ladder_trials} == {"discard"}
+        ok = [(m["trial_id"], m["seed"]) for t in ladder_trials for m in store.measurements(t["id"])
+              if m["status"] == "ok"]
+        assert len(ok) == 12 == len(set(ok))  # every commit at every seed once: none measured twice
+
+    log = autoloop(repo, "log", "--tag", "t").stdout
+    holds = next(line for line in log.splitlines() if "⤒ at WIDTH=4: holds" in line)
+    reverses = next(line for line in log.splitlines() if "⤒ at WIDTH=4: reverses" in line)
+    assert float(holds.split("effect ")[1].split()[0]) == pytest.approx(-0.05, abs=0.006)
+    assert float(reverses.split("effect ")[1].split()[0]) == pytest.approx(0.04, abs=0.006)
+    shown = autoloop(repo, "show", "3", "--tag", "t", "--no-diff").stdout
+    assert "scale ladder" in shown and "at WIDTH=4: reverses" in shown and "at the night's scale" in shown
+    best = autoloop(repo, "best", "--tag", "t", "--no-remeasure").stdout
+    assert "at WIDTH=4: " in best and "best minus baseline (3 paired runs" in best
+    assert "holds     trial 2" in best and "reverses  trial 3" in best

@@ -166,6 +166,7 @@ def log_rows(store, run: dict, *, last: int | None = None, status=None, kind=Non
     rows = select(store, sql + " ORDER BY number", params, table="trials")
     fields = LOG_FIELDS + LOG_UNCERTAINTY + (LOG_JSON_EXTRA if extra else ())
     seconds = trial_seconds(store, run)
+    scale = scale_tags(store, run)
     out = []
     for t in rows:
         row = {k: t.get(k) for k in fields if k in t}
@@ -175,6 +176,8 @@ def log_rows(store, run: dict, *, last: int | None = None, status=None, kind=Non
         row["distinguishable"] = effect.distinguishable
         row["near_miss"] = effect.near_miss if effect.noise_aware else None
         out.append({k: row[k] for k in fields})
+        if t.get("number") in scale and t.get("status") == Status.KEEP.value:  # the ladder's tags (--ladder)
+            out[-1]["scale"] = [{k: x[k] for k in ("spec", "tag", "effect", "low", "high")} for x in scale[t["number"]]]
     return out
 
 
@@ -244,6 +247,7 @@ def trial_detail(store, run: dict, number: int, repo: Path | None = None, *, log
     detail["keep_margin"] = (run.get("config") or {}).get("keep_margin")
     detail["measurements"] = trial_measurements(store, trial)
     detail["ablations"] = ablations_of(store, run, trial)
+    detail["scale"] = scale_tags(store, run).get(trial["number"]) if trial["status"] == Status.KEEP.value else None
     detail["events"] = select(store, "SELECT kind, message, created_at FROM events WHERE trial_id = ? ORDER BY id",
                               (trial["id"],))
     detail["curve_points"] = select(store, "SELECT COUNT(*) AS n FROM curves WHERE trial_id = ?", (trial["id"],))[0]["n"]
@@ -433,6 +437,7 @@ def best_summary(store, run: dict) -> dict:
         "change": info["change"], "delta": info["change"]["delta"] if info["change"] else None,
         "relative": info["change"]["relative"] if info["change"] else None, "relative_gain": info["relative_gain"],
         "kept": info["kept"], "trials": info["trials"], "checkpoint_path": best.get("checkpoint_path"),
+        "ladder": ladder_summary(store, run),
     }
 
 
@@ -654,3 +659,39 @@ def noise_info(store, run: dict) -> dict:
             "noise_events": events["noise"]}
 
 
+
+
+# ---------------------------------------------------------------------------- the scale ladder
+
+
+def ladder_summary(store, run: dict) -> list[dict]:
+    """The run's latest finished rung of each spec (autoloop.review.ladder), oldest first:
+    {spec, seeds, plan, headline, tags: [{trial, description, tag, effect, low, high, n,
+    level, small_effect, ladder_trial}]}; [] without a ladder."""
+    latest: dict[str, dict] = {}
+    for row in store.rungs(run["id"]):
+        if row["status"] == "done":
+            latest[row["spec"]] = row
+    numbers = {t["id"]: t for t in select(store, "SELECT id, number, description FROM trials WHERE run_id = ?",
+                                          (run["id"],))}
+    out = []
+    for row in latest.values():
+        tags = []
+        for t in store.ladder_tags(row["id"]):
+            kept = numbers.get(t["kept_trial_id"]) or {}
+            tags.append({"trial": kept.get("number"), "description": kept.get("description"), "tag": t["tag"],
+                         "effect": t["effect"], "low": t["low"], "high": t["high"], "n": t["n"], "level": t["level"],
+                         "small_effect": t["small_effect"],
+                         "ladder_trial": (numbers.get(t["ladder_trial_id"]) or {}).get("number")})
+        out.append({"spec": row["spec"], "seeds": row.get("seeds"), "plan": row.get("plan"),
+                    "headline": (row.get("result") or {}).get("headline"), "tags": tags})
+    return out
+
+
+def scale_tags(store, run: dict) -> dict[int, list[dict]]:
+    """{kept trial number: [its tag row at each rung, with the rung's spec]}."""
+    out: dict[int, list[dict]] = {}
+    for rung in ladder_summary(store, run):
+        for t in rung["tags"]:
+            out.setdefault(t["trial"], []).append({**t, "spec": rung["spec"]})
+    return out

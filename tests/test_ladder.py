@@ -195,6 +195,32 @@ def test_the_ladder_tags_the_change_that_holds_and_the_one_that_reverses(known_r
     assert git(repo, "rev-parse", "HEAD").strip() == best_commit and git(repo, "status", "--porcelain") == ""
     assert "WIDTH = 1" in (repo / "train.py").read_text()
 
+    # finalize --holds-at-scale: a branch with only the change that held (the schedule).
+    result = json.loads(cli(repo, "finalize", "--tag", "k", "--holds-at-scale", "--json"))
+    assert result["trials"] == [2] and result["dropped"] == [3]
+    final = git(repo, "show", "final/k:train.py")
+    assert "SCHEDULE = 1" in final and "LR = 0.01" in final and "WIDTH = 1" in final
+    message = git(repo, "log", "-1", "--format=%B", "final/k")
+    assert "did not hold at a larger scale" in message and "at WIDTH=4 budget=2x: reverses" in message
+
+    # The report: a table per rung and its chart (small-scale effect against the large one).
+    page = Path(cli(repo, "report", "--tag", "k", "--no-remeasure", "--out", str(repo / "r")).split()[1]).read_text()
+    table = page.split('<table class="ladder" id="ladder">')[1].split("</table>")[0]
+    assert '<tr data-trial="2" class="holds">' in table and '<tr data-trial="3" class="reverses">' in table
+    chart = page.split('<div class="ladder-chart">')[1].split("</svg>")[0]
+    assert 'class="holds" data-trial="2"' in chart and 'class="reverses" data-trial="3"' in chart
+    # The live page's summary: a card per rung.
+    from autoloop.serve.queries import summary
+    from autoloop.serve.readonly import ReadOnlyStore
+
+    reader = ReadOnlyStore(repo / "experiments.db")
+    try:
+        card = summary(reader, reader.get_run("k"))["ladder"]
+    finally:
+        reader.close()
+    assert [c["spec"] for c in card] == ["WIDTH=4 budget=2x"] and card[0]["tags"] == "trial 2 holds · trial 3 reverses"
+    assert "best minus baseline (3 paired runs)" in card[0]["headline"]
+
     # A second call trains nothing: the rung is done for this best commit, its figures stand.
     again = ladder_known(repo, "WIDTH=4 budget=2x", seeds=3)
     assert {r.trial: r.tag for r in again.rows} == {2: "holds", 3: "reverses"} and again.rung_id == rung.rung_id

@@ -163,6 +163,7 @@ def finalize(
     checkout: Annotated[bool, typer.Option("--checkout", help="Check the new branch out afterwards (refused while the run is going or the worktree has uncommitted changes).")] = False,
     drop_null: Annotated[bool, typer.Option("--drop-null", help="Leave out the kept changes that the latest `autoloop ablate` found no benefit from (effect indistinguishable from zero, or harmful).")] = False,
     confirmed_only: Annotated[bool, typer.Option("--confirmed-only", help="Leave out the kept changes that were only adopted (the paired mean was lower, the sequential test did not confirm them): the branch holds confirmed gains only.")] = False,
+    holds_at_scale: Annotated[bool, typer.Option("--holds-at-scale", help="Leave out the kept changes that the latest ladder rung (`autoloop ladder`, `run --ladder`) did not tag holds: the branch holds only the changes that survive the larger scale.")] = False,
     remeasure: RemeasureOpt = True,
     as_json: JsonOpt = False,
 ):
@@ -178,13 +179,14 @@ def finalize(
         echo(note, err=True)
     with _Session(repo, db, tag) as s:
         result = make_branch(s.store, s.run, repo, branch=branch, per_trial=per_trial, force=force, checkout=checkout,
-                             drop_null=drop_null, confirmed_only=confirmed_only)
+                             drop_null=drop_null, confirmed_only=confirmed_only, holds_at_scale=holds_at_scale)
     if as_json:
         echo(_dump(result.to_dict()))
         return
     kind = f"{len(result.commits)} commits" if per_trial else "one commit"
     kept = _trials_words(result.trials, "kept trial")
-    why = "adopted, never confirmed" if confirmed_only else "no benefit in the ablation"
+    why = ("adopted, never confirmed" if confirmed_only else "did not hold at the larger scale" if holds_at_scale
+           else "no benefit in the ablation")
     if result.dropped:
         echo(f"branch {result.branch} at {result.commit[:12]}: {kind} on base {result.base_commit[:12]} with "
                    f"{kept}, leaving out {_trials_words(result.dropped, 'trial')} ({why}); its tree "

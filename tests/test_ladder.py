@@ -172,6 +172,10 @@ def test_the_ladder_tags_the_change_that_holds_and_the_one_that_reverses(known_r
     # The headline: best minus baseline at width 4 is -0.05 + 0.04 = -0.01.
     assert rung.headline["delta"] == pytest.approx(-0.01, abs=0.006) and rung.headline["n"] == 3
     assert rung.plan["runs"] == 12 and rung.plan["budget_factor"] == 2.0
+    # The slowdown: the baseline's first run at the rung against the night's median run x the budget factor.
+    assert rung.plan["slowdown"] > 0 and rung.plan["seconds"] == pytest.approx(
+        12 * rung.plan["run_seconds"] * 2.0 * rung.plan["slowdown"])
+    assert said[1].startswith("the ladder at WIDTH=4 budget=2x: 12 runs x ") and "not measured yet" not in said[1]
     assert said[0].startswith("the ladder at WIDTH=4 budget=2x: 12 runs x ")
 
     with Store(repo / "experiments.db") as store:
@@ -288,3 +292,47 @@ def test_run_with_a_ladder_killed_mid_rung_resumes_it_and_shows_the_tags_everywh
     best = autoloop(repo, "best", "--tag", "t", "--no-remeasure").stdout
     assert "at WIDTH=4: " in best and "best minus baseline (3 paired runs" in best
     assert "holds     trial 2" in best and "reverses  trial 3" in best
+
+
+def test_a_bad_spec_is_one_line_and_records_nothing(known_run):
+    from autoloop.store import Store
+
+    repo = known_run
+    for spec, message in (
+        ("MODEL_DIM=512", "error: --ladder: MODEL_DIM: train.py has no UPPER_CASE constant MODEL_DIM: its constants are "
+                          "LR, SCHEDULE, WIDTH; `autoloop search-plan` lists them with their values"),
+        ("width=4", "error: --ladder 'width=4': 'width=4' is neither NAME=VALUE (an UPPER_CASE constant of train.py) "
+                    "nor budget=Kx: write it like --ladder \"DEPTH=8 MODEL_DIM=512 budget=4x\""),
+    ):
+        for args in (["ladder", spec, "--tag", "k"], ["run", "--tag", "k", "--ladder", spec]):
+            result = runner.invoke(app, [*args, "--repo", str(repo)])
+            assert result.exit_code == 1 and result.output.strip() == message, result.output
+    with Store(repo / "experiments.db") as store:
+        run = store.get_run("k")
+        assert store.rungs(run["id"]) == [] and store.trials(run["id"], kind="ladder") == []
+        assert len(store.trials(run["id"])) == 3  # the night did not go on either
+
+
+def test_the_ladder_is_planned_into_hours(known_run):
+    """runs x the night's median run x the budget factor x the slowdown an earlier rung measured."""
+    import dataclasses
+    import sqlite3
+    from types import SimpleNamespace
+
+    from autoloop.config import resolve
+    from autoloop.loop.reserve import ladder_seconds_needed
+    from autoloop.store import Store
+
+    repo = known_run
+    conn = sqlite3.connect(repo / "experiments.db")
+    conn.execute("UPDATE measurements SET wall_seconds = 10")  # every run of the night took 10 s
+    conn.commit()
+    conn.close()
+    config = dataclasses.replace(resolve(repo, {"tag": "k"}), ladder="WIDTH=4 budget=2x", ladder_seeds=3)
+    with Store(repo / "experiments.db") as store:
+        host = SimpleNamespace(config=config, store=store, run_row=store.get_run("k"))
+        assert ladder_seconds_needed(host) == pytest.approx(12 * 10 * 2.0)  # 2 kept: 3 seeds x 4 commits
+        store.add_rung(host.run_row["id"], "WIDTH=4 budget=2x", plan={"slowdown": 1.5}, status="interrupted")
+        assert ladder_seconds_needed(host) == pytest.approx(12 * 10 * 2.0 * 1.5)
+        host.config = dataclasses.replace(config, ladder=None)
+        assert ladder_seconds_needed(host) == 0.0

@@ -109,9 +109,9 @@ def run(
         allow_mixed_devices=allow_mixed_devices, notify=notify, notify_timeout=notify_timeout,
         ladder=ladder, ladder_seeds=ladder_seeds,
     )
-    from autoloop.decide.ladder import parse_spec
+    from autoloop.review.ladder import check_spec
 
-    parse_spec(config.ladder)  # a bad spec is refused before the night, not after it
+    check_spec(repo, config, config.ladder)  # a bad spec is refused before the night, not after it
     display = Display()
     # Printed with the first thing the run says: a run that fails before it starts prints its error alone.
     display.later(f"autoloop run '{config.tag}' on branch autoloop/{config.tag} ({config.db})", "bold")

@@ -95,19 +95,41 @@ class Rung:
 # ---------------------------------------------------------------------------- the commits at scale
 
 
-def scaled_files(git, commit: str, files: dict, script: str, overrides: dict[str, str]) -> dict:
-    """`files` (what differs from `commit`) with the rung's constants set in train.py."""
+def with_overrides(source: str, script: str, overrides: dict[str, str]) -> str:
+    """train.py's text with the rung's constants set, each checked as `seed --set` checks it;
+    a bad one is one line naming it and the fix."""
     from autoloop.proposers.seeding import parse_sets
     from autoloop.pyconst import parse_value, set_constants
 
+    if not overrides:
+        return source
+    try:
+        sets = parse_sets([f"{k}={v}" for k, v in overrides.items()], source, script)
+    except AutoloopError as exc:
+        raise AutoloopError(f"--ladder: {str(exc).removeprefix('--set ')}") from None
+    return set_constants(source, {k: parse_value(v) for k, v in sets.items()}, path=script)
+
+
+def check_spec(project_dir: Path | str, config, spec: str | None) -> None:
+    """Refuse a --ladder whose constants train.py lacks (or cannot take) before the night
+    starts, not after it."""
+    parsed = parse_spec(spec)
+    if parsed is None or not parsed.overrides:
+        return
+    script = next((a for a in config.train_argv()[1:] if a.endswith(".py")), None)
+    path = Path(project_dir) / script if script else None
+    if path is None or not path.is_file():
+        return  # the run itself says what is wrong with its train command
+    with_overrides(path.read_text(), script, parsed.overrides)
+
+
+def scaled_files(git, commit: str, files: dict, script: str, overrides: dict[str, str]) -> dict:
+    """`files` (what differs from `commit`) with the rung's constants set in train.py."""
     source = files.get(script)
     source = source.decode() if isinstance(source, bytes) else source
     if source is None:
         source = git.show_file(commit, script)
-    if overrides:
-        sets = parse_sets([f"{k}={v}" for k, v in overrides.items()], source, script)
-        source = set_constants(source, {k: parse_value(v) for k, v in sets.items()}, path=script)
-    return {**files, script: source.encode()}
+    return {**files, script: with_overrides(source, script, overrides).encode()}
 
 
 def _script(controller: TrialHost) -> str:
@@ -226,6 +248,7 @@ def ladder(controller: TrialHost, spec: RungSpec | str, *, seeds: int = DEFAULT_
     if not kept:
         raise AutoloopError(f"run '{run['tag']}' kept no change over its baseline: there is nothing to ladder")
     measured = [a for a in arms if a.reason is None]
+    with_overrides(controller.repo.show_file(best_commit, script), script, spec.overrides)  # refused before any record
 
     same = [r for r in store.rungs(run["id"]) if r["spec"] == spec.text and r["best_commit"] == best_commit
             and len(r.get("seeds") or []) == seeds]

@@ -291,8 +291,9 @@ def ladder(controller: TrialHost, spec: RungSpec | str, *, seeds: int = DEFAULT_
                     break
                 if _get(m, "status") not in (None, "ok") or _get(m, "metric") is None:
                     failed[a.trial["id"]] = f"failed at seed {seed} at the larger scale: {_get(m, 'reason')}"
-                if a.arm == "baseline" and seed == seed_list[0] and run_seconds and _get(m, "wall_seconds"):
-                    slowdown = float(_get(m, "wall_seconds")) / (run_seconds * spec.budget_factor)
+                wall = _wall(store, a.trial, _get(m, "id"))
+                if a.arm == "baseline" and seed == seed_list[0] and run_seconds and wall:
+                    slowdown = wall / (run_seconds * spec.budget_factor)
                     result.plan = _plan(spec, len(measured) - 2, seeds, run_seconds, slowdown)
                     store.update_rung(rung["id"], plan=result.plan)
                     say(describe_plan(result.plan))
@@ -309,6 +310,12 @@ def ladder(controller: TrialHost, spec: RungSpec | str, *, seeds: int = DEFAULT_
     _figures(controller, rung, spec, arms, seed_list, result)
     say(describe_rung(result))
     return result
+
+
+def _wall(store, trial: dict, measurement_id: int | None) -> float | None:
+    """The wall seconds of one recorded run (the row the measurer wrote)."""
+    row = next((m for m in store.measurements(trial["id"]) if m["id"] == measurement_id), None)
+    return float(row["wall_seconds"]) if row and row.get("wall_seconds") else None
 
 
 def _get(measurement, name: str):

@@ -213,6 +213,16 @@ def test_the_ladder_tags_the_change_that_holds_and_the_one_that_reverses(known_r
     assert '<tr data-trial="2" class="holds">' in table and '<tr data-trial="3" class="reverses">' in table
     chart = page.split('<div class="ladder-chart">')[1].split("</svg>")[0]
     assert 'class="holds" data-trial="2"' in chart and 'class="reverses" data-trial="3"' in chart
+    # The ladder's trials are of another scale: not points of the progress chart, not discarded ideas.
+    from autoloop.review.queries import discarded_trials, progress_points
+
+    with Store(repo / "experiments.db") as store:
+        assert [p["number"] for p in progress_points(store, store.get_run("k"))] == [1, 2, 3]
+        assert discarded_trials(store, store.get_run("k"), 10) == ([], 0)
+        from autoloop.review.queries import headline
+
+        counts = headline(store, store.get_run("k"))
+        assert (counts["discarded"], counts["ladder"], counts["kept"]) == (0, 4, 2)
     # The live page's summary: a card per rung.
     from autoloop.serve.queries import summary
     from autoloop.serve.readonly import ReadOnlyStore
@@ -311,6 +321,10 @@ def test_a_bad_spec_is_one_line_and_records_nothing(known_run):
         run = store.get_run("k")
         assert store.rungs(run["id"]) == [] and store.trials(run["id"], kind="ladder") == []
         assert len(store.trials(run["id"])) == 3  # the night did not go on either
+    result = runner.invoke(app, ["finalize", "--tag", "k", "--holds-at-scale", "--repo", str(repo)])
+    assert result.exit_code == 1 and result.output.strip() == (
+        "error: run 'k' has no finished ladder rung, so nothing is known to hold at scale: run `autoloop ladder SPEC "
+        "--tag k` first, or finalize without --holds-at-scale")
 
 
 def test_the_ladder_is_planned_into_hours(known_run):

@@ -368,7 +368,7 @@ def best_trial(store, run: dict) -> dict | None:
 def headline(store, run: dict) -> dict:
     """The run's numbers (see the module docstring for the definitions)."""
     counts = {s.value: 0 for s in Status}
-    kept = decided = discarded = remeasured = ablations = 0
+    kept = decided = discarded = remeasured = ablations = ladder = 0
     total = 0
     for row in select(store, "SELECT status, kind, COUNT(*) AS n FROM trials WHERE run_id = ? GROUP BY status, kind",
                       (run["id"],)):
@@ -380,6 +380,8 @@ def headline(store, run: dict) -> dict:
             decided += row["n"]
         if row["kind"] == Kind.ABLATION.value:
             ablations += row["n"]
+        elif row["kind"] == Kind.LADDER.value:  # a commit measured at a larger scale: no idea was discarded
+            ladder += row["n"]
         elif row["kind"] in (Kind.DRIFT.value, Kind.RERUN.value) and row["status"] in (Status.KEEP.value, Status.DISCARD.value):
             remeasured += row["n"]
         elif row["status"] == Status.DISCARD.value:
@@ -399,7 +401,7 @@ def headline(store, run: dict) -> dict:
     return {
         "run": run["tag"], "run_status": run["status"], "trials": total, "kept": kept, "confirmed": confirmed,
         "stopped_early": stopped, "reserve": reserve, "change": change,
-        "discarded": discarded, "remeasured": remeasured, "ablations": ablations,
+        "discarded": discarded, "remeasured": remeasured, "ablations": ablations, "ladder": ladder,
         "crashed": counts[Status.CRASH.value] + counts[Status.TIMEOUT.value],
         "timeouts": counts[Status.TIMEOUT.value], "invalid": counts[Status.INVALID.value],
         "interrupted": counts[Status.INTERRUPTED.value], "running": counts[Status.RUNNING.value],
@@ -453,16 +455,17 @@ def progress_points(store, run: dict) -> list[dict]:
     """(number, kind, status, metric, metric_sd, n_runs, description, reason) of every
     trial, for the progress chart (texts cut to 200 characters: they are its tooltips)."""
     return select(store, "SELECT number, kind, status, metric, metric_sd, n_runs, substr(description, 1, 200) AS "
-                         "description, substr(reason, 1, 200) AS reason FROM trials WHERE run_id = ? ORDER BY number",
-                  (run["id"],))
+                         "description, substr(reason, 1, 200) AS reason FROM trials WHERE run_id = ? AND kind != ? "
+                         "ORDER BY number", (run["id"], Kind.LADDER.value))  # a ladder's bpb is of another scale
 
 
 def discarded_trials(store, run: dict, limit: int) -> tuple[list[dict], int]:
     """The discarded proposals and repairs (the chart's grey points), in trial order, with
     what each tried (description, edits, diff) and why it was discarded (reason, the
     decision's figures): (the first `limit`, how many there are)."""
-    where = ("run_id = ? AND status = ? AND kind NOT IN (?, ?, ?)",
-             (run["id"], Status.DISCARD.value, Kind.DRIFT.value, Kind.RERUN.value, Kind.ABLATION.value))
+    where = ("run_id = ? AND status = ? AND kind NOT IN (?, ?, ?, ?)",
+             (run["id"], Status.DISCARD.value, Kind.DRIFT.value, Kind.RERUN.value, Kind.ABLATION.value,
+              Kind.LADDER.value))
     total = select(store, f"SELECT COUNT(*) AS n FROM trials WHERE {where[0]}", where[1])[0]["n"]
     rows = select(store, f"SELECT number, kind, description, proposer, reason, metric, metric_sd, n_runs, delta, "
                          f"best_before, decision, edits, diff FROM trials WHERE {where[0]} ORDER BY number LIMIT ?",

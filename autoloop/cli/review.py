@@ -81,7 +81,7 @@ def log(
     last: Annotated[Optional[int], typer.Option(help="Show only the last N trials (the text view shows the last 50 by default).")] = None,
     all_: Annotated[bool, typer.Option("--all", help="Show every trial in the text view, not only the last 50.")] = False,
     status_: Annotated[Optional[str], typer.Option("--status", help="Show only trials with these statuses, comma-separated (keep, discard, crash, timeout, invalid, interrupted, running).")] = None,
-    kind: Annotated[Optional[str], typer.Option(help="Show only trials of these kinds, comma-separated (baseline, proposal, rerun, drift, ablation, repair).")] = None,
+    kind: Annotated[Optional[str], typer.Option(help="Show only trials of these kinds, comma-separated (baseline, proposal, rerun, drift, ablation, repair, ladder).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print every matching trial as JSON (no default limit), for scripts and agents.")] = False,
 ):
     """List the trials of a run: what was tried, what was kept, and why."""

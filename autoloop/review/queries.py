@@ -24,8 +24,9 @@ Definitions shared by `autoloop log`, `best`, `report` and `export`:
 * **val_bpb of several runs**: a trial measured at several seeds shows the mean of its
   runs ± its standard error and the number of runs (`autoloop.decide.effects`).
 * **discarded**: discarded proposals and repairs, the grey points of the report's chart;
-  re-measurements of the incumbent (drift checks, re-runs) and ablations are counted
-  apart (`remeasured`, `ablations`), never as discarded ideas.
+  re-measurements of the incumbent (drift checks, re-runs), ablations and the scale
+  ladder's commits are counted apart (`remeasured`, `ablations`, `ladder`), never as
+  discarded ideas.
 * **crashed**: `crash` + `timeout`. **GPU hours** (**CPU hours** on a run that trained on
   the CPU): the summed wall time of every training process (crashed ones included: they
   used the machine too), each run once (autoloop.decide.figures); a trial's **minutes** in

@@ -350,3 +350,36 @@ def test_the_ladder_is_planned_into_hours(known_run):
         assert ladder_seconds_needed(host) == pytest.approx(12 * 10 * 2.0 * 1.5)
         host.config = dataclasses.replace(config, ladder=None)
         assert ladder_seconds_needed(host) == 0.0
+
+
+def test_ladder_every_k_measures_a_rung_after_every_kth_keep_during_the_night(tmp_path):
+    from autoloop.cli import ladder_hook
+    from autoloop.config import resolve
+    from autoloop.loop.controller import Controller
+    from autoloop.store import Store
+
+    repo = make_repo(tmp_path / "repo", KNOWN)
+    config = resolve(repo, {"tag": "e", "proposers": "ideas", "max_steps": 1, "grace_seconds": 30, "seed": 1,
+                            "max_trials": 3, "decision_rule": "paired", "reserve_seeds": 0, "ladder": "WIDTH=4",
+                            "ladder_every": 1, "ladder_seeds": 2})
+    with Store(repo / config.db) as store:
+        for text, sets in IDEAS:
+            store.add_idea(text, sets=sets, source="human")
+    controller = Controller(config, repo, verifier=None)
+    controller.ladder_hook = ladder_hook(config, None)
+    controller.run()
+    with Store(repo / config.db) as store:
+        run = store.get_run("e")
+        by_number = {t["number"]: t for t in store.trials(run["id"])}
+        rungs = store.rungs(run["id"])
+        # One rung after each keep, each for the best commit of its moment.
+        assert [(r["spec"], r["status"]) for r in rungs] == [("WIDTH=4", "done")] * 2
+        first = [t for t in by_number.values() if t["kind"] == "proposal"]
+        assert [r["best_commit"] for r in rungs] == [t["trial_commit"] for t in first]
+        number_of = {t["id"]: n for n, t in by_number.items()}
+        tags = [{number_of[t["kept_trial_id"]]: t["tag"] for t in store.ladder_tags(r["id"])} for r in rungs]
+    schedule, rate = (t["number"] for t in first)
+    assert tags == [{schedule: "holds"}, {schedule: "holds", rate: "reverses"}]
+    # The night's own trials went on as without it: the baseline and the two ideas, kept.
+    assert [(t["kind"], t["status"]) for t in by_number.values() if t["kind"] != "ladder"] == \
+        [("baseline", "keep"), ("proposal", "keep"), ("proposal", "keep")]

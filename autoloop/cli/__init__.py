@@ -92,6 +92,7 @@ def run(
     notify_timeout: Annotated[Optional[float], typer.Option(help="Seconds a --notify command may take before it is killed (10 by default).")] = None,
     ladder: Annotated[Optional[str], typer.Option(help="A larger scale the kept changes are re-measured at when the night ends, e.g. 'DEPTH=8 MODEL_DIM=512', 'budget=4x' or both: each kept change is tagged holds, fades or reverses there (docs/review.md); its cost is planned into --hours.")] = None,
     ladder_seeds: Annotated[Optional[int], typer.Option(help="Fresh seeds each commit is measured at on the ladder (3 by default, 2 at least).")] = None,
+    ladder_every: Annotated[Optional[int], typer.Option(help="With --ladder: also measure the ladder after every K-th kept change, during the night (serial runs; 0 by default: at the end only).")] = None,
 ):
     """Run the research loop: baseline first, then proposals, until a stop condition."""
     from autoloop.loop.controller import Controller
@@ -107,7 +108,7 @@ def run(
         workers=workers, executor=executor or ("local" if workers and workers > 0 and executor is None else None),
         ray_address=ray_address, search_mode=search_mode, migrate_every=migrate_every,
         allow_mixed_devices=allow_mixed_devices, notify=notify, notify_timeout=notify_timeout,
-        ladder=ladder, ladder_seeds=ladder_seeds,
+        ladder=ladder, ladder_seeds=ladder_seeds, ladder_every=ladder_every,
     )
     from autoloop.review.ladder import check_spec
 
@@ -115,7 +116,10 @@ def run(
     display = Display()
     # Printed with the first thing the run says: a run that fails before it starts prints its error alone.
     display.later(f"autoloop run '{config.tag}' on branch autoloop/{config.tag} ({config.db})", "bold")
-    summary = Controller(config, repo, display=display).run()
+    controller = Controller(config, repo, display=display)
+    if config.ladder and config.ladder_every:
+        controller.ladder_hook = ladder_hook(config, display)
+    summary = controller.run()
     for text, style in end_lines(summary, config.tag):
         display.say(text, style)
     nothing = None
@@ -152,6 +156,14 @@ def ladder_at_the_end(summary) -> bool:
     measures it, and an unfinished rung goes on where it stopped)."""
     reason = summary.stop_reason or ""
     return not summary.paused and "autoloop stop" not in reason and "Ctrl-C" not in reason
+
+
+def ladder_hook(config, display):
+    """`--ladder-every K`: the rung the loop measures after every K-th keep, on its own controller."""
+    from autoloop.review.ladder import ladder
+
+    return lambda controller: ladder(controller, config.ladder, seeds=config.ladder_seeds,
+                                     say=display.say if display else None)
 
 
 def _ladder_after_run(repo: Path, config, display) -> None:

@@ -360,7 +360,7 @@ def test_a_database_from_before_the_ladder_keeps_its_trials_and_takes_ladder_tri
     monkeypatch.undo()
 
     with Store(db_path) as store:
-        assert store.applied_migrations()[-1] == "0007_ladder"
+        assert "0007_ladder" in store.applied_migrations()
         assert [(t["number"], t["kind"], t["derived_from"]) for t in store.trials(1)] == [
             (1, "baseline", None), (2, "proposal", 1)]
         assert store.measurements(2)[0]["metric"] == 2.5

@@ -76,6 +76,13 @@ class Config:
     # used (at the end of a night, on `finalize`, `best` and `report`); 0: report the
     # selection mean, marked as such. A short night re-measures at fewer (4% of its runs, >= 2).
     reserve_seeds: int = 4
+    # The scale ladder (docs/review.md): at the end of a night that ended by its limit, the
+    # best, the baseline and the best with each kept change left out are measured at this
+    # larger scale ("DEPTH=8 MODEL_DIM=512", "budget=4x", or both), each kept change tagged
+    # holds, fades or reverses; its cost is planned into --hours. None: no ladder.
+    ladder: str | None = None
+    ladder_seeds: int = 3  # fresh seeds every commit is measured at on the ladder (2 at least)
+    ladder_every: int = 0  # also measure the ladder after every K-th kept change (serial runs); 0: at the end only
     early_stop: bool = True  # stop a clear loser's run early, on a rule calibrated on the night's own curves
     drift_every: int = 10  # re-measure the incumbent every N trials (0: never)
     drift_event_sigmas: float = 3.0  # a shift beyond this many paired-noise sds is an event
@@ -181,6 +188,8 @@ _RANGES: dict[str, tuple[float, bool, float | None, str, str]] = {
     "baseline_seeds": (1, True, None, "seeds the baseline runs at", "3"),
     "max_runs": (1, True, None, "runs of one candidate at most", "5"),
     "reserve_seeds": (0, True, None, "fresh seeds the best is re-measured at; 0 turns the reserve off", "4"),
+    "ladder_seeds": (2, True, None, "fresh seeds each commit is measured at on the ladder", "3"),
+    "ladder_every": (0, True, None, "kept changes between ladder rungs; 0 means at the end only", "5"),
     "alpha": (0, False, 0.5, "the chance of a false keep", "0.05"),
     "futility": (-10, True, 10, "the t statistic that stops a candidate early", "-0.5"),
     "drift_every": (0, True, None, "trials between drift checks; 0 means never", "10"),

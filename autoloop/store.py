@@ -51,6 +51,7 @@ from __future__ import annotations
 import enum
 import json
 import math
+import re
 import sqlite3
 import threading
 from collections.abc import Callable, Iterable, Iterator
@@ -114,6 +115,7 @@ class Kind(str, enum.Enum):
     DRIFT = "drift"
     ABLATION = "ablation"
     REPAIR = "repair"
+    LADDER = "ladder"  # a commit measured at a larger scale (autoloop.review.ladder); never a decision's run
 
 
 class MetricSource(str, enum.Enum):
@@ -155,6 +157,7 @@ JSON_COLUMNS: dict[str, frozenset[str]] = {
     "trials": frozenset({"edits", "result", "flags", "decision", "budget"}),
     "ideas": frozenset({"sets"}),
     "measurements": frozenset({"budget", "curve"}),
+    "ladder_rungs": frozenset({"overrides", "seeds", "plan", "result"}),
     "processes": frozenset({"info"}),
 }
 
@@ -487,6 +490,71 @@ def _m0006_cancelled_ideas(conn: sqlite3.Connection) -> None:
     conn.execute("CREATE INDEX ideas_pending ON ideas(status, priority)")
 
 
+LADDER_TAGS = ("holds", "fades", "reverses")  # a kept change at a larger scale (autoloop.decide.ladder)
+
+
+def _m0007_ladder(conn: sqlite3.Connection) -> None:
+    """The scale ladder (autoloop.review.ladder): Kind gains 'ladder' (a commit measured at
+    a larger scale: its runs have role 'ladder', never in the noise nor in a decision), so
+    the trials table is rebuilt with the new CHECK constraint, same rows and ids, its
+    indexes made again. `ladder_rungs` holds one rung: its spec (constant overrides and
+    budget factor), its seeds, the cost planned before it started, its status ('running'
+    until its last figure, so a restart finds it and goes on) and its headline;
+    `ladder_tags` one kept change's effect there (with the change minus without it, paired
+    by seed) and its tag."""
+    sql = conn.execute("SELECT sql FROM sqlite_master WHERE type = 'table' AND name = 'trials'").fetchone()[0]
+    rebuilt = re.sub(r"CHECK \(kind IN \([^)]*\)\)", lambda _m: _check("kind", Kind), sql, count=1)
+    rebuilt = re.sub(r"^CREATE TABLE \"?trials\"?", "CREATE TABLE trials_rebuilt", rebuilt, count=1)
+    indexes = [row[0] for row in conn.execute(
+        "SELECT sql FROM sqlite_master WHERE type = 'index' AND tbl_name = 'trials' AND sql IS NOT NULL")]
+    columns = ", ".join(row[1] for row in conn.execute("PRAGMA table_info(trials)"))
+    conn.execute(rebuilt)
+    conn.execute(f"INSERT INTO trials_rebuilt ({columns}) SELECT {columns} FROM trials")
+    conn.execute("DROP TABLE trials")
+    conn.execute("ALTER TABLE trials_rebuilt RENAME TO trials")
+    for index in indexes:
+        conn.execute(index)
+    conn.execute(
+        """
+        CREATE TABLE ladder_rungs (
+            id INTEGER PRIMARY KEY,
+            run_id INTEGER NOT NULL REFERENCES runs(id),
+            spec TEXT NOT NULL,
+            overrides TEXT,
+            budget_factor REAL NOT NULL DEFAULT 1.0,
+            seeds TEXT,
+            best_trial_id INTEGER REFERENCES trials(id),
+            best_commit TEXT,
+            plan TEXT,
+            result TEXT,
+            status TEXT NOT NULL DEFAULT 'running' CHECK (status IN ('running', 'done', 'interrupted')),
+            reason TEXT,
+            created_at TEXT NOT NULL,
+            finished_at TEXT
+        )"""
+    )
+    tags = ", ".join(f"'{t}'" for t in LADDER_TAGS)
+    conn.execute(
+        f"""
+        CREATE TABLE ladder_tags (
+            id INTEGER PRIMARY KEY,
+            rung_id INTEGER NOT NULL REFERENCES ladder_rungs(id),
+            kept_trial_id INTEGER NOT NULL REFERENCES trials(id),
+            ladder_trial_id INTEGER REFERENCES trials(id),
+            tag TEXT NOT NULL CHECK (tag IN ({tags})),
+            small_effect REAL,
+            effect REAL NOT NULL,
+            low REAL,
+            high REAL,
+            n INTEGER NOT NULL,
+            level REAL,
+            created_at TEXT NOT NULL,
+            UNIQUE (rung_id, kept_trial_id)
+        )"""
+    )
+    conn.execute("CREATE INDEX ladder_rungs_run ON ladder_rungs(run_id, id)")
+
+
 MIGRATIONS: list[tuple[str, Callable[[sqlite3.Connection], None]]] = [
     ("0001_initial", _m0001_initial),
     ("0002_trust_and_noise", _m0002_trust_and_noise),
@@ -494,6 +562,7 @@ MIGRATIONS: list[tuple[str, Callable[[sqlite3.Connection], None]]] = [
     ("0004_tiers_and_early_stops", _m0004_tiers_and_early_stops),
     ("0005_machine_speed", _m0005_machine_speed),
     ("0006_cancelled_ideas", _m0006_cancelled_ideas),
+    ("0007_ladder", _m0007_ladder),
 ]
 
 
@@ -534,7 +603,8 @@ class Store:
             self._migrate()
             self._columns = {
                 table: [row[1] for row in self.conn.execute(f"PRAGMA table_info({table})")]
-                for table in ("runs", "trials", "ideas", "measurements", "curves", "proposals", "events", "processes")
+                for table in ("runs", "trials", "ideas", "measurements", "curves", "proposals", "events", "processes",
+                              "ladder_rungs", "ladder_tags")
             }
         except BaseException:
             self.conn.close()
@@ -1188,6 +1258,37 @@ class Store:
             sql = f"SELECT * FROM ({sql} ORDER BY id DESC LIMIT ?)"
             params.append(last)
         return self.query(sql + " ORDER BY id", params)
+
+    # -- the scale ladder (autoloop.review.ladder) --------------------------------------------
+
+    def add_rung(self, run_id: int, spec: str, **fields: Any) -> dict[str, Any]:
+        """A new rung of the ladder (status running) and its row."""
+        row_id = self._insert("ladder_rungs", {**fields, "run_id": run_id, "spec": spec, "created_at": utcnow()})
+        return self.rung(row_id)  # type: ignore[return-value]
+
+    def update_rung(self, rung_id: int, **fields: Any) -> None:
+        self._update("ladder_rungs", rung_id, fields)
+
+    def rung(self, rung_id: int) -> dict[str, Any] | None:
+        rows = self._rows("ladder_rungs", "SELECT * FROM ladder_rungs WHERE id = ?", (rung_id,))
+        return rows[0] if rows else None
+
+    def rungs(self, run_id: int) -> list[dict[str, Any]]:
+        """The run's rungs, oldest first (none in a database from before the ladder)."""
+        if not self._table_exists("ladder_rungs"):
+            return []
+        return self._rows("ladder_rungs", "SELECT * FROM ladder_rungs WHERE run_id = ? ORDER BY id", (run_id,))
+
+    def set_ladder_tag(self, rung_id: int, kept_trial_id: int, **fields: Any) -> None:
+        """One kept change's figures and tag at a rung (a re-measured rung replaces them)."""
+        with self.transaction():
+            self.conn.execute("DELETE FROM ladder_tags WHERE rung_id = ? AND kept_trial_id = ?",
+                              (rung_id, kept_trial_id))
+            self._insert("ladder_tags", {**fields, "rung_id": rung_id, "kept_trial_id": kept_trial_id,
+                                         "created_at": utcnow()})
+
+    def ladder_tags(self, rung_id: int) -> list[dict[str, Any]]:
+        return self.query("SELECT * FROM ladder_tags WHERE rung_id = ? ORDER BY kept_trial_id", (rung_id,))
 
     def integrity_check(self) -> list[str]:
         """`PRAGMA integrity_check` rows; ["ok"] for a healthy file."""

@@ -314,7 +314,7 @@ def test_a_database_from_before_cancelled_ideas_keeps_its_ideas_and_can_cancel_t
     monkeypatch.undo()
 
     with Store(db_path) as store:
-        assert store.applied_migrations()[-1] == "0006_cancelled_ideas"
+        assert "0006_cancelled_ideas" in store.applied_migrations()
         assert [(i["id"], i["text"], i["status"]) for i in store.ideas()] == [
             (1, "tried", "done"), (2, "waiting", "pending"), (3, "later", "pending")]
         assert store.trials(1)[0]["idea_id"] == 1
@@ -327,6 +327,57 @@ def test_a_database_from_before_cancelled_ideas_keeps_its_ideas_and_can_cancel_t
             store.conn.execute("DELETE FROM ideas WHERE id = 1")
         assert store.conn.execute("SELECT name FROM sqlite_master WHERE name = 'ideas_rebuilt'").fetchone() is None
         assert store.conn.execute("SELECT name FROM sqlite_master WHERE name = 'ideas_pending'").fetchone() is not None
+
+
+def test_a_database_from_before_the_ladder_keeps_its_trials_and_takes_ladder_trials(db_path: Path, monkeypatch):
+    """0007_ladder rebuilds the trials table for Kind's 'ladder': the same rows and ids, every
+    reference to them (a measurement, an idea, derived_from) kept and still enforced, the
+    indexes made again; the rung and tag tables are there."""
+    import enum
+    import sqlite3
+
+    from autoloop import store as store_mod
+
+    class OldKind(str, enum.Enum):  # the vocabulary the first six migrations knew
+        BASELINE, PROPOSAL, RERUN, DRIFT, ABLATION, REPAIR = ("baseline", "proposal", "rerun", "drift", "ablation",
+                                                              "repair")
+
+    monkeypatch.setattr(store_mod, "Kind", OldKind)
+    conn = sqlite3.connect(db_path)
+    conn.execute("CREATE TABLE _migrations (name TEXT PRIMARY KEY, applied_at TEXT NOT NULL)")
+    for name, migrate in store_mod.MIGRATIONS[:6]:
+        migrate(conn)
+        conn.execute("INSERT INTO _migrations VALUES (?, 'then')", (name,))
+    conn.execute("INSERT INTO runs (tag, status, created_at, updated_at) VALUES ('old', 'finished', 'x', 'x')")
+    conn.execute("INSERT INTO trials (run_id, number, kind, status, created_at) VALUES (1, 1, 'baseline', 'keep', 'x')")
+    conn.execute("INSERT INTO trials (run_id, number, kind, status, derived_from, created_at) "
+                 "VALUES (1, 2, 'proposal', 'keep', 1, 'x')")
+    conn.execute("INSERT INTO measurements (trial_id, seed, metric, created_at) VALUES (2, 1, 2.5, 'x')")
+    conn.commit()
+    with pytest.raises(sqlite3.IntegrityError):  # the old table refuses the new kind
+        conn.execute("INSERT INTO trials (run_id, number, kind, status, created_at) VALUES (1, 3, 'ladder', 'keep', 'x')")
+    conn.close()
+    monkeypatch.undo()
+
+    with Store(db_path) as store:
+        assert "0007_ladder" in store.applied_migrations()
+        assert [(t["number"], t["kind"], t["derived_from"]) for t in store.trials(1)] == [
+            (1, "baseline", None), (2, "proposal", 1)]
+        assert store.measurements(2)[0]["metric"] == 2.5
+        ladder = store.new_trial(1, "ladder", derived_from=2)
+        assert ladder["kind"] == "ladder" and ladder["number"] == 3
+        rung = store.add_rung(1, "DEPTH=8", overrides={"DEPTH": "8"}, seeds=[5, 6], plan={"runs": 6})
+        assert rung["status"] == "running" and rung["overrides"] == {"DEPTH": "8"} and rung["seeds"] == [5, 6]
+        store.set_ladder_tag(rung["id"], 2, ladder_trial_id=ladder["id"], tag="holds", effect=-0.05, n=2)
+        store.set_ladder_tag(rung["id"], 2, ladder_trial_id=ladder["id"], tag="fades", effect=-0.01, n=2)
+        assert [(t["tag"], t["effect"]) for t in store.ladder_tags(rung["id"])] == [("fades", -0.01)]
+        with pytest.raises(sqlite3.IntegrityError):
+            store.set_ladder_tag(rung["id"], 2, tag="better", effect=0.0, n=1)
+        assert store.conn.execute("PRAGMA foreign_key_check").fetchall() == []
+        with pytest.raises(sqlite3.IntegrityError):  # still enforced on the rebuilt table
+            store.conn.execute("DELETE FROM trials WHERE id = 2")
+        assert store.conn.execute("SELECT name FROM sqlite_master WHERE name = 'trials_rebuilt'").fetchone() is None
+        assert store.conn.execute("SELECT name FROM sqlite_master WHERE name = 'trials_run_status'").fetchone()
 
 
 def test_only_a_pending_idea_can_be_cancelled(store: Store, run: dict):

@@ -91,6 +91,9 @@ def run(
     notify: Annotated[Optional[str], typer.Option(help="A shell command run on events (a keep, a confirmed gain, a pause, a lost worker, the end of the run), the event as JSON on stdin; killed after --notify-timeout seconds, and never slows the run (docs/serve.md).")] = None,
     notify_timeout: Annotated[Optional[float], typer.Option(help="Seconds a --notify command may take before it is killed (10 by default).")] = None,
     memory_db: Annotated[Optional[str], typer.Option(help="Another experiments.db of this project (another clone's or machine's) whose runs the proposers remember, beside every earlier tag of this db: what was tried, kept and discarded; an edit discarded there on the same parent is not proposed again unless seeded.")] = None,
+    ladder: Annotated[Optional[str], typer.Option(help="A larger scale the kept changes are re-measured at when the night ends, e.g. 'DEPTH=8 MODEL_DIM=512', 'budget=4x' or both: each kept change is tagged holds, fades or reverses there (docs/review.md); its cost is planned into --hours.")] = None,
+    ladder_seeds: Annotated[Optional[int], typer.Option(help="Fresh seeds each commit is measured at on the ladder (3 by default, 2 at least).")] = None,
+    ladder_every: Annotated[Optional[int], typer.Option(help="With --ladder: also measure the ladder after every K-th kept change, during the night (serial runs; 0 by default: at the end only).")] = None,
 ):
     """Run the research loop: baseline first, then proposals, until a stop condition."""
     from autoloop.loop.controller import Controller
@@ -106,20 +109,29 @@ def run(
         workers=workers, executor=executor or ("local" if workers and workers > 0 and executor is None else None),
         ray_address=ray_address, search_mode=search_mode, migrate_every=migrate_every,
         allow_mixed_devices=allow_mixed_devices, notify=notify, notify_timeout=notify_timeout, memory_db=memory_db,
+        ladder=ladder, ladder_seeds=ladder_seeds, ladder_every=ladder_every,
     )
     from autoloop.proposers.memory import memory_db_path
+    from autoloop.review.ladder import check_spec
 
     memory_db_path(config, repo)  # a --memory-db that is no file: refused before the night starts
+    check_spec(repo, config, config.ladder)  # a bad spec is refused before the night, not after it
     display = Display()
     # Printed with the first thing the run says: a run that fails before it starts prints its error alone.
     display.later(f"autoloop run '{config.tag}' on branch autoloop/{config.tag} ({config.db})", "bold")
-    summary = Controller(config, repo, display=display).run()
+    controller = Controller(config, repo, display=display)
+    if config.ladder and config.ladder_every:
+        controller.ladder_hook = ladder_hook(config, display)
+    summary = controller.run()
     for text, style in end_lines(summary, config.tag):
         display.say(text, style)
+    nothing = None
     if summary.trials_run and not summary.paused:
         nothing = _nothing_kept_after_run(repo, config.db, config.tag)
         if nothing:  # the README's next steps (ablate, finalize) would only say this again
             display.say(nothing, "yellow")
+    if config.ladder and ladder_at_the_end(summary) and not (nothing or _nothing_kept_after_run(repo, config.db, config.tag)):
+        _ladder_after_run(repo, config, display)
     if summary.paused:
         raise typer.Exit(3)
 
@@ -139,6 +151,34 @@ def end_lines(summary, tag: str) -> list[tuple[str, str | None]]:
     if pair is not None:
         lines.append((f"{pair_text(pair)}; best at {(summary.best_commit or '')[:12]} (branch autoloop/{tag})", "green"))
     return lines
+
+
+def ladder_at_the_end(summary) -> bool:
+    """The ladder runs after a night that ended by its limit, as the reserve does (not
+    after Ctrl-C, `autoloop stop` or a pause: the next `autoloop run` or `autoloop ladder`
+    measures it, and an unfinished rung goes on where it stopped)."""
+    reason = summary.stop_reason or ""
+    return not summary.paused and "autoloop stop" not in reason and "Ctrl-C" not in reason
+
+
+def ladder_hook(config, display):
+    """`--ladder-every K`: the rung the loop measures after every K-th keep, on its own controller."""
+    from autoloop.review.ladder import ladder
+
+    return lambda controller: ladder(controller, config.ladder, seeds=config.ladder_seeds,
+                                     say=display.say if display else None)
+
+
+def _ladder_after_run(repo: Path, config, display) -> None:
+    from autoloop.review.ladder import ladder_run
+
+    store = open_store(repo, config.db)
+    try:
+        run_row = store.get_run(config.tag)
+    finally:
+        store.close()
+    ladder_run(repo, run_row, config.ladder, db=config.db, seeds=config.ladder_seeds, display=display,
+               say=display.say)
 
 
 def _nothing_kept_after_run(repo: Path, db: str, tag: str) -> str | None:
@@ -306,6 +346,7 @@ def _register_commands() -> None:
     app.command("best")(handles_errors(cli_review.best))
     app.command("finalize")(handles_errors(cli_review.finalize))
     app.command("ablate")(handles_errors(cli_review.ablate))
+    app.command("ladder")(handles_errors(cli_review.ladder))
     app.command("report")(handles_errors(cli_review.report))
     app.command("export")(handles_errors(cli_review.export))
     app.command("prepare")(handles_errors(prepare))

@@ -81,7 +81,7 @@ def log(
     last: Annotated[Optional[int], typer.Option(help="Show only the last N trials (the text view shows the last 50 by default).")] = None,
     all_: Annotated[bool, typer.Option("--all", help="Show every trial in the text view, not only the last 50.")] = False,
     status_: Annotated[Optional[str], typer.Option("--status", help="Show only trials with these statuses, comma-separated (keep, discard, crash, timeout, invalid, interrupted, running).")] = None,
-    kind: Annotated[Optional[str], typer.Option(help="Show only trials of these kinds, comma-separated (baseline, proposal, rerun, drift, ablation, repair).")] = None,
+    kind: Annotated[Optional[str], typer.Option(help="Show only trials of these kinds, comma-separated (baseline, proposal, rerun, drift, ablation, repair, ladder).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print every matching trial as JSON (no default limit), for scripts and agents.")] = False,
 ):
     """List the trials of a run: what was tried, what was kept, and why."""
@@ -163,6 +163,7 @@ def finalize(
     checkout: Annotated[bool, typer.Option("--checkout", help="Check the new branch out afterwards (refused while the run is going or the worktree has uncommitted changes).")] = False,
     drop_null: Annotated[bool, typer.Option("--drop-null", help="Leave out the kept changes that the latest `autoloop ablate` found no benefit from (effect indistinguishable from zero, or harmful).")] = False,
     confirmed_only: Annotated[bool, typer.Option("--confirmed-only", help="Leave out the kept changes that were only adopted (the paired mean was lower, the sequential test did not confirm them): the branch holds confirmed gains only.")] = False,
+    holds_at_scale: Annotated[bool, typer.Option("--holds-at-scale", help="Leave out the kept changes that the latest ladder rung (`autoloop ladder`, `run --ladder`) did not tag holds: the branch holds only the changes that survive the larger scale.")] = False,
     remeasure: RemeasureOpt = True,
     as_json: JsonOpt = False,
 ):
@@ -178,13 +179,14 @@ def finalize(
         echo(note, err=True)
     with _Session(repo, db, tag) as s:
         result = make_branch(s.store, s.run, repo, branch=branch, per_trial=per_trial, force=force, checkout=checkout,
-                             drop_null=drop_null, confirmed_only=confirmed_only)
+                             drop_null=drop_null, confirmed_only=confirmed_only, holds_at_scale=holds_at_scale)
     if as_json:
         echo(_dump(result.to_dict()))
         return
     kind = f"{len(result.commits)} commits" if per_trial else "one commit"
     kept = _trials_words(result.trials, "kept trial")
-    why = "adopted, never confirmed" if confirmed_only else "no benefit in the ablation"
+    why = ("adopted, never confirmed" if confirmed_only else "did not hold at the larger scale" if holds_at_scale
+           else "no benefit in the ablation")
     if result.dropped:
         echo(f"branch {result.branch} at {result.commit[:12]}: {kind} on base {result.base_commit[:12]} with "
                    f"{kept}, leaving out {_trials_words(result.dropped, 'trial')} ({why}); its tree "
@@ -230,6 +232,35 @@ def ablate(
     display = None if as_json else Display()
     result = ablate_run(repo, run, db=db, seeds=seeds, display=display, say=display.say if display else None)
     echo(_dump(result.to_dict()) if as_json else format_ablation(result))
+
+
+def ladder(
+    spec: Annotated[Optional[str], typer.Argument(help="The larger scale, e.g. 'DEPTH=8 MODEL_DIM=512', 'budget=4x' or both; the run's --ladder by default.")] = None,
+    repo: RepoOpt = Path("."),
+    tag: TagOpt = None,
+    db: DbOpt = None,
+    seeds: Annotated[Optional[int], typer.Option(help="Fresh seeds each commit is measured at (the run's ladder-seeds, 3 by default; 2 at least).")] = None,
+    as_json: JsonOpt = False,
+):
+    """Re-measure the kept changes at a larger scale: the best, the baseline and the best with each kept change left out, at the same fresh seeds; tag each change holds, fades or reverses (an unfinished rung goes on where it stopped)."""
+    from autoloop.review.ladder import format_rung, ladder_run
+    from autoloop.cli.display import Display
+
+    nothing = _nothing_kept(repo, db, tag, "nothing to ladder")
+    if nothing:
+        echo(_dump({"rows": [], "nothing_kept": nothing}) if as_json else nothing)
+        return
+    with _Session(repo, db, tag) as s:
+        run = s.run
+    stored = run.get("config") or {}
+    spec = spec or stored.get("ladder")
+    if not spec:
+        raise AutoloopError(f"run '{run['tag']}' has no --ladder: name the scale, e.g. "
+                            f"`autoloop ladder 'DEPTH=8 MODEL_DIM=512' --tag {run['tag']}`")
+    display = None if as_json else Display()
+    result = ladder_run(repo, run, spec, db=db, seeds=seeds or stored.get("ladder_seeds") or 3, display=display,
+                        say=display.say if display else None)
+    echo(_dump(result.to_dict()) if as_json else format_rung(result))
 
 
 def report(

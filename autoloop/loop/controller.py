@@ -99,6 +99,9 @@ class Controller:
         self._chain = chain
         self.scheduler: Scheduler | None = None  # set by run(); prepares proposals while trials train
         self.executor = None  # set by run() for the local and ray executors; None: the serial slot
+        # `run --ladder-every K`: the scale ladder (autoloop.review.ladder, above the loop) as
+        # the CLI hands it in, called with this controller after every K-th keep of a serial run.
+        self.ladder_hook = None
         self.abort_requested = False
         self.repo: GitRepo | None = None
         self.store: Store | None = None

@@ -44,6 +44,7 @@ class TrialHost(MeasureHost, Protocol):
     requeue: Requeue  # edits to re-base onto a newer best
     pauses: Pauses  # a pause a trial asked for (a full disk, a drift)
     refs_lock: threading.RLock  # held around every move of git refs and the decision that moves them
+    ladder_hook: Any  # `--ladder-every K`: called with the host after every K-th keep (serial runs); None: never
 
     @property
     def parallel(self) -> bool: ...  # trials run on the executor's workers, a thread each

@@ -74,7 +74,9 @@ def recover(c: TrialHost) -> list[int]:
                     trial_id=trial["id"])
             continue
         done = store.measurements_for(trial["id"])
-        if done and trial.get("trial_commit") and trial["kind"] != Kind.ABLATION.value:
+        # An ablation or a ladder rung is not the loop's to resume: its command (`ablate`,
+        # `ladder`, `run --ladder`) finds it and goes on.
+        if done and trial.get("trial_commit") and trial["kind"] not in (Kind.ABLATION.value, Kind.LADDER.value):
             # Its measurements are recorded: the trial goes on where it stopped (the run in
             # flight is lost and run again; none recorded is repeated).
             c.event("recovered", f"trial {trial['number']} resumes after a dead controller with "

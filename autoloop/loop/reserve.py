@@ -154,6 +154,30 @@ def seconds_needed(c: TrialHost) -> float:
     return n * (statistics.median(walls) if walls else c.config.time_budget + 30.0)
 
 
+def ladder_seconds_needed(c: TrialHost) -> float:
+    """What the end-of-night ladder (`--ladder`, autoloop.review.ladder) will cost, for
+    `--hours`: its runs (autoloop.decide.ladder) at the median wall time of the night's
+    recent runs, times the budget factor and the larger model's slowdown where an earlier
+    rung of the run measured it (1 until then)."""
+    from autoloop.decide.ladder import parse_spec, seconds_needed as ladder_seconds
+
+    spec = parse_spec(getattr(c.config, "ladder", None))
+    if spec is None:
+        return 0.0
+    run_id = c.run_row["id"]
+    kept = len([t for t in c.store.trials(run_id, status="keep")
+                if t["kind"] in (Kind.PROPOSAL.value, Kind.REPAIR.value)])
+    rows = c.store.query("SELECT m.wall_seconds FROM measurements m JOIN trials t ON t.id = m.trial_id "
+                         "WHERE t.run_id = ? AND m.status = 'ok' AND m.wall_seconds IS NOT NULL "
+                         "AND COALESCE(m.role, '') != 'ladder' ORDER BY m.id DESC LIMIT 20", (run_id,))
+    walls = [float(r["wall_seconds"]) for r in rows]
+    per_run = statistics.median(walls) if walls else c.config.time_budget + 30.0
+    slowdowns = [(r.get("plan") or {}).get("slowdown") for r in c.store.rungs(run_id) if r["spec"] == spec.text]
+    slowdown = next((s for s in reversed(slowdowns) if s), 1.0)
+    return ladder_seconds(kept, c.config.ladder_seeds, run_seconds=per_run, budget_factor=spec.budget_factor,
+                          slowdown=slowdown)
+
+
 def measure(c: TrialHost, *, slot=None) -> dict | None:
     """Measure the reserve runs the run's best lacks on `slot` (default: the serial slot);
     returns the headline (None without a best, or with the reserve off)."""

@@ -35,6 +35,7 @@ import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
+from autoloop.errors import AutoloopError
 from autoloop.loop import reserve
 from autoloop.loop.scheduler import BLOCKING, Work, WorkItem
 from autoloop.store import Kind, RunStatus, Status
@@ -173,6 +174,7 @@ class Loop:
                     summary.trials_run += 1
                     c.scheduler.observe(trial)
                     c.islands.after_trial(trial)
+                    self.ladder_after_keep(trial)
         finally:
             if error is not None or c.abort_requested:
                 c.abort_requested = True
@@ -184,6 +186,25 @@ class Loop:
             summary.paused = True
             c.store.update_run(c.run_row["id"], status=RunStatus.PAUSED, pause_reason=self.pause_reason)
             c.event("paused", self.pause_reason)
+
+    def ladder_after_keep(self, trial: dict) -> None:
+        """`--ladder-every K`: after the K-th, 2K-th, ... kept change of a serial run, the
+        ladder measures the new best at its rung (nothing else is in flight then). A rung
+        that fails is an event; the night goes on."""
+        c = self.c
+        every = getattr(c.config, "ladder_every", 0) or 0
+        if c.ladder_hook is None or every <= 0 or self.threaded or c.abort_requested \
+                or trial.get("status") != Status.KEEP.value or trial.get("kind") == Kind.BASELINE.value:
+            return
+        kept = len([t for t in c.store.trials(c.run_row["id"], status=Status.KEEP.value)
+                    if t["kind"] != Kind.BASELINE.value])
+        if kept % every:
+            return
+        try:
+            c.ladder_hook(c)
+        except AutoloopError as exc:
+            c.event("ladder", f"the ladder after trial {trial['number']} failed: {exc}")
+            c.say(f"the ladder after trial {trial['number']} failed: {exc}", "yellow")
 
     def _busy_ids(self) -> set[int]:
         """The trials in flight that the scheduler could offer to resume (only trials of an
@@ -248,7 +269,8 @@ class Loop:
             return "stopped by `autoloop stop`"
         if cfg.hours is not None:
             left = started + cfg.hours * 3600 - time.time()
-            if left < self.trial_estimate() + reserve.seconds_needed(c):  # the headline's runs come after
+            # the headline's runs and the ladder's (`--ladder`) come after
+            if left < self.trial_estimate() + reserve.seconds_needed(c) + reserve.ladder_seconds_needed(c):
                 return f"--hours {cfg.hours}: the next trial could not finish in the {max(left, 0) / 60:.1f} min left"
         return None
 

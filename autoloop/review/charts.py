@@ -382,3 +382,48 @@ def curves_svg(data: dict) -> str | None:
         body.append(_text(frame.x(v), top + plot_h + 16, f"{v:g}", size=11, anchor="middle"))
     body.append(_text(left + frame.width / 2, top + plot_h + 38, "step", size=12, anchor="middle"))
     return _svg(width, height, body, "loss curves of the baseline and the best trial")
+
+
+# ---------------------------------------------------------------------------- the scale ladder
+
+TAG_COLOURS = {"holds": "#1a9850", "fades": "#9e9e9e", "reverses": "#d73027"}
+
+
+def ladder_svg(rung: dict) -> str | None:
+    """One rung: each kept change's effect at the night's scale (x) against its effect at
+    the rung (y), its interval as a bar, coloured by its tag; the diagonal is "the same at
+    both scales", the horizontal zero line "no effect at the larger scale"."""
+    rows = [t for t in rung.get("tags") or [] if t.get("small_effect") is not None and t.get("effect") is not None]
+    if not rows:
+        return None
+    values = [0.0] + [t["small_effect"] for t in rows] + [t["effect"] for t in rows] \
+        + [v for t in rows for v in (t.get("low"), t.get("high")) if v is not None]
+    low, high = min(values), max(values)
+    pad = (high - low) * 0.1 or 0.01
+    ticks = nice_ticks(low - pad, high + pad, 6)
+    step = ticks[1] - ticks[0] if len(ticks) > 1 else 0.01
+    frame = _Frame(80, 20, 360, 260, ticks[0], ticks[-1], ticks[0], ticks[-1])
+    body = _axes(frame, ticks, ticks, "", f"effect at {rung['spec']}", step)
+    for v in ticks:
+        body.append(_text(frame.x(v), frame.top + frame.height + 16, _tick_text(v, step), size=11, anchor="middle"))
+    body.append(_text(frame.left + frame.width / 2, frame.top + frame.height + 34, "effect at the night's scale",
+                      anchor="middle"))
+    body.append(f'<line class="diagonal" x1="{frame.x(ticks[0]):.1f}" y1="{frame.y(ticks[0]):.1f}" '
+                f'x2="{frame.x(ticks[-1]):.1f}" y2="{frame.y(ticks[-1]):.1f}" stroke="#444" stroke-dasharray="4 3"/>')
+    body.append(f'<line class="zero" x1="{frame.left}" x2="{frame.left + frame.width}" y1="{frame.y(0.0):.1f}" '
+                f'y2="{frame.y(0.0):.1f}" stroke="#444"/>')
+    for t in rows:
+        x, y, colour = frame.x(t["small_effect"]), frame.y(t["effect"]), TAG_COLOURS.get(t["tag"], "#444")
+        tip = f"<title>{_e(_ladder_tip(t))}</title>"
+        if t.get("low") is not None and t.get("high") is not None:
+            body.append(f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{frame.y(t["low"]):.1f}" y2="{frame.y(t["high"]):.1f}" '
+                        f'stroke="{colour}" stroke-width="2"/>')
+        body.append(f'<circle class="{_e(t["tag"])}" data-trial="{_e(t["trial"])}" cx="{x:.1f}" cy="{y:.1f}" r="5" '
+                    f'fill="{colour}">{tip}</circle>')
+        body.append(_text(x + 8, y - 6, str(t["trial"]), size=11))
+    return _svg(480, 330, body, f"effect of each kept change at the night's scale and at {rung['spec']}")
+
+
+def _ladder_tip(t: dict) -> str:
+    return (f"trial {t['trial']}: {t['tag']} at the larger scale, effect {t['effect']:+.4f} "
+            f"(at the night's scale {t['small_effect']:+.4f})" + (f" — {t['description']}" if t.get("description") else ""))

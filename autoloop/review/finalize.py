@@ -94,6 +94,7 @@ def squash_message(run: dict, kept: list[dict], base: dict | None, best: dict, d
                      f"(val_bpb {_fmt(t['metric'])}, {_fmt(trial_delta(t), '+.4f')} bpb against its incumbent)")
     if dropped:
         why = ("not confirmed, or no benefit in the ablation" if any(t.get("unconfirmed") for t in dropped)
+               else "they did not hold at a larger scale" if any(t.get("not_held") for t in dropped)
                else "their ablation found no benefit in the best commit")
         lines += ["", f"Left out ({why}):"]
         for t in dropped:
@@ -143,6 +144,34 @@ def unconfirmed_changes(kept: list[dict], already: list[dict]) -> list[dict]:
             for t in kept if t.get("tier") != "confirmed" and t["number"] not in numbers]
 
 
+def changes_not_held(store, run: dict, best_sha: str, kept: list[dict], already: list[dict]) -> list[dict]:
+    """--holds-at-scale: the kept changes (not in `already`) that the run's latest ladder
+    rung did not tag `holds`, each with its note; refused without a finished rung for
+    today's best commit (autoloop.review.ladder)."""
+    rungs = [r for r in store.rungs(run["id"]) if r["status"] == "done"]
+    if not rungs:
+        raise AutoloopError(f"run '{run['tag']}' has no finished ladder rung, so nothing is known to hold at scale: run "
+                            f"`autoloop ladder SPEC --tag {run['tag']}` first, or finalize without --holds-at-scale")
+    rung = rungs[-1]
+    if rung.get("best_commit") != best_sha:
+        raise AutoloopError(f"the latest ladder rung ({rung['spec']}) measured another best commit than today's "
+                            f"({best_sha[:12]}): run `autoloop ladder --tag {run['tag']}` again")
+    tags = {t["kept_trial_id"]: t for t in store.ladder_tags(rung["id"])}
+    numbers = {t["number"] for t in already}
+    out = []
+    for t in kept:
+        tag = tags.get(t["id"])
+        if t["number"] in numbers or (tag is not None and tag["tag"] == "holds"):
+            continue
+        note = (f"at {rung['spec']}: {tag['tag']}, effect {tag['effect']:+.4f}" if tag is not None
+                else f"at {rung['spec']}: not measured")
+        out.append({**t, "not_held": True, "ablation_note": note})
+    if len(out) + len(already) >= len(kept):
+        raise AutoloopError(f"no kept change holds at {rung['spec']}: there is no branch of held changes to make; "
+                            "finalize without --holds-at-scale")
+    return out
+
+
 def trial_message(run: dict, trial: dict) -> str:
     return (f"{trial.get('description') or '(no description)'}\n\n"
             f"autoloop {run['tag']} trial {trial['number']}: val_bpb {_fmt(trial['metric'])} "
@@ -160,7 +189,7 @@ def run_lock_held(repo_root: Path, tag: str) -> bool:
 
 def finalize(store, run: dict, project_dir: Path, *, branch: str | None = None, per_trial: bool = False,
              force: bool = False, checkout: bool = False, drop_null: bool = False,
-             confirmed_only: bool = False) -> Finalized:
+             confirmed_only: bool = False, holds_at_scale: bool = False) -> Finalized:
     require_trials(store, run)
     git = GitRepo.open(project_dir)
     tag = run["tag"]
@@ -203,6 +232,8 @@ def finalize(store, run: dict, project_dir: Path, *, branch: str | None = None, 
     dropped = changes_to_drop(store, run, git, best_sha, kept) if drop_null else []
     if confirmed_only:
         dropped = sorted(dropped + unconfirmed_changes(kept, dropped), key=lambda t: t["number"])
+    if holds_at_scale:
+        dropped = sorted(dropped + changes_not_held(store, run, best_sha, kept, dropped), key=lambda t: t["number"])
     expected_tree = git.tree_of(best_sha)
     if dropped:
         left = {t["number"] for t in dropped}

@@ -24,8 +24,9 @@ Definitions shared by `autoloop log`, `best`, `report` and `export`:
 * **val_bpb of several runs**: a trial measured at several seeds shows the mean of its
   runs ± its standard error and the number of runs (`autoloop.decide.effects`).
 * **discarded**: discarded proposals and repairs, the grey points of the report's chart;
-  re-measurements of the incumbent (drift checks, re-runs) and ablations are counted
-  apart (`remeasured`, `ablations`), never as discarded ideas.
+  re-measurements of the incumbent (drift checks, re-runs), ablations and the scale
+  ladder's commits are counted apart (`remeasured`, `ablations`, `ladder`), never as
+  discarded ideas.
 * **crashed**: `crash` + `timeout`. **GPU hours** (**CPU hours** on a run that trained on
   the CPU): the summed wall time of every training process (crashed ones included: they
   used the machine too), each run once (autoloop.decide.figures); a trial's **minutes** in
@@ -166,6 +167,7 @@ def log_rows(store, run: dict, *, last: int | None = None, status=None, kind=Non
     rows = select(store, sql + " ORDER BY number", params, table="trials")
     fields = LOG_FIELDS + LOG_UNCERTAINTY + (LOG_JSON_EXTRA if extra else ())
     seconds = trial_seconds(store, run)
+    scale = scale_tags(store, run)
     out = []
     for t in rows:
         row = {k: t.get(k) for k in fields if k in t}
@@ -175,6 +177,8 @@ def log_rows(store, run: dict, *, last: int | None = None, status=None, kind=Non
         row["distinguishable"] = effect.distinguishable
         row["near_miss"] = effect.near_miss if effect.noise_aware else None
         out.append({k: row[k] for k in fields})
+        if t.get("number") in scale and t.get("status") == Status.KEEP.value:  # the ladder's tags (--ladder)
+            out[-1]["scale"] = [{k: x[k] for k in ("spec", "tag", "effect", "low", "high")} for x in scale[t["number"]]]
     return out
 
 
@@ -244,6 +248,7 @@ def trial_detail(store, run: dict, number: int, repo: Path | None = None, *, log
     detail["keep_margin"] = (run.get("config") or {}).get("keep_margin")
     detail["measurements"] = trial_measurements(store, trial)
     detail["ablations"] = ablations_of(store, run, trial)
+    detail["scale"] = scale_tags(store, run).get(trial["number"]) if trial["status"] == Status.KEEP.value else None
     detail["events"] = select(store, "SELECT kind, message, created_at FROM events WHERE trial_id = ? ORDER BY id",
                               (trial["id"],))
     detail["curve_points"] = select(store, "SELECT COUNT(*) AS n FROM curves WHERE trial_id = ?", (trial["id"],))[0]["n"]
@@ -369,7 +374,7 @@ def best_trial(store, run: dict) -> dict | None:
 def headline(store, run: dict) -> dict:
     """The run's numbers (see the module docstring for the definitions)."""
     counts = {s.value: 0 for s in Status}
-    kept = decided = discarded = remeasured = ablations = 0
+    kept = decided = discarded = remeasured = ablations = ladder = 0
     total = 0
     for row in select(store, "SELECT status, kind, COUNT(*) AS n FROM trials WHERE run_id = ? GROUP BY status, kind",
                       (run["id"],)):
@@ -381,6 +386,8 @@ def headline(store, run: dict) -> dict:
             decided += row["n"]
         if row["kind"] == Kind.ABLATION.value:
             ablations += row["n"]
+        elif row["kind"] == Kind.LADDER.value:  # a commit measured at a larger scale: no idea was discarded
+            ladder += row["n"]
         elif row["kind"] in (Kind.DRIFT.value, Kind.RERUN.value) and row["status"] in (Status.KEEP.value, Status.DISCARD.value):
             remeasured += row["n"]
         elif row["status"] == Status.DISCARD.value:
@@ -400,7 +407,7 @@ def headline(store, run: dict) -> dict:
     return {
         "run": run["tag"], "run_status": run["status"], "trials": total, "kept": kept, "confirmed": confirmed,
         "stopped_early": stopped, "reserve": reserve, "change": change,
-        "discarded": discarded, "remeasured": remeasured, "ablations": ablations,
+        "discarded": discarded, "remeasured": remeasured, "ablations": ablations, "ladder": ladder,
         "crashed": counts[Status.CRASH.value] + counts[Status.TIMEOUT.value],
         "timeouts": counts[Status.TIMEOUT.value], "invalid": counts[Status.INVALID.value],
         "interrupted": counts[Status.INTERRUPTED.value], "running": counts[Status.RUNNING.value],
@@ -438,6 +445,7 @@ def best_summary(store, run: dict) -> dict:
         "change": info["change"], "delta": info["change"]["delta"] if info["change"] else None,
         "relative": info["change"]["relative"] if info["change"] else None, "relative_gain": info["relative_gain"],
         "kept": info["kept"], "trials": info["trials"], "checkpoint_path": best.get("checkpoint_path"),
+        "ladder": ladder_summary(store, run),
     }
 
 
@@ -453,16 +461,17 @@ def progress_points(store, run: dict) -> list[dict]:
     """(number, kind, status, metric, metric_sd, n_runs, description, reason) of every
     trial, for the progress chart (texts cut to 200 characters: they are its tooltips)."""
     return select(store, "SELECT number, kind, status, metric, metric_sd, n_runs, substr(description, 1, 200) AS "
-                         "description, substr(reason, 1, 200) AS reason FROM trials WHERE run_id = ? ORDER BY number",
-                  (run["id"],))
+                         "description, substr(reason, 1, 200) AS reason FROM trials WHERE run_id = ? AND kind != ? "
+                         "ORDER BY number", (run["id"], Kind.LADDER.value))  # a ladder's bpb is of another scale
 
 
 def discarded_trials(store, run: dict, limit: int) -> tuple[list[dict], int]:
     """The discarded proposals and repairs (the chart's grey points), in trial order, with
     what each tried (description, edits, diff) and why it was discarded (reason, the
     decision's figures): (the first `limit`, how many there are)."""
-    where = ("run_id = ? AND status = ? AND kind NOT IN (?, ?, ?)",
-             (run["id"], Status.DISCARD.value, Kind.DRIFT.value, Kind.RERUN.value, Kind.ABLATION.value))
+    where = ("run_id = ? AND status = ? AND kind NOT IN (?, ?, ?, ?)",
+             (run["id"], Status.DISCARD.value, Kind.DRIFT.value, Kind.RERUN.value, Kind.ABLATION.value,
+              Kind.LADDER.value))
     total = select(store, f"SELECT COUNT(*) AS n FROM trials WHERE {where[0]}", where[1])[0]["n"]
     rows = select(store, f"SELECT number, kind, description, proposer, reason, metric, metric_sd, n_runs, delta, "
                          f"best_before, decision, edits, diff FROM trials WHERE {where[0]} ORDER BY number LIMIT ?",
@@ -659,3 +668,39 @@ def noise_info(store, run: dict) -> dict:
             "noise_events": events["noise"]}
 
 
+
+
+# ---------------------------------------------------------------------------- the scale ladder
+
+
+def ladder_summary(store, run: dict) -> list[dict]:
+    """The run's latest finished rung of each spec (autoloop.review.ladder), oldest first:
+    {spec, seeds, plan, headline, tags: [{trial, description, tag, effect, low, high, n,
+    level, small_effect, ladder_trial}]}; [] without a ladder."""
+    latest: dict[str, dict] = {}
+    for row in store.rungs(run["id"]):
+        if row["status"] == "done":
+            latest[row["spec"]] = row
+    numbers = {t["id"]: t for t in select(store, "SELECT id, number, description FROM trials WHERE run_id = ?",
+                                          (run["id"],))}
+    out = []
+    for row in latest.values():
+        tags = []
+        for t in store.ladder_tags(row["id"]):
+            kept = numbers.get(t["kept_trial_id"]) or {}
+            tags.append({"trial": kept.get("number"), "description": kept.get("description"), "tag": t["tag"],
+                         "effect": t["effect"], "low": t["low"], "high": t["high"], "n": t["n"], "level": t["level"],
+                         "small_effect": t["small_effect"],
+                         "ladder_trial": (numbers.get(t["ladder_trial_id"]) or {}).get("number")})
+        out.append({"spec": row["spec"], "seeds": row.get("seeds"), "plan": row.get("plan"),
+                    "headline": (row.get("result") or {}).get("headline"), "tags": tags})
+    return out
+
+
+def scale_tags(store, run: dict) -> dict[int, list[dict]]:
+    """{kept trial number: [its tag row at each rung, with the rung's spec]}."""
+    out: dict[int, list[dict]] = {}
+    for rung in ladder_summary(store, run):
+        for t in rung["tags"]:
+            out.setdefault(t["trial"], []).append({**t, "spec": rung["spec"]})
+    return out

@@ -35,11 +35,11 @@ from pathlib import Path
 
 from autoloop.errors import AutoloopError
 from autoloop.decide.effects import ablation_verdict, format_estimate, format_interval
-from autoloop.review.charts import curves_svg, point_groups, progress_svg
+from autoloop.review.charts import curves_svg, ladder_svg, point_groups, progress_svg
 from autoloop.decide.figures import change_text, percent_text
 from autoloop.review.queries import (
     CRASHED, baseline_trial, best_trial, common_reasons, discarded_trials, headline, idea_outcomes, kept_trials,
-    latest_ablations, noise_info, outage_info, progress_points, require_trials, select, trial_delta,
+    ladder_summary, latest_ablations, noise_info, outage_info, progress_points, require_trials, select, trial_delta,
 )
 from autoloop.review.text import describe_noise, idea_edit
 from autoloop.store import Kind, Status, utcnow
@@ -96,6 +96,7 @@ def report_data(store, run: dict) -> dict:
     discarded, n_discarded = discarded_trials(store, run, MAX_TABLE_ROWS)
     return {
         "noise": noise, "ablations": ablations, "gain": gain_claim(head, ablations, kept),
+        "ladder": ladder_summary(store, run),
         "discarded": discarded, "discarded_total": n_discarded,
         "run": run, "headline": head, "kept": kept, "points": progress_points(store, run),
         "crash_reasons": common_reasons(store, run, CRASHED),
@@ -330,6 +331,9 @@ def render_html(data: dict) -> str:
     # -- ablation
     add(_ablation_section(data["ablations"]))
 
+    # -- the scale ladder
+    add(_ladder_section(data.get("ladder") or []))
+
     # -- noise
     add(_noise_section(data["noise"]))
 
@@ -511,6 +515,41 @@ def _ablation_section(ablations: list[dict]) -> str:
                      f"<td class=\"num\">{_e(interval)}</td><td class=\"num\">{_e(n)}</td><td>{_e(verdict)}</td>"
                      f"<td class=\"num\">{a['ablation']}</td></tr>")
     parts.append("</tbody></table>")
+    return "".join(parts)
+
+
+def _ladder_section(rungs: list[dict]) -> str:
+    """Each rung of the scale ladder: the best against the baseline there, and each kept
+    change's effect at the night's scale and at the rung, with its tag (a table and a chart)."""
+    if not rungs:
+        return ""
+    parts = ["<h2>Scale ladder</h2>",
+             "<p class=\"muted\">Each kept change left out of the best commit at a larger scale and measured against "
+             "it at the same fresh seeds. Effect = val_bpb with the change minus without it (negative: it helps). "
+             "<b>holds</b>: it helps there at the decisions' confidence; <b>fades</b>: indistinguishable from zero "
+             "there; <b>reverses</b>: it hurts there (<code>autoloop finalize --holds-at-scale</code> keeps only the "
+             "changes that hold).</p>"]
+    for rung in rungs:
+        h = rung.get("headline")
+        headline = (f"best {_f(h['best'], '.6f')} against the baseline {_f(h['baseline'], '.6f')}: "
+                    f"{_f(h['delta'], '+.4f')} best minus baseline over {h['n']} paired runs" if h else
+                    "no pair of the best and the baseline")
+        parts.append(f"<h3>at <code>{_e(rung['spec'])}</code></h3><p>{_e(headline)}</p>")
+        parts.append("<table class=\"ladder\" id=\"ladder\"><thead><tr><th>trial</th><th>change</th>"
+                     "<th class=\"num\">effect at the night's scale</th><th class=\"num\">effect at scale</th>"
+                     "<th class=\"num\">interval</th><th class=\"num\">runs</th><th>tag</th></tr></thead><tbody>")
+        for t in rung["tags"][:MAX_TABLE_ROWS]:
+            interval = (f"{t['low']:+.4f}..{t['high']:+.4f}" if t.get("low") is not None and t.get("high") is not None
+                        else "unbounded")
+            parts.append(f"<tr data-trial=\"{_e(t['trial'])}\" class=\"{_e(t['tag'])}\"><td class=\"num\">"
+                         f"{_e(t['trial'])}</td><td>{_e(t.get('description'))}</td>"
+                         f"<td class=\"num\">{_e(_f(t.get('small_effect'), '+.4f'))}</td>"
+                         f"<td class=\"num\">{_e(_f(t['effect'], '+.4f'))}</td><td class=\"num\">{_e(interval)}</td>"
+                         f"<td class=\"num\">{_e(t['n'])}</td><td>{_e(t['tag'])}</td></tr>")
+        parts.append("</tbody></table>")
+        chart = ladder_svg(rung)
+        if chart:
+            parts.append(f"<div class=\"ladder-chart\">{chart}</div>")
     return "".join(parts)
 
 

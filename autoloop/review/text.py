@@ -64,6 +64,8 @@ def format_log(run: dict, rows: list[dict], *, total: int | None = None) -> str:
         )
         if r.get("reason"):
             lines.append(f"{'':>{41 + width}}  ↳ {_cut(r['reason'], 100)}")
+        for x in r.get("scale") or []:
+            lines.append(f"{'':>{41 + width}}  ⤒ {scale_words(x)}")
         if r.get("flags"):
             from autoloop.decide.diagnosis import names
 
@@ -83,6 +85,9 @@ def format_log(run: dict, rows: list[dict], *, total: int | None = None) -> str:
         lines.append("* unverified: only printed by the script, not measured by the harness")
     if any(r.get("status") == "keep" and r.get("metric_source") == "harness" for r in rows):
         lines.append("? kept without verification (--no-verify): the script's own figure, no held-out check")
+    if any(r.get("scale") for r in rows):
+        lines.append("⤒ the scale ladder: the kept change's effect at a larger scale (with minus without it, paired "
+                     "by seed; negative helps): holds, fades (indistinguishable from zero) or reverses")
     if total is not None and total > len(rows):
         lines.append(f"showing {len(rows)} of {total} trials of run '{run['tag']}' (--last N or --status to choose)")
     return "\n".join(lines)
@@ -155,6 +160,7 @@ def format_trial(d: dict, *, with_diff: bool = True) -> str:
         lines.extend(_measurement_lines(measurements, d["number"]))
     lines.extend(_decision_lines(d))
     lines.extend(_ablation_lines(d))
+    lines.extend(_scale_lines(d))
     lines.extend(_flag_lines(d))
 
     lines.append("commits")
@@ -315,6 +321,43 @@ def _ablation_lines(d: dict) -> list[str]:
     return lines
 
 
+def scale_words(x: dict) -> str:
+    """'at WIDTH=4: holds, effect -0.0500 (-0.0550..-0.0450)': one kept change at one rung."""
+    interval = f" ({x['low']:+.4f}..{x['high']:+.4f})" if x.get("low") is not None and x.get("high") is not None else ""
+    return f"at {x['spec']}: {x['tag']}, effect {x['effect']:+.4f}{interval}"
+
+
+def _scale_lines(d: dict) -> list[str]:
+    """A kept trial's tags on the scale ladder."""
+    rows = d.get("scale") or []
+    if not rows:
+        return []
+    lines = ["scale ladder"]
+    for x in rows:
+        small = f"; {x['small_effect']:+.4f} at the night's scale" if x.get("small_effect") is not None else ""
+        lines.append(f"  {scale_words(x)}{small} ({x['n']} paired runs, ladder trial {x['ladder_trial']})")
+    lines.append("  effect = val_bpb with the change minus without it at the larger scale; negative: it helps there")
+    return lines
+
+
+def _ladder_best_lines(rungs: list[dict]) -> list[str]:
+    lines = []
+    for rung in rungs:
+        h = rung.get("headline")
+        if h:
+            interval = (f", {h['level']:.0%} interval {h['low']:+.4f}..{h['high']:+.4f}"
+                        if h.get("low") is not None and h.get("high") is not None else "")
+            lines.append(f"  at {rung['spec']}: {h['best']:.6f} vs baseline {h['baseline']:.6f}: "
+                         f"{h['delta']:+.4f} best minus baseline ({h['n']} paired runs{interval})")
+        else:
+            lines.append(f"  at {rung['spec']}: no pair of the best and the baseline")
+        for tag in ("holds", "fades", "reverses"):
+            trials = [str(t["trial"]) for t in rung["tags"] if t["tag"] == tag]
+            if trials:
+                lines.append(f"    {tag:<9} trial {', '.join(trials)}")
+    return lines
+
+
 def _flag_lines(d: dict) -> list[str]:
     flags = flags_of(d)
     if not flags:
@@ -373,6 +416,7 @@ def format_best(b: dict) -> str:
                      f"(baseline {format_metric(b.get('baseline_heldout_metric'))})")
     else:
         lines.append("  held-out  - (not verified)")
+    lines.extend(_ladder_best_lines(b.get("ladder") or []))
     confirmed = f" ({b['confirmed']} confirmed)" if b.get("confirmed") is not None else ""
     lines.append(f"  {b['kept']} kept change(s){confirmed} in {b['trials']} trials on {b['branch']}; "
                  "`autoloop finalize` makes a clean branch of them")

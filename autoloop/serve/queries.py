@@ -191,10 +191,23 @@ def summary(store, run: dict, controller: dict | None = None) -> dict:
         "change_source": head["change"]["source"] if head.get("change") else None,
         # a model or agent away right now: the banner that says why the night looks as it does
         "outages": [o["line"] for o in outage_info(store, run) if o["until"] is None],
+        # the scale ladder (--ladder): each rung's best minus baseline and its tags, one line each
+        "ladder": ladder_lines(best.get("ladder") or []) if best else [],
     }
     if best:
         out["best"] = {k: v for k, v in best.items() if k != "checkpoint_path"}
     return clean(out)
+
+
+def ladder_lines(rungs: list[dict]) -> list[dict]:
+    """{spec, headline, tags}: one rung of the scale ladder as the page's card shows it."""
+    out = []
+    for rung in rungs:
+        h = rung.get("headline")
+        out.append({"spec": rung["spec"],
+                    "headline": f"{h['delta']:+.4f} best minus baseline ({h['n']} paired runs)" if h else "no pair",
+                    "tags": " · ".join(f"trial {t['trial']} {t['tag']}" for t in rung["tags"])})
+    return out
 
 
 def progress(store, run: dict) -> dict:

@@ -417,6 +417,8 @@
     cards.push(stat("trials / hour", summary.trials_per_hour !== null ? summary.trials_per_hour.toFixed(1) : "–",
       head.compute_hours.toFixed(2) + " " + head.compute + " hours"));
     cards.push(stat("noise", summary.noise || "not measured yet", summary.decision_rule ? "rule: " + summary.decision_rule : "", "wide text"));
+    // The scale ladder (--ladder): what the best is worth at each rung, and which kept changes held there.
+    (summary.ladder || []).forEach((rung) => cards.push(stat("at " + rung.spec, rung.headline, rung.tags, "wide text ladder")));
     fill(byId("stats"), cards);
     renderSeedForm();
     fill(byId("err-summary"));

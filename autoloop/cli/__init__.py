@@ -90,6 +90,7 @@ def run(
     allow_mixed_devices: Annotated[Optional[bool], typer.Option("--allow-mixed-devices", help="Allow workers on different GPU models; each candidate is then compared with the incumbent measured on its own kind.")] = None,
     notify: Annotated[Optional[str], typer.Option(help="A shell command run on events (a keep, a confirmed gain, a pause, a lost worker, the end of the run), the event as JSON on stdin; killed after --notify-timeout seconds, and never slows the run (docs/serve.md).")] = None,
     notify_timeout: Annotated[Optional[float], typer.Option(help="Seconds a --notify command may take before it is killed (10 by default).")] = None,
+    schedule: Annotated[Optional[str], typer.Option(help="'chain' (default: the proposers in order, the first answer wins) or 'yield' (seeded ideas first, the search re-tunes after a model's structural keep and takes a model's constant-only answers, each source's share of proposals following its yield per GPU-minute; docs/search.md).")] = None,
 ):
     """Run the research loop: baseline first, then proposals, until a stop condition."""
     from autoloop.loop.controller import Controller
@@ -104,7 +105,7 @@ def run(
         sandbox="off" if no_sandbox else None, check=False if no_check else None, llm_model=llm_model, llm_base_url=llm_base_url, agent_command=agent_command, max_cost=max_cost,
         workers=workers, executor=executor or ("local" if workers and workers > 0 and executor is None else None),
         ray_address=ray_address, search_mode=search_mode, migrate_every=migrate_every,
-        allow_mixed_devices=allow_mixed_devices, notify=notify, notify_timeout=notify_timeout,
+        allow_mixed_devices=allow_mixed_devices, notify=notify, notify_timeout=notify_timeout, schedule=schedule,
     )
     display = Display()
     # Printed with the first thing the run says: a run that fails before it starts prints its error alone.

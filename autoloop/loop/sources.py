@@ -27,6 +27,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from autoloop.loop.host import TrialHost
+from autoloop.loop.prefetch import Prefetcher
 from autoloop.proposers.search import POINT_PREFIX
 
 # The recent trials of each source its yield is read from: long enough to hold a keep or
@@ -104,7 +106,7 @@ class SourceSchedule:
     """`schedule = "yield"` over a controller's chain: the turn's order, the re-tune, the
     routing of a model's constant-only answer to the search. Reads the db each turn."""
 
-    def __init__(self, controller, prefetcher):
+    def __init__(self, controller: TrialHost, prefetcher: Prefetcher):
         self.controller = controller
         self.prefetcher = prefetcher
 

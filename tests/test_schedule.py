@@ -30,7 +30,7 @@ def simulate(gain_per_minute: dict[str, float], turns: int, floor: float) -> dic
     """Turns of the bandit where each source, when picked, wins its fixed gain in one minute."""
     history: list[Outcome] = []
     for _ in range(turns):
-        share = shares(yields(history, list(gain_per_minute), window=10_000), floor)
+        share = shares(yields(history, list(gain_per_minute), window=10_000, prior=0), floor)
         counts = {n: sum(1 for o in history if o.source == n) for n in gain_per_minute}
         first = turn_order(share, counts)[0]
         history.append(Outcome(first, gain_per_minute[first], 1.0))
@@ -47,8 +47,22 @@ def test_shares_follow_yield_per_gpu_minute_with_a_floor_for_each_source():
     # Yield is gain over the minutes of the source's last `window` outcomes.
     history = [Outcome("llm", 0.02, 4.0), Outcome("llm", 0.0, 6.0), Outcome("search", 0.01, 2.0),
                Outcome("search", 0.0, 3.0), Outcome("search", 0.0, 5.0)]
-    assert yields(history, ["llm", "search", "agent"]) == pytest.approx({"llm": 0.002, "search": 0.001, "agent": None})
+    assert yields(history, ["llm", "search", "agent"], prior=0) == pytest.approx(
+        {"llm": 0.002, "search": 0.001, "agent": None})
     assert yields(history, ["search"], window=2) == {"search": 0.0}
+    # Shrunk by 2 pseudo-trials of the mean length (4 min) at the pooled yield (0.03 / 20 min):
+    # (0.02 + 0.0015 x 8) / (10 + 8) and (0.01 + 0.0015 x 8) / (10 + 8).
+    assert yields(history, ["llm", "search"]) == pytest.approx({"llm": 0.032 / 18, "search": 0.022 / 18})
+
+
+def test_one_failure_does_not_send_a_source_to_the_floor():
+    # The model failed once (a minute); the search won 0.003 in each of 5 minutes. Pooled:
+    # 0.015 / 6 min; 2 pseudo-minutes each: model 0.005 / 3, search 0.020 / 7.
+    history = [Outcome("llm", 0.0, 1.0)] + [Outcome("search", 0.003, 1.0)] * 5
+    llm, search = 0.005 / 3, 0.020 / 7
+    assert shares(yields(history, ["llm", "search"]), 0.1) == pytest.approx(
+        {"llm": 0.1 + 0.8 * llm / (llm + search), "search": 0.1 + 0.8 * search / (llm + search)})
+    assert shares(yields(history, ["llm", "search"], prior=0), 0.1) == pytest.approx({"llm": 0.1, "search": 0.9})
 
 
 def test_the_bandit_gives_each_source_its_share_of_turns_on_a_fixed_yield_sequence():

@@ -34,6 +34,8 @@ from autoloop.proposers.search import POINT_PREFIX
 # The recent trials of each source its yield is read from: long enough to hold a keep or
 # two, short enough that a source gone dry loses its share within a few hours.
 WINDOW = 12
+# Pseudo-trials at the pooled yield added to each source's own (see `yields`).
+PRIOR_TRIALS = 2.0
 
 
 @dataclass(frozen=True)
@@ -46,14 +48,24 @@ class Outcome:
     minutes: float
 
 
-def yields(history: list[Outcome], sources: list[str], window: int = WINDOW) -> dict[str, float | None]:
-    """Each source's bpb won per GPU-minute over its last `window` outcomes; None for a
-    source with no outcome yet."""
+def yields(history: list[Outcome], sources: list[str], window: int = WINDOW,
+           prior: float = PRIOR_TRIALS) -> dict[str, float | None]:
+    """Each source's bpb won per GPU-minute over its last `window` outcomes, shrunk towards
+    the pooled yield of all of them by `prior` pseudo-trials of average length; None for a
+    source with no outcome yet.
+
+    Why the shrinkage: a yield read from one or two trials is mostly luck, and read alone a
+    model whose first edit failed would fall to the floor at once and never be heard again."""
+    recent = {source: [o for o in history if o.source == source][-window:] for source in sources}
+    pooled = [o for outs in recent.values() for o in outs]
+    pooled_minutes = sum(max(0.0, o.minutes) for o in pooled)
+    pooled_rate = sum(max(0.0, o.gain) for o in pooled) / pooled_minutes if pooled_minutes > 0 else 0.0
+    pseudo = prior * pooled_minutes / len(pooled) if pooled else 0.0
     out: dict[str, float | None] = {}
-    for source in sources:
-        recent = [o for o in history if o.source == source][-window:]
-        minutes = sum(max(0.0, o.minutes) for o in recent)
-        out[source] = None if not recent else (sum(max(0.0, o.gain) for o in recent) / minutes if minutes > 0 else 0.0)
+    for source, outs in recent.items():
+        minutes = sum(max(0.0, o.minutes) for o in outs) + pseudo
+        gain = sum(max(0.0, o.gain) for o in outs) + pooled_rate * pseudo
+        out[source] = None if not outs else (gain / minutes if minutes > 0 else 0.0)
     return out
 
 

@@ -4,6 +4,11 @@ both final bests re-measured at fresh seeds on val and held-out.
     python bench/night.py                                   # 40 runs a night at 60 steps: ~100 runs in all
     python bench/night.py --runs 12 --steps 20              # a small night: ~35 runs in all
     python bench/night.py --rules two-tier strict confirmed-only --keep /tmp/night
+    python bench/night.py --arms scheduler model-only search-only --runs 16 --steps 20 --reserve 3
+
+With --arms (issue 33): the same night for three proposal arms under the first rule, at
+equal compute, the model scripted (STRUCTURAL_EDITS below); the table and what the figures
+showed are in docs/search.md. About 15 minutes an arm at that size on 2 shared cores.
 
 Size: 2 x --runs training runs, plus the reserve (the best and the baseline at --reserve
 fresh seeds, for each rule: up to 4 x --reserve runs). On 2 idle CPU cores a 60-step run
@@ -214,7 +219,7 @@ def report(rows: list[dict]) -> str:
 # constants; on a CPU they change the CPU block's small model) with constant tweaks, as
 # models do. When the list is spent it grinds the learning rates (x1.5, /1.5 in turn), as
 # the agents of a public nanoGPT speed-run were seen to do. My guess at each edit's effect
-# on the CPU block at 20-40 steps is in its third field; what it did is printed per arm.
+# on the CPU block at 20-40 steps is its last field; what it did is printed per arm.
 STRUCTURAL_EDITS = [
     ("relu squared to GELU in the MLP",
      "        return self.c_proj(F.relu(self.c_fc(x)).square())",

@@ -58,6 +58,11 @@ class Config:
     # Tried in order, first proposal wins. "auto" = the LLM and/or agent when llm_model /
     # agent_command is set, then search; just search when neither is (proposers/base.py).
     proposers: list[str] = field(default_factory=lambda: ["ideas", "auto"])
+    # "chain": the proposers in order, first answer wins; "yield": seeded ideas first, the
+    # search re-tunes after a model's structural keep, a model's constant-only answer is the
+    # search's point, the rest shared by yield per GPU-minute (autoloop/loop/sources.py).
+    schedule: str = "chain"
+    schedule_floor: float = 0.1  # under schedule = "yield", the least share of proposals each source gets
     max_consecutive_failures: int = 3  # circuit breaker: crashes/timeouts in a row before re-running the incumbent
     allow_env_change: bool = False  # resume on another GPU / torch / data / harness anyway (recorded)
     verify: bool = True  # verify keep candidates in a fresh process before keeping them
@@ -171,7 +176,8 @@ _FIELDS = {f.name: f for f in fields(Config)}
 _HINTS = get_type_hints(Config)
 # Fields with a fixed vocabulary; TOML's true/false mean on/off.
 _CHOICES = {"sandbox": ("auto", "on", "off"), "decision_rule": ("two-tier", "strict", "paired", "confirmed-only"),
-            "executor": ("serial", "local", "ray"), "search_mode": ("shared", "islands")}
+            "executor": ("serial", "local", "ray"), "search_mode": ("shared", "islands"),
+            "schedule": ("chain", "yield")}
 
 
 # The range of every numeric setting: (lowest, whether the lowest itself is allowed,
@@ -214,6 +220,7 @@ _RANGES: dict[str, tuple[float, bool, float | None, str, str]] = {
     "trial_files": (1, True, None, "files a trial may write", "10000"),
     "trial_log_mb": (1, True, None, "MiB of log a trial may print", "64"),
     "feed_memory_mb": (1, True, None, "MiB the data feed may hold for a trial", "256"),
+    "schedule_floor": (0, True, 0.5, "the least share of proposals a source gets", "0.1"),
 }
 
 

@@ -4,6 +4,11 @@ both final bests re-measured at fresh seeds on val and held-out.
     python bench/night.py                                   # 40 runs a night at 60 steps: ~100 runs in all
     python bench/night.py --runs 12 --steps 20              # a small night: ~35 runs in all
     python bench/night.py --rules two-tier strict confirmed-only --keep /tmp/night
+    python bench/night.py --arms scheduler model-only search-only --runs 16 --steps 20 --reserve 3
+
+With --arms (issue 33): the same night for three proposal arms under the first rule, at
+equal compute, the model scripted (STRUCTURAL_EDITS below); the table and what the figures
+showed are in docs/search.md. About 15 minutes an arm at that size on 2 shared cores.
 
 Size: 2 x --runs training runs, plus the reserve (the best and the baseline at --reserve
 fresh seeds, for each rule: up to 4 x --reserve runs). On 2 idle CPU cores a 60-step run
@@ -95,13 +100,14 @@ def make_repo(path: Path, unbounded: bool = False) -> Path:
     return path
 
 
-def flags(rule: str, steps: int, seed: int) -> dict:
+def flags(rule: str, steps: int, seed: int, extra: dict | None = None) -> dict:
     # One trial per call (the night is counted in runs), so the loop's own end-of-night
     # reserve is off: reserve() below measures it once, for both sides. The early stop is
-    # the default's, not strict's (autoresearch never stops a run).
+    # the default's, not strict's (autoresearch never stops a run). `extra`: an arm's
+    # proposers and schedule (--arms).
     return {"tag": "night", "max_steps": steps, "time_budget": 600, "grace_seconds": 600, "seed": seed,
             "proposers": "search", "decision_rule": rule, "drift_every": 0, "check": False, "max_trials": 1,
-            "reserve_seeds": 0, "early_stop": rule != "strict"}
+            "reserve_seeds": 0, "early_stop": rule != "strict", **(extra or {})}
 
 
 def runs_spent(store: Store, run_id: int, steps: int) -> float:
@@ -118,9 +124,11 @@ def runs_spent(store: Store, run_id: int, steps: int) -> float:
     return total
 
 
-def night(repo: Path, rule: str, steps: int, seed: int, target: float, say) -> dict:
+def night(repo: Path, rule: str, steps: int, seed: int, target: float, say, extra: dict | None = None,
+          name: str | None = None) -> dict:
     """Trials until `target` runs are spent (or the proposer runs dry)."""
-    config = resolve(repo, flags(rule, steps, seed))
+    config = resolve(repo, flags(rule, steps, seed, extra))
+    rule = name or rule
     spent, trials, started = 0.0, 0, time.monotonic()
     while spent < target - 1e-9:
         summary = Controller(config, repo).run()
@@ -140,9 +148,11 @@ def night(repo: Path, rule: str, steps: int, seed: int, target: float, say) -> d
     return {"trials": trials, "runs": spent, "seconds": time.monotonic() - started}
 
 
-def reserve(repo: Path, rule: str, steps: int, seed: int, k: int, say) -> dict:
+def reserve(repo: Path, rule: str, steps: int, seed: int, k: int, say, extra: dict | None = None,
+            name: str | None = None) -> dict:
     """The final best and the baseline at k fresh seeds, val and held-out; the figures."""
-    config = resolve(repo, {**flags(rule, steps, seed), "max_trials": None})
+    config = resolve(repo, {**flags(rule, steps, seed, extra), "max_trials": None})
+    rule = name or rule
     controller = Controller(config, repo)
     controller.open()
     try:
@@ -200,6 +210,162 @@ def report(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+# ---------------------------------------------------------------------------- --arms
+# Three arms at equal compute on the real train.py in step mode (issue 33): the model
+# alone, the search alone, and the scheduler over both (`schedule = "yield"`). The model is
+# scripted: a local OpenAI-compatible server (tests/fakes/fake_openai.py) answering, in
+# this order, the first edit of STRUCTURAL_EDITS whose text is in the file it was sent
+# and not yet answered; the list interleaves structural edits of the model (code, not
+# constants; on a CPU they change the CPU block's small model) with constant tweaks, as
+# models do. When the list is spent it grinds the learning rates (x1.5, /1.5 in turn), as
+# the agents of a public nanoGPT speed-run were seen to do. My guess at each edit's effect
+# on the CPU block at 20-40 steps is its last field; what it did is printed per arm.
+STRUCTURAL_EDITS = [
+    ("relu squared to GELU in the MLP",
+     "        return self.c_proj(F.relu(self.c_fc(x)).square())",
+     "        return self.c_proj(F.gelu(self.c_fc(x)))", "harmful"),
+    ("Muon momentum at its full value from step 0: a short run has no time to ramp it",
+     "    frac = min(step / MUON_MOMENTUM_WARMUP_STEPS, 1.0) if MUON_MOMENTUM_WARMUP_STEPS > 0 else 1.0",
+     "    frac = 1.0", "helpful"),
+    ("MATRIX_LR 0.04 -> 0.06 (a constant tweak)",
+     "MATRIX_LR = 0.04  # Muon learning rate; range 0.001..0.5 log",
+     "MATRIX_LR = 0.06  # Muon learning rate; range 0.001..0.5 log", "constant"),
+    ("no final norm before the head",
+     "            x = block(x, cos, sin)\n        x = norm(x)\n",
+     "            x = block(x, cos, sin)\n", "harmful"),
+    ("warm-down as the square root of the linear one: the LR stays high longer",
+     "    decay = (1.0 - progress) / WARMDOWN_RATIO",
+     "    decay = ((1.0 - progress) / WARMDOWN_RATIO) ** 0.5", "helpful"),
+    ("random instead of zero output projections",
+     "            nn.init.zeros_(block.attn.c_proj.weight)\n            nn.init.zeros_(block.mlp.c_proj.weight)",
+     "            nn.init.uniform_(block.attn.c_proj.weight, -bound, bound)\n"
+     "            nn.init.uniform_(block.mlp.c_proj.weight, -bound, bound)", "harmful"),
+    ("WARMDOWN_RATIO 0.5 -> 0.3 (a constant tweak)",
+     "WARMDOWN_RATIO = 0.5  # linear LR decay at the end",
+     "WARMDOWN_RATIO = 0.3  # linear LR decay at the end", "constant"),
+    ("attention and MLP in parallel on one norm",
+     "        x = x + self.attn(norm(x), cos, sin)\n        return x + self.mlp(norm(x))",
+     "        h = norm(x)\n        return x + self.attn(h, cos, sin) + self.mlp(h)", "neutral"),
+    ("the embedding's AdamW LR not scaled up at narrow widths",
+     '        {"params": embedding, "lr": EMBEDDING_LR * width_scale, "name": "embedding"},',
+     '        {"params": embedding, "lr": EMBEDDING_LR, "name": "embedding"},', "harmful"),
+]
+GRIND = ("MATRIX_LR", "EMBEDDING_LR", "UNEMBEDDING_LR")
+
+ARMS = {
+    "model-only": {"proposers": "llm", "schedule": "chain"},
+    "search-only": {"proposers": "search", "schedule": "chain"},
+    "scheduler": {"proposers": "llm,search", "schedule": "yield"},
+}
+
+
+class ScriptedModel:
+    """The scripted model's answers: a callable for FakeOpenAI (one per arm: it remembers
+    what it answered)."""
+
+    def __init__(self):
+        self.used: set[int] = set()
+        self.grinds = 0
+
+    def __call__(self, body: dict) -> str:
+        import re
+
+        from fakes.fake_openai import edit_answer
+
+        sent = "\n".join(m["content"] for m in body["messages"] if m["role"] == "user")
+        for i, (what, old, new, _) in enumerate(STRUCTURAL_EDITS):
+            if i not in self.used and old in sent:
+                self.used.add(i)
+                return edit_answer(old, new, what)
+        for _ in range(2 * len(GRIND)):
+            name = GRIND[self.grinds % len(GRIND)]
+            factor = 1.5 if (self.grinds // len(GRIND)) % 2 == 0 else 1 / 1.5
+            self.grinds += 1
+            line = re.search(rf"^{name} = ([0-9.e+-]+)(.*)$", sent, re.M)
+            if line:
+                value = float(line.group(1))
+                return edit_answer(line.group(0), f"{name} = {value * factor:.3g}{line.group(2)}",
+                                   f"{name} x{factor:.3g}")
+        return "I have nothing more to propose."
+
+
+def arm_settings(arm: str, base_url: str) -> dict:
+    extra = dict(ARMS[arm])
+    if "llm" in extra["proposers"]:
+        # The scripted model never fails, so no waits; a model that did would be left alone.
+        extra.update(llm_model="scripted", llm_base_url=base_url, llm_retries=0, llm_outage_wait=0,
+                     llm_retry_wait=3600)
+    return extra
+
+
+def sources_of(repo: Path) -> dict:
+    """The arm's proposals per proposer, kept per proposer, and what each scripted edit did."""
+    store = Store(repo / "experiments.db")
+    try:
+        rows = [t for t in store.trials(store.get_run("night")["id"]) if t["kind"] in ("proposal", "repair")]
+    finally:
+        store.close()
+    by: dict[str, list[int]] = {}
+    for t in rows:
+        counts = by.setdefault(t["proposer"] or "?", [0, 0])
+        counts[0] += 1
+        counts[1] += t["status"] == "keep"
+    edits = {}
+    for what, *_ in STRUCTURAL_EDITS:
+        hit = next((t for t in rows if what in (t.get("description") or "")), None)
+        if hit is not None:
+            effect = (hit["metric"] - hit["best_before"]) if hit.get("metric") is not None and hit.get("best_before") else None
+            edits[what] = {"status": hit["status"], "proposer": hit["proposer"], "delta": effect}
+    return {"sources": by, "edits": edits}
+
+
+def arms_report(rows: list[dict]) -> str:
+    lines = [f"{'arm':<12} {'runs':>6} {'trials':>6} {'kept':>4} {'re-measured val gain':>22} {'held-out gain':>20}  proposals (kept) by source"]
+    for r in rows:
+        v, h = r["val"], r["heldout"]
+        src = ", ".join(f"{k} {n} ({kept})" for k, (n, kept) in sorted(r["sources"].items()))
+        lines.append(f"{r['rule']:<12} {r['runs']:>6.2f} {r['trials']:>6} {r['kept']:>4} "
+                     f"{v['gain']:>+11.5f} ± {v['gain_se'] or 0:.5f} {h['gain']:>+10.5f} ± {h['gain_se'] or 0:.5f}  {src}")
+    by = {r["rule"]: r for r in rows}
+    if {"scheduler", "model-only", "search-only"} <= set(by):
+        sched = by["scheduler"]
+        better = max((by["model-only"], by["search-only"]), key=lambda r: r["val"]["gain"])
+        se = ((sched["val"]["gain_se"] or 0) ** 2 + (better["val"]["gain_se"] or 0) ** 2) ** 0.5
+        ahead = sched["val"]["gain"] - better["val"]["gain"]
+        lines.append("")
+        lines.append(f"target: the scheduler ahead of the better arm ({better['rule']}) by at least one standard error "
+                     f"of the difference: {ahead:+.5f} vs se {se:.5f} -> {'met' if se and ahead >= se else 'NOT MET'}")
+    lines.append("")
+    lines.append("the scripted edits (guess -> status, change of val_bpb from the incumbent, per arm):")
+    for what, _, _, guess in STRUCTURAL_EDITS:
+        cells = []
+        for r in rows:
+            e = r["edits"].get(what)
+            if e is not None:
+                d = f"{e['delta']:+.4f}" if e["delta"] is not None else "-"
+                cells.append(f"{r['rule']}: {e['status']} {d} ({e['proposer']})")
+        lines.append(f"  [{guess}] {what}: " + ("; ".join(cells) or "not tried"))
+    return "\n".join(lines)
+
+
+def run_arms(args, work: Path, say) -> list[dict]:
+    sys.path.insert(0, str(ROOT / "tests"))
+    from fakes.fake_openai import FakeOpenAI
+
+    rows, target = [], args.runs
+    for arm in args.arms:
+        repo = make_repo(work / arm, args.unbounded)
+        with FakeOpenAI([ScriptedModel()], model="scripted") as server:
+            extra = arm_settings(arm, server.base_url)
+            say(f"{arm}: night of {target:g} runs at {args.steps} steps in {repo}")
+            spent = night(repo, args.rules[0], args.steps, args.seed, target, say, extra, name=arm)
+            if not rows:
+                target = spent["runs"]  # the later arms match the first night's exact count
+            row = reserve(repo, args.rules[0], args.steps, args.seed, args.reserve, say, extra, name=arm)
+        rows.append({**row, **spent, **sources_of(repo)})
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=float, default=40, help="Training runs a night (the equal compute).")
@@ -208,6 +374,9 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=1337, help="The runs' base seed.")
     ap.add_argument("--rules", nargs="+", default=["two-tier", "strict"],
                     help="Decision rules, the default first (its night sets the run count).")
+    ap.add_argument("--arms", nargs="+", choices=list(ARMS),
+                    help="Instead of comparing rules: these proposal arms under the first rule, at equal compute "
+                         "(model-only, search-only, scheduler; the model is scripted, see STRUCTURAL_EDITS).")
     ap.add_argument("--keep", type=Path, help="Work in this folder and keep it (default: a temporary one).")
     ap.add_argument("--json", type=Path, help="Also write the figures here.")
     ap.add_argument("--unbounded", action="store_true",
@@ -219,6 +388,13 @@ def main() -> int:
 
     work = args.keep or Path(tempfile.mkdtemp(prefix="night-"))
     work.mkdir(parents=True, exist_ok=True)
+    if args.arms:
+        rows = run_arms(args, work, say)
+        print()
+        print(arms_report(rows))
+        if args.json:
+            args.json.write_text(json.dumps(rows, indent=1))
+        return 0
     rows, target = [], args.runs
     for rule in args.rules:
         repo = make_repo(work / rule, args.unbounded)

@@ -94,6 +94,7 @@ def run(
     ladder: Annotated[Optional[str], typer.Option(help="A larger scale the kept changes are re-measured at when the night ends, e.g. 'DEPTH=8 MODEL_DIM=512', 'budget=4x' or both: each kept change is tagged holds, fades or reverses there (docs/review.md); its cost is planned into --hours.")] = None,
     ladder_seeds: Annotated[Optional[int], typer.Option(help="Fresh seeds each commit is measured at on the ladder (3 by default, 2 at least).")] = None,
     ladder_every: Annotated[Optional[int], typer.Option(help="With --ladder: also measure the ladder after every K-th kept change, during the night (serial runs; 0 by default: at the end only).")] = None,
+    schedule: Annotated[Optional[str], typer.Option(help="'chain' (default: the proposers in order, the first answer wins) or 'yield' (seeded ideas first, the search re-tunes after a model's structural keep and takes a model's constant-only answers, each source's share of proposals following its yield per GPU-minute; docs/search.md).")] = None,
 ):
     """Run the research loop: baseline first, then proposals, until a stop condition."""
     from autoloop.loop.controller import Controller
@@ -110,6 +111,7 @@ def run(
         ray_address=ray_address, search_mode=search_mode, migrate_every=migrate_every,
         allow_mixed_devices=allow_mixed_devices, notify=notify, notify_timeout=notify_timeout, memory_db=memory_db,
         ladder=ladder, ladder_seeds=ladder_seeds, ladder_every=ladder_every,
+        schedule=schedule,
     )
     from autoloop.proposers.memory import memory_db_path
     from autoloop.review.ladder import check_spec

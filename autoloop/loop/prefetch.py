@@ -90,11 +90,12 @@ class Prefetcher:
     def _slow(self) -> list:
         return [p for p in self.controller.chain().proposers if getattr(p, "slow", False)]
 
-    def next_proposal(self, parent: str) -> Proposal | None:
-        """The chain's proposal for `parent`, slow proposers answered by the prefetch."""
+    def next_proposal(self, parent: str, order: list | None = None) -> Proposal | None:
+        """The chain's proposal for `parent`, slow proposers answered by the prefetch;
+        `order`: the proposers in this turn's order (autoloop.loop.sources), default the chain's."""
         ctx = self.controller.proposal_context(parent)
         skip_slow = False
-        for proposer in self.controller.chain().proposers:
+        for proposer in self.controller.chain().proposers if order is None else order:
             slow = getattr(proposer, "slow", False)
             if slow and self._prepared():
                 ready, proposal = self._take(parent)

@@ -12,7 +12,8 @@ diagnosis instead of burning the night); after a proposal that crashed with a pl
 error, one `repair` of it by the proposer that made it (llm, agent); with
 `requeue_near_misses`, a discard that was within the noise of an incumbent that has since
 changed, tried once more on the new best; otherwise the proposer chain's next proposal,
-prepared while the previous trial trained (`autoloop.loop.prefetch`).
+prepared while the previous trial trained (`autoloop.loop.prefetch`), the chain in its
+order or, with `schedule = "yield"`, in this turn's order (`autoloop.loop.sources`).
 
 A model that cannot be reached (its `outage`, autoloop.proposers.outage) is said on the
 console once when it goes and once when it is back; while it is away the other sources
@@ -30,6 +31,7 @@ import time
 from dataclasses import dataclass
 
 from autoloop.loop.prefetch import Prefetcher
+from autoloop.loop.sources import SourceSchedule
 from autoloop.proposers.proposal import Edit, Proposal
 from autoloop.proposers.base import ProposerUnavailable
 from autoloop.store import Kind, Status
@@ -146,7 +148,10 @@ class Scheduler:
         again = self._near_miss_item(parent)
         if again is not None:
             return again
-        proposal = self.prefetcher.next_proposal(parent)
+        if self.controller.config.schedule == "yield":
+            proposal = SourceSchedule(self.controller, self.prefetcher).next_proposal(parent)
+        else:
+            proposal = self.prefetcher.next_proposal(parent)
         away = self.announce_outages(proposal is not None)
         if proposal is None:
             waiting = [o for o in away if o.retry_at is not None

@@ -377,7 +377,7 @@ class SearchProposer:
             done, state, seen = [], SearchState(), set(self._earlier_discards(ctx))
         for trial in trials[len(done):]:
             digest = None
-            if trial.get("proposer") == self.name and trial.get("parent_commit"):
+            if trial.get("proposer") == self.name and trial.get("parent_commit") and not scheduled(trial):
                 digest = self._replay_search_trial(ctx, state, seen, trial)
             if digest is None:
                 digest = self._trial_digest(ctx, trial)
@@ -465,6 +465,92 @@ class SearchProposer:
         )
 
 
+    # -- the scheduler's parts (autoloop.loop.sources, schedule = "yield") -------------
+
+    def covered_sets(self, ctx, old: str, new: str) -> dict | None:
+        """The constants `new` sets, when it differs from `old` only in values of constants
+        this search covers on `ctx.parent_commit` (comments aside); None otherwise."""
+        import ast
+
+        from autoloop.pyconst import read_constants
+
+        params = {p.name for p in self._space(ctx, ctx.parent_commit) or []}
+        try:
+            before, after = read_constants(old), read_constants(new)
+        except SyntaxError:
+            return None
+        moved = {n: c for n, c in after.items() if n in before and c.source != before[n].source}
+        if not moved or set(before) != set(after) or not set(moved) <= params:
+            return None
+        sets = {}
+        for name, const in moved.items():
+            try:
+                literal = ast.literal_eval(const.source)
+            except (ValueError, SyntaxError):
+                literal = None
+            sets[name] = literal if isinstance(literal, (bool, int, float)) else Expression(const.source)
+        try:
+            same = ast.dump(ast.parse(set_constants(old, sets, path=self.path))) == ast.dump(ast.parse(new))
+        except (AutoloopError, SyntaxError):
+            return None
+        return sets if same else None
+
+    def structural_keep(self, ctx) -> dict | None:
+        """The trial that made `ctx.parent_commit`, when a model or agent wrote it and it is
+        more than new values of constants this search covers."""
+        made = [t for t in ctx.store.trials(ctx.run["id"], last=50)
+                if t.get("trial_commit") == ctx.parent_commit and t["status"] == Status.KEEP.value]
+        if not made or made[-1].get("proposer") not in RETUNE_AFTER or not made[-1].get("parent_commit"):
+            return None
+        keep = made[-1]
+        old, new = self._text(ctx, keep["parent_commit"]), self._text(ctx, ctx.parent_commit)
+        if old is None or new is None or old == new:
+            return None
+        return None if self.covered_sets(ctx, old, new) else keep
+
+    def retune(self, ctx) -> Proposal | None:
+        """After a model's structural keep, the constants the change most likely moved,
+        re-tuned on it: every learning rate together x2 then /2, then each constant the
+        change's diff names, x2 then /2 (or a flip); at most RETUNE_TRIALS moves, none that
+        reproduces a train.py already tried on this parent."""
+        keep = self.structural_keep(ctx)
+        if keep is None:
+            return None
+        parent, text = ctx.parent_commit, self._text(ctx, ctx.parent_commit)
+        params = self._space(ctx, parent) or []
+        tried = [t for t in ctx.store.trials(ctx.run["id"], last=200)
+                 if t.get("parent_commit") == parent and (t.get("description") or "").startswith(RETUNE_PREFIX)]
+        if len(tried) >= RETUNE_TRIALS:
+            return None
+        seen = {d for d in (self._trial_digest(ctx, t) for t in ctx.store.trials(ctx.run["id"], last=200)
+                            if t.get("parent_commit") == parent) if d}
+        seen.add(_digest(text))
+        diff = keep.get("diff") or ""
+        named = [p for p in params if p.group != "lr" and p.group != "speed"
+                 and any(p.name in line for line in diff.splitlines() if line[:1] in "+-")]
+        lrs = [p for p in params if p.group == "lr"]
+        candidates = [("every learning rate", lrs)] + [(p.name, [p]) for p in named]
+        for label, group in candidates:
+            for direction in (1, -1):
+                sets = {}
+                for p in group:
+                    move = p.move(direction, 0)
+                    if move is not None:
+                        sets.update(move)
+                if not sets or _guard(text).breaks(sets):
+                    continue
+                if _digest(set_constants(text, sets)) in seen:
+                    continue
+                how = "x2" if direction > 0 else "/2"
+                changes = ", ".join(f"{n} {next(p.source for p in params if p.name == n)} -> {format_value(v)}"
+                                    for n, v in sets.items())
+                return Proposal(
+                    description=f"{RETUNE_PREFIX} {keep['number']}'s change: {label} {how} ({changes})",
+                    edits=[Edit(path=self.path, sets=sets)], source=self.name,
+                    meta={"group": "retune", "after": keep["number"]},
+                )
+        return None
+
     def _lr_range_move(self, ctx, text: str) -> Proposal | None:
         """The first learning-rate step, placed by `autoloop check`'s LR range test: every LR
         constant scaled to its suggestion, once per run, when the suggestion is far enough
@@ -490,6 +576,21 @@ class SearchProposer:
                         f"({', '.join(f'{k}={v:g}' for k, v in sets.items())})",
             edits=[Edit(path=self.path, sets=sets)], source=self.name, meta={"group": "lr-range"},
         )
+
+
+# The re-tune after a structural keep (SearchProposer.retune): whose keeps, how many moves.
+RETUNE_AFTER = ("llm", "agent")
+RETUNE_TRIALS = 4
+RETUNE_PREFIX = "search: re-tune after trial"
+# A model's answer that only sets constants this search covers, tried as its point
+# (autoloop.loop.sources routes it).
+POINT_PREFIX = "search: a point proposed by"
+
+
+def scheduled(trial: dict) -> bool:
+    """A search trial the scheduler made (a re-tune, a model's point), not a move of the
+    pattern search: the replay reads it as another proposer's evidence."""
+    return (trial.get("description") or "").startswith((RETUNE_PREFIX, POINT_PREFIX))
 
 
 # The LR range test's suggestion is tried first when it is at least this factor away.

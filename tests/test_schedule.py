@@ -1,0 +1,133 @@
+"""The proposal scheduler over the sources (`schedule = "yield"`, autoloop/loop/sources.py):
+the bandit's allocation on a known yield sequence, a model's constant-only answer tried as
+the search's point, and the search's re-tune after a model's structural keep, through the
+real controller over the fake training script and the fake OpenAI-compatible server."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from autoloop.config import resolve
+from autoloop.errors import AutoloopError
+from autoloop.loop.controller import Controller
+from autoloop.loop.sources import Outcome, shares, turn_order, yields
+from autoloop.proposers.search import POINT_PREFIX, RETUNE_PREFIX
+from autoloop.store import Store
+from conftest import FAKE_TRAIN, make_repo
+from fakes.fake_openai import FakeOpenAI, edit_answer
+
+LR_LINE = "LR = 0.02  # learning rate; range 0.0001..1 log"
+# A structural edit of the fake script's objective: the best learning rate moves from 0.01
+# to 10**-1.5 (0.0316) and the floor drops by 0.05, so the edit helps at LR 0.02 (1.0906 ->
+# 0.9896) and LR x2 on it helps again (0.9604).
+OBJECTIVE = "    value = 1.0 + (math.log10(LR) + 2.0) ** 2 + 0.1 * (math.log2(WIDTH) - 6.0) ** 2"
+STRUCTURAL = "    value = 0.95 + (math.log10(LR) + 1.5) ** 2 + 0.1 * (math.log2(WIDTH) - 6.0) ** 2"
+
+
+def simulate(gain_per_minute: dict[str, float], turns: int, floor: float) -> dict[str, int]:
+    """Turns of the bandit where each source, when picked, wins its fixed gain in one minute."""
+    history: list[Outcome] = []
+    for _ in range(turns):
+        share = shares(yields(history, list(gain_per_minute), window=10_000, prior=0), floor)
+        counts = {n: sum(1 for o in history if o.source == n) for n in gain_per_minute}
+        first = turn_order(share, counts)[0]
+        history.append(Outcome(first, gain_per_minute[first], 1.0))
+    return {n: sum(1 for o in history if o.source == n) for n in gain_per_minute}
+
+
+def test_shares_follow_yield_per_gpu_minute_with_a_floor_for_each_source():
+    # 3:1:0 bpb per minute, floor 0.1 of 3 sources: 0.1 + 0.7 x (3/4, 1/4, 0).
+    assert shares({"llm": 0.003, "search": 0.001, "agent": 0.0}, 0.1) == pytest.approx(
+        {"llm": 0.625, "search": 0.275, "agent": 0.1})
+    # A source not yet tried counts as the best known one; nothing yielded: equal shares.
+    assert shares({"llm": None, "search": 0.002}, 0.1) == pytest.approx({"llm": 0.5, "search": 0.5})
+    assert shares({"llm": 0.0, "search": 0.0}, 0.1) == {"llm": 0.5, "search": 0.5}
+    # Yield is gain over the minutes of the source's last `window` outcomes.
+    history = [Outcome("llm", 0.02, 4.0), Outcome("llm", 0.0, 6.0), Outcome("search", 0.01, 2.0),
+               Outcome("search", 0.0, 3.0), Outcome("search", 0.0, 5.0)]
+    assert yields(history, ["llm", "search", "agent"], prior=0) == pytest.approx(
+        {"llm": 0.002, "search": 0.001, "agent": None})
+    assert yields(history, ["search"], window=2) == {"search": 0.0}
+    # Shrunk by 2 pseudo-trials of the mean length (4 min) at the pooled yield (0.03 / 20 min):
+    # (0.02 + 0.0015 x 8) / (10 + 8) and (0.01 + 0.0015 x 8) / (10 + 8).
+    assert yields(history, ["llm", "search"]) == pytest.approx({"llm": 0.032 / 18, "search": 0.022 / 18})
+
+
+def test_one_failure_does_not_send_a_source_to_the_floor():
+    # The model failed once (a minute); the search won 0.003 in each of 5 minutes. Pooled:
+    # 0.015 / 6 min; 2 pseudo-minutes each: model 0.005 / 3, search 0.020 / 7.
+    history = [Outcome("llm", 0.0, 1.0)] + [Outcome("search", 0.003, 1.0)] * 5
+    llm, search = 0.005 / 3, 0.020 / 7
+    assert shares(yields(history, ["llm", "search"]), 0.1) == pytest.approx(
+        {"llm": 0.1 + 0.8 * llm / (llm + search), "search": 0.1 + 0.8 * search / (llm + search)})
+    assert shares(yields(history, ["llm", "search"], prior=0), 0.1) == pytest.approx({"llm": 0.1, "search": 0.9})
+
+
+def test_the_bandit_gives_each_source_its_share_of_turns_on_a_fixed_yield_sequence():
+    # 200 turns at 3:1:0 bpb a minute: 0.625, 0.275 and the floor 0.1 of the turns, to within one.
+    counts = simulate({"llm": 0.003, "search": 0.001, "agent": 0.0}, 200, 0.1)
+    assert abs(counts["llm"] - 125) <= 1 and abs(counts["search"] - 55) <= 1 and abs(counts["agent"] - 20) <= 1
+    # A source that never yields keeps exactly its floor; without a floor it would starve.
+    counts = simulate({"llm": 0.0, "search": 0.002}, 100, 0.1)
+    assert counts == {"llm": 10, "search": 90}
+    assert simulate({"llm": 0.0, "search": 0.002}, 100, 0.0)["llm"] == 1  # tried once (optimism), then never
+
+
+def test_schedule_settings_are_checked(tmp_path):
+    assert resolve(tmp_path, {"schedule": "yield"}).schedule == "yield"
+    with pytest.raises(AutoloopError, match="schedule"):
+        resolve(tmp_path, {"schedule": "bandit"})
+    with pytest.raises(AutoloopError, match="schedule-floor"):
+        resolve(tmp_path, {"schedule_floor": 0.9})
+
+
+@pytest.fixture
+def repo(tmp_path, monkeypatch) -> Path:
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-test")
+    monkeypatch.delenv("OPENAI_BASE_URL", raising=False)
+    return make_repo(tmp_path / "repo", FAKE_TRAIN.read_text(), {"program.md": "# program\nLower val_bpb.\n"})
+
+
+def night(repo: Path, server: FakeOpenAI, **flags):
+    flags = {"tag": "t", "time_budget": 5, "grace_seconds": 20, "verify": False, "proposers": "llm,search",
+             "llm_model": "fake-model", "llm_base_url": server.base_url, "llm_retries": 0, "schedule": "yield",
+             "check": False, **flags}
+    Controller(resolve(repo, flags), repo, verifier=None).run()
+    with Store(repo / "experiments.db") as store:
+        run = store.get_run("t")
+        calls = [dict(r) for r in store.db.query("SELECT * FROM proposals ORDER BY id")]
+        return store.trials(run["id"]), calls
+
+
+def test_a_models_constant_only_answer_is_tried_as_the_searchs_point(repo):
+    answer = edit_answer(LR_LINE, "LR = 0.01  # learning rate; range 0.0001..1 log", "lower the learning rate")
+    with FakeOpenAI([answer]) as server:
+        trials, calls = night(repo, server, max_trials=2)
+    trial = trials[1]
+    assert trial["proposer"] == "search" and trial["status"] == "keep"
+    assert trial["description"] == f"{POINT_PREFIX} llm: LR 0.02 -> 0.01 (lower the learning rate)"
+    assert [(e["path"], e["sets"]) for e in trial["edits"]["edits"]] == [("train.py", {"LR": 0.01})]
+    assert trial["metric"] == pytest.approx(1.0)  # the fake script's optimum: the point was tried as given
+    # The model's call is still accounted, on the trial that used its answer.
+    assert [c["trial_id"] for c in calls if c["proposer"] == "llm"][:1] == [trial["id"]]
+
+
+def test_the_search_re_tunes_the_learning_rates_after_a_models_structural_keep(repo):
+    later = edit_answer("WIDTH = 64  # model width; power of two", "WIDTH = 32  # model width; power of two", "narrower")
+    with FakeOpenAI([edit_answer(OBJECTIVE, STRUCTURAL, "a better objective"), later]) as server:
+        trials, _ = night(repo, server, max_trials=3)
+    structural, retune = trials[1], trials[2]
+    assert (structural["proposer"], structural["status"]) == ("llm", "keep")
+    assert structural["metric"] == pytest.approx(0.95 + (-1.69897 + 1.5) ** 2, abs=1e-4)
+    assert retune["proposer"] == "search" and retune["parent_commit"] == structural["trial_commit"]
+    assert retune["description"] == f"{RETUNE_PREFIX} 2's change: every learning rate x2 (LR 0.02 -> 0.04)"
+    assert retune["status"] == "keep" and retune["metric"] == pytest.approx(0.95 + (-1.39794 + 1.5) ** 2, abs=1e-4)
+
+
+def test_without_the_scheduler_the_model_answers_again_after_its_structural_keep(repo):
+    later = edit_answer("WIDTH = 64  # model width; power of two", "WIDTH = 32  # model width; power of two", "narrower")
+    with FakeOpenAI([edit_answer(OBJECTIVE, STRUCTURAL, "a better objective"), later]) as server:
+        trials, _ = night(repo, server, max_trials=3, schedule="chain")
+    assert [t["proposer"] for t in trials[1:]] == ["llm", "llm"]

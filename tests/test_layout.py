@@ -299,6 +299,8 @@ ONE_CONCEPT = {
     "autoloop/decide/rule.py": "the decision: keep, discard or measure again, from paired runs",
     "autoloop/review/queries.py": "reading a run back from experiments.db: the rows the review prints",
     "autoloop/review/report.py": "the report: one self-contained HTML page about a run",
+    "autoloop/proposers/search.py": "the built-in search: the pattern search over train.py's constants, its re-tune "
+                                    "after a structural keep and the points a model's constant-only answer names",
     "autoloop/measure/worker.py": "the worker's half of one measurement: train, check, evaluate one commit at one seed",
 }
 

@@ -640,9 +640,9 @@ def main():
             gc.disable()
 
         last = clock.done
-        # Every point the curve keeps is a progress record too (printed every LOG_EVERY steps): the early stop
-        # is calibrated on these curves, so the worker watching this run must see the same points.
-        if curve.add(step, clock.training_seconds, train_loss, lr_mult, grad_norm, last) or step % LOG_EVERY == 0:
+        # The early stop is calibrated on the curve's points: where they are denser than LOG_EVERY the worker gets them.
+        kept = curve.add(step, clock.training_seconds, train_loss, lr_mult, grad_norm, last)
+        if step % LOG_EVERY == 0 or last or (kept and curve.stride < LOG_EVERY):
             tok_per_s = tokens_per_step / dt
             progress_log.step(step, progress, train_loss, lr_mult, grad_norm, clock.training_seconds, dt, tok_per_s,
                               utilisation.figures(tok_per_s)["mfu_percent"], echo=step % LOG_EVERY == 0 or last)

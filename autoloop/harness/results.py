@@ -84,8 +84,9 @@ class LossCurve:
 
     def add(self, step: int, seconds: float, loss: float, lr: float, grad_norm: float, last: bool = False) -> bool:
         """Step `step` (0-based) finished; recorded as step + 1 when the stride (or `last`) says
-        so. Returns whether it was: train.py then writes the step's progress record too, so the
-        worker's early stop sees the points its calibration (on these curves) was made from."""
+        so. Returns whether it was: train.py then writes the step's progress record too (while the
+        stride is finer than its printed lines'), so the worker's early stop sees the points its
+        calibration (on these curves) was made from."""
         if step % self.stride and not last:
             return False
         # lr: the schedule's multiplier of every group's peak LR (1 = peak).
@@ -99,8 +100,9 @@ class LossCurve:
 class ProgressWriter:
     """Appends one JSON line per logged step, for `autoloop status` and the worker's early
     stop; no-op without a path. A record costs microseconds, so every step the loss curve
-    keeps gets one (a 40-step CPU run: all 40; the early stop's windows are means over them),
-    while the printed line stays every LOG_EVERY steps."""
+    keeps gets one while the curve is denser than the printed lines (a 40-step CPU run: all
+    40; the early stop's windows are means over them; past ~2,000 steps LOG_EVERY's lines are
+    as dense as the curve), while the printed line stays every LOG_EVERY steps."""
 
     def __init__(self, path: Path | str | None):
         self.path = Path(path) if path else None

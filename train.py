@@ -640,11 +640,12 @@ def main():
             gc.disable()
 
         last = clock.done
-        curve.add(step, clock.training_seconds, train_loss, lr_mult, grad_norm, last)
-        if step % LOG_EVERY == 0 or last:
+        # The early stop is calibrated on the curve's points: where they are denser than LOG_EVERY the worker gets them.
+        kept = curve.add(step, clock.training_seconds, train_loss, lr_mult, grad_norm, last)
+        if step % LOG_EVERY == 0 or last or (kept and curve.stride < LOG_EVERY):
             tok_per_s = tokens_per_step / dt
             progress_log.step(step, progress, train_loss, lr_mult, grad_norm, clock.training_seconds, dt, tok_per_s,
-                              utilisation.figures(tok_per_s)["mfu_percent"])
+                              utilisation.figures(tok_per_s)["mfu_percent"], echo=step % LOG_EVERY == 0 or last)
     gc.enable()
 
     # ---- Evaluation and results ----

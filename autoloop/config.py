@@ -120,7 +120,11 @@ class Config:
     llm_outage_wait: float = 7200.0  # seconds a run whose only source is a model waits out one outage
     llm_max_repairs: int = 2  # times a rejected answer is sent back with the reason
     llm_prices: dict = field(default_factory=dict)  # $ per 1M tokens: {model: [input, output]}
-    max_cost: float | None = None  # stop calling paid models once the run's proposals cost this many $
+    # One cap over what the night spends (autoloop/loop/cost.py): model tokens at llm_prices and
+    # GPU time at gpu_hour_price (each run holds one GPU for its wall time); the run stops before
+    # its next trial would pass it. 0, the default price, is your own machine: tokens only count.
+    max_cost: float | None = None  # US dollars the run may spend on model tokens and GPU time
+    gpu_hour_price: float = 0.0  # $ per GPU-hour of training (a cloud GPU's rent); 0: GPU time is free
     agent_command: str | None = None  # coding agent run in a throwaway clone, e.g. "claude -p"
     # The project's memory (autoloop/proposers/memory.py): the proposers, `autoloop ideas` and
     # the report know what every earlier tag of this db tried, kept and discarded, and those of
@@ -209,7 +213,8 @@ _RANGES: dict[str, tuple[float, bool, float | None, str, str]] = {
     "llm_retry_max_wait": (0, False, None, "seconds between tries of an unreachable model at most", "300"),
     "llm_outage_wait": (0, True, None, "seconds a run with only a model waits for it", "7200"),
     "llm_max_repairs": (0, True, None, "times a rejected answer is sent back", "2"),
-    "max_cost": (0, True, None, "US dollars of paid proposals", "20"),
+    "max_cost": (0, True, None, "US dollars of model tokens and GPU time", "20"),
+    "gpu_hour_price": (0, True, None, "US dollars per GPU-hour", "2.5"),
     "agent_timeout": (0, False, None, "seconds before the agent is killed", "1800"),
     "workers": (0, True, None, "workers; 0 means one per GPU", "2"),
     "migrate_every": (0, True, None, "trials between migrations; 0 means never", "10"),

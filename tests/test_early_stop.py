@@ -147,7 +147,11 @@ def test_config_errors_are_one_line():
 def test_progress_in_step_mode_time_mode_and_from_progress_lines():
     assert progress_of({"step": 30}, {"max_steps": 60}) == 0.5
     assert progress_of({"step": 30, "seconds": 15.0}, {"time_budget": 60}) == 0.25
-    assert progress_of({"progress": 0.7, "step": 1}, {"max_steps": 60}) == 0.7
+    # In step mode the step wins (a progress line's "progress" is its step's start): the
+    # recorded curve the rule is calibrated on and the lines the worker reads agree.
+    assert progress_of({"progress": 0.7, "step": 1}, {"max_steps": 60}) == pytest.approx(1 / 60)
+    assert progress_of({"progress": 0.7, "step": 1, "seconds": 3.0}, {"time_budget": 60}) == 0.7
+    assert progress_of({"progress": 0.7}, {"max_steps": 60}) == 0.7
     assert progress_of({"step": 90}, {"max_steps": 60}) == 1.0
     assert progress_of({"step": 3}, None) is None
 
@@ -212,10 +216,10 @@ def test_should_stop_on_real_shaped_curves_step_mode():
     loser = _curve(base + batch + 0.3, steps)
     # Live: the candidate's progress lines (every 10 steps) as they arrive.
     lines = [dict(pt, progress=(pt["step"] - 1) / steps) for pt in loser if (pt["step"] - 1) % 10 == 0]
-    stop, why, reached = should_stop(rule, inc, lines[:3])  # up to 20%: before min_progress
-    assert not stop and reached == pytest.approx(0.2)
+    stop, why, reached = should_stop(rule, inc, lines[:3])  # up to step 21: before min_progress's checkpoint
+    assert not stop and reached == pytest.approx(0.21)
     stop, why, reached = should_stop(rule, inc, lines[:5])
-    assert stop and reached == pytest.approx(0.4) and why.startswith("stopped early at 40% of the budget")
+    assert stop and reached == pytest.approx(0.41) and why.startswith("stopped early at 41% of the budget")
     level = _curve(base + batch, steps)
     assert not should_stop(rule, inc, level)[0]
     # A candidate with a shorter warm-down is not compared where the schedules differ.
@@ -258,3 +262,87 @@ def test_calibration_one_pair_at_a_time_is_the_batch_calibration():
     running.add(0.55, 1.0, 0.0)  # off the grid: ignored
     running.add(0.5, math.nan, 0.0)
     assert running.pairs == 40
+
+
+# ---------------------------------------------------------------------------------------
+# What the worker sees: a 40-step CPU run (docs/decisions.md, "A real CPU night")
+
+STEPS40 = 40
+BUDGET40 = {"max_steps": STEPS40}
+
+
+def _pair40(rng, f, noise=0.15, diffs=None):
+    """The incumbent's and a candidate's per-step curves (as recorded) of a 40-step run at one
+    seed: a shared batch difficulty, and candidate minus incumbent = f + N(0, noise^2) per
+    step (the early steps of two models differ by a lot at random), or `diffs` exactly."""
+    base = 5.5 - 2.5 * np.sqrt(np.linspace(0, 1, STEPS40)) + rng.normal(0, 0.2, STEPS40)
+    gap = np.asarray(diffs) if diffs is not None else f + rng.normal(0, noise, STEPS40)
+    return _curve(base, STEPS40), _curve(base + gap, STEPS40)
+
+
+def _lines(curve, every):
+    """The progress lines the worker reads: train.py's records (progress at the step's start,
+    (step - 1) / steps) every `every` steps and the last; every=1 is what it writes now."""
+    return [dict(pt, progress=(pt["step"] - 1) / STEPS40) for pt in curve
+            if (pt["step"] - 1) % every == 0 or pt["step"] == STEPS40]
+
+
+def _old_progress(lines):
+    """Before the fix the rule took a line's own "progress" even in step mode: drop the step."""
+    return [{k: v for k, v in pt.items() if k != "step"} for pt in lines]
+
+
+def _night40(seed=27, n=30):
+    rng = np.random.default_rng(seed)
+    triples = []
+    for _ in range(n):
+        f = float(rng.normal(0, 0.1))
+        inc, cand = _pair40(rng, f)
+        triples += curve_pairs(inc, cand, f, CFG, BUDGET40)
+    return rng, calibrate(triples, CFG, shape_changes=schedule_changes(inc, BUDGET40), budget=BUDGET40)
+
+
+def _first_stop(rule, inc, lines):
+    """The number of lines read when the worker stops the run (None: never before its last line)."""
+    for k in range(1, len(lines)):
+        if should_stop(rule, inc, lines[:k])[0]:
+            return k
+    return None
+
+
+def test_a_clear_loser_of_a_40_step_run_is_stopped_at_30_percent_from_the_lines_the_worker_reads():
+    # Trial 27 of the real CPU night (MODEL_DIM 256 -> 64, +0.39 bpb at the end): far behind in
+    # the first steps, +0.128 at step 11 (the one line the worker had in the 30% window), the mean
+    # over the window's twelve steps +0.325, falling further behind late in the run.
+    rng, rule = _night40()
+    assert rule.active and rule.thresholds[GRID.index(0.3)] is not None
+    t30 = rule.thresholds[GRID.index(0.3)]
+    diffs = np.concatenate([[0.75, 0.6, 0.5, 0.45, 0.4, 0.3, 0.22, 0.15, 0.14, 0.13, 0.128, 0.12],
+                            np.full(28, 0.125)])
+    diffs[-10:] = 0.39
+    inc, loser = _pair40(rng, 0.0, diffs=diffs)
+    assert np.mean(diffs[:12]) == pytest.approx(0.325, abs=0.01)
+    assert diffs[10] < t30 < np.mean(diffs[:12])  # the one line below the threshold, the window's mean above
+    # Before: a line every LOG_EVERY = 10 steps, placed by its own progress: never stopped before it ended.
+    assert _first_stop(rule, inc, _old_progress(_lines(loser, 10))) is None
+    # Now: a line for every step the curve keeps, placed by its step: stopped once step 12 is in.
+    lines = _lines(loser, 1)
+    k = _first_stop(rule, inc, lines)
+    assert k == 12
+    stop, why, reached = should_stop(rule, inc, lines[:k])
+    assert stop and reached == pytest.approx(0.3) and why.startswith("stopped early at 30% of the budget: at 30%")
+
+
+def test_no_candidate_that_ends_better_than_the_incumbent_is_stopped_from_every_step():
+    # 200 candidates of 40-step runs that end better (f < 0) and 200 that end level, on a rule
+    # calibrated on the night's pairs: none of the better ones is stopped, and the level ones
+    # about as often as eps (5%) promises. Read a line every 10 steps instead, the single
+    # noisy points stop more level ones than promised.
+    rng, rule = _night40(seed=33)
+    better = [_pair40(rng, -abs(float(rng.normal(0, 0.1))) - 0.01) for _ in range(200)]
+    assert sum(_first_stop(rule, inc, _lines(c, 1)) is not None for inc, c in better) == 0
+    level = [_pair40(rng, 0.0) for _ in range(200)]
+    now = sum(_first_stop(rule, inc, _lines(c, 1)) is not None for inc, c in level)
+    old = sum(_first_stop(rule, inc, _old_progress(_lines(c, 10))) is not None for inc, c in level)
+    assert now <= 0.05 * 200 * 1.6, now  # eps with room for the sampling (binomial sd ~3 of 10)
+    assert old > now, (old, now)

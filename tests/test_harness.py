@@ -221,6 +221,19 @@ def test_the_loss_curve_thins_to_at_most_its_points_and_keeps_the_last_step():
     assert curve.points[-1] == {"step": 20, "seconds": 9.5, "loss": -9.0, "lr": 1.0, "grad_norm": 1.0}
 
 
+def test_the_loss_curve_says_which_steps_it_kept_and_a_quiet_progress_step_is_a_record_only(tmp_path, capsys):
+    # train.py writes a progress record for each step the curve keeps (the early stop's
+    # calibration is made from these points), printing a line only every LOG_EVERY steps.
+    curve = H.LossCurve(4)
+    kept = [curve.add(step, seconds=0.0, loss=1.0, lr=1.0, grad_norm=1.0, last=step == 19) for step in range(20)]
+    assert [k for k, was in enumerate(kept) if was] == [0, 1, 2, 3, 4, 6, 8, 12, 16, 19]
+    writer = H.ProgressWriter(tmp_path / "progress.jsonl")
+    writer.step(3, 0.15, 2.5, 1.0, 1.0, 1.0, 0.25, 100.0, None, echo=False)
+    assert capsys.readouterr().out == ""
+    (record,) = [json.loads(line) for line in (tmp_path / "progress.jsonl").read_text().splitlines()]
+    assert record["step"] == 4 and record["loss"] == 2.5
+
+
 def test_a_progress_step_is_one_record_and_the_progress_line_as_train_py_printed_it(tmp_path, capsys):
     writer = H.ProgressWriter(tmp_path / "progress.jsonl")
     writer.step(9, 0.123456, 2.345678, 0.5, 0.987654, 3.14159, 0.25, 16384.0, 12.345)

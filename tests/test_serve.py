@@ -573,6 +573,10 @@ def test_a_browser_shows_new_trials_without_a_reload(night, server, tmp_path):
                          "document.querySelector('#run-head .tag').textContent === 'live'", 10)
         browser.wait_for("document.querySelector('#live .card') !== null && document.querySelector('#stats .stat') !== null", 10)
         browser.evaluate("window.__sameDocument = 'yes'")
+        # Dollars spent (no priced model, no gpu-hour-price here) as the report's card says them.
+        spent = browser.evaluate("[...document.querySelectorAll('#stats .stat')].filter(s => "
+                                 "s.querySelector('.label').textContent === 'spent').map(s => s.textContent)")
+        assert spent == ["spent$0.00$0.00 model tokens; $0.00 GPU time (no gpu-hour-price set); $0.00 per bpb gained"], spent
         assert browser.evaluate("document.querySelector('#seed-form') !== null")  # the token link's cookie: may steer
         written = time.monotonic()
         trial = night.trial(SCRIPT + " in a browser", "discard", night.best["metric"] + 0.01)

@@ -132,8 +132,13 @@ def test_curve_and_progress_are_recorded(trained_run):
     assert curve[0]["loss"] > 5.0 and np.mean([p["loss"] for p in curve[-5:]]) < 3.5
     lines = (trained_run["dir"] / "progress.jsonl").read_text().splitlines()
     records = [json.loads(line) for line in lines]
-    assert records[0]["step"] == 1 and records[-1]["step"] == 20
+    # A record for every step the curve keeps (the early stop's calibration is made from the
+    # curves, so the worker must see the same points), the printed line every LOG_EVERY steps.
+    assert [r["step"] for r in records] == [p["step"] for p in curve]
+    assert [r["loss"] for r in records] == [p["loss"] for p in curve]
     assert all("loss" in r and "tokens_per_second" in r for r in records)
+    printed = re.findall(r"^step (\d+) \(", trained_run["proc"].stdout, flags=re.MULTILINE)
+    assert [int(s) for s in printed] == [1, 11, 20]
 
 
 def test_checkpoint_rebuilds_the_same_val_bpb(trained_run, embedded_dataset):

@@ -81,7 +81,7 @@ def run(
     llm_model: Annotated[Optional[str], typer.Option(help="Model name for the llm proposer (an OpenAI-compatible API); setting it adds the llm to the default chain.")] = None,
     llm_base_url: Annotated[Optional[str], typer.Option(help="Base URL of the OpenAI-compatible API (vLLM, Ollama, OpenRouter, ...); OPENAI_BASE_URL by default.")] = None,
     agent_command: Annotated[Optional[str], typer.Option(help="A coding-agent command (e.g. 'claude -p'); setting it adds the agent proposer to the default chain.")] = None,
-    max_cost: Annotated[Optional[float], typer.Option(help="Stop proposing with paid models once this many US dollars are spent (needs llm-prices).")] = None,
+    max_cost: Annotated[Optional[float], typer.Option(help="Stop the run before its next trial would take its spending past this many US dollars: model tokens at llm-prices, GPU time at gpu-hour-price.")] = None,
     workers: Annotated[Optional[int], typer.Option(help="Train this many trials at once, one per GPU, each in its own git worktree (the local executor; on a CPU machine, pretend devices). 0: one per visible GPU.")] = None,
     executor: Annotated[Optional[str], typer.Option(help="'serial' (default, one trial at a time), 'local' (one worker per GPU of this machine) or 'ray' (one per GPU of a Ray cluster; pip install -e '.[ray]').")] = None,
     ray_address: Annotated[Optional[str], typer.Option(help="With --executor ray: the cluster to join ('auto', 'ray://head:10001'); none starts a local one.")] = None,

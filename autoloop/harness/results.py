@@ -82,19 +82,27 @@ class LossCurve:
     def __init__(self, max_points: int):
         self.max_points, self.stride, self.points = max_points, 1, []
 
-    def add(self, step: int, seconds: float, loss: float, lr: float, grad_norm: float, last: bool = False) -> None:
-        """Step `step` (0-based) finished; recorded as step + 1 when the stride (or `last`) says so."""
+    def add(self, step: int, seconds: float, loss: float, lr: float, grad_norm: float, last: bool = False) -> bool:
+        """Step `step` (0-based) finished; recorded as step + 1 when the stride (or `last`) says
+        so. Returns whether it was: train.py then writes the step's progress record too (while the
+        stride is finer than its printed lines'), so the worker's early stop sees the points its
+        calibration (on these curves) was made from."""
         if step % self.stride and not last:
-            return
+            return False
         # lr: the schedule's multiplier of every group's peak LR (1 = peak).
         self.points.append({"step": step + 1, "seconds": round(seconds, 4), "loss": round(loss, 5), "lr": lr,
                             "grad_norm": round(grad_norm, 5)})
         if len(self.points) > self.max_points:
             self.points, self.stride = self.points[::2], self.stride * 2
+        return True
 
 
 class ProgressWriter:
-    """Appends one JSON line per logged step, for `autoloop status`; no-op without a path."""
+    """Appends one JSON line per logged step, for `autoloop status` and the worker's early
+    stop; no-op without a path. A record costs microseconds, so every step the loss curve
+    keeps gets one while the curve is denser than the printed lines (a 40-step CPU run: all
+    40; the early stop's windows are means over them; past ~2,000 steps LOG_EVERY's lines are
+    as dense as the curve), while the printed line stays every LOG_EVERY steps."""
 
     def __init__(self, path: Path | str | None):
         self.path = Path(path) if path else None
@@ -108,13 +116,15 @@ class ProgressWriter:
             handle.write(json.dumps(record) + "\n")
 
     def step(self, step: int, progress: float, loss: float, lr: float, grad_norm: float, seconds: float,
-             step_seconds: float, tokens_per_second: float, mfu: float | None) -> None:
-        """Step `step` (0-based) finished: its record to the file and its progress line to stdout
-        (the line `autoloop status` and the logs show; the result JSON, not this, is parsed)."""
+             step_seconds: float, tokens_per_second: float, mfu: float | None, echo: bool = True) -> None:
+        """Step `step` (0-based) finished: its record to the file and, with `echo`, its progress
+        line to stdout (the line the logs show; the result JSON, not this, is parsed)."""
         record = {"step": step + 1, "progress": round(progress, 4), "loss": round(loss, 5), "lr": lr,
                   "grad_norm": round(grad_norm, 5), "tokens_per_second": round(tokens_per_second, 1),
                   "training_seconds": round(seconds, 3), "mfu_percent": mfu}
         self.log(record)
+        if not echo:
+            return
         print(f"step {step + 1:05d} ({100 * progress:5.1f}%) | loss {loss:.4f} | lr x{lr:.3f} | "
               f"grad norm {record['grad_norm']:.3f} | {1000 * step_seconds:.0f} ms | {tokens_per_second:,.0f} tok/s"
               + (f" | mfu {mfu:.1f}%" if mfu is not None else ""), flush=True)

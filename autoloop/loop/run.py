@@ -9,7 +9,8 @@ are decided here only, before each work item:
 
 * a stop (`stop_reason`): Ctrl-C, `--max-trials` (counting the trials in flight),
   `autoloop stop`, `--hours` (no trial starts that could not finish in time, with the
-  reserve's runs at the end: autoloop.loop.reserve);
+  reserve's runs at the end: autoloop.loop.reserve), `--max-cost` (no trial starts that
+  would take the night's model tokens and GPU time past it: autoloop.loop.cost);
 * a pause (`next_pause`): one a trial asked for (a full disk, a large drift), taken first
   whatever else would stop the run; the harness or the data changed under the run (the
   verifier's check, then what a worker found); or the scheduler's own (the baseline
@@ -36,7 +37,7 @@ import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 from autoloop.errors import AutoloopError
-from autoloop.loop import reserve
+from autoloop.loop import cost, reserve
 from autoloop.loop.scheduler import BLOCKING, Work, WorkItem
 from autoloop.store import Kind, RunStatus, Status
 from autoloop.loop.host import TrialHost
@@ -272,6 +273,10 @@ class Loop:
             # the headline's runs and the ladder's (`--ladder`) come after
             if left < self.trial_estimate() + reserve.seconds_needed(c) + reserve.ladder_seconds_needed(c):
                 return f"--hours {cfg.hours}: the next trial could not finish in the {max(left, 0) / 60:.1f} min left"
+        if cfg.max_cost is not None:  # tokens and GPU time (autoloop.loop.cost)
+            # the headline's runs and the ladder's are paid for like trials
+            return cost.cap_reason(c.store, c.run_row, cfg, self.trial_estimate(),
+                                   reserve.seconds_needed(c) + reserve.ladder_seconds_needed(c))
         return None
 
     def wait_for_model(self, item: WorkItem, started: float, trials_run: int) -> str | None:

@@ -396,6 +396,7 @@ def headline(store, run: dict) -> dict:
     base, best = baseline_trial(store, run), best_trial(store, run)
     base_metric = base["metric"] if base else None
     best_metric = best["metric"] if best else None
+    from autoloop.loop.cost import cost_summary
     from autoloop.loop.reserve import headline_of
 
     confirmed = select(store, "SELECT COUNT(*) AS n FROM trials WHERE run_id = ? AND status = ? AND tier = ?",
@@ -420,6 +421,8 @@ def headline(store, run: dict) -> dict:
         # relative_gain: lower is a positive gain (the name older readers know); `change` is the convention.
         "relative_gain": -change["relative"] if change and change["relative"] is not None else None,
         "statuses": counts,
+        # dollars spent (model tokens, GPU time at the run's gpu-hour-price) and per bpb gained
+        "cost": cost_summary(store, run, change),
     }
 
 

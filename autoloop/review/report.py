@@ -37,6 +37,7 @@ from autoloop.errors import AutoloopError
 from autoloop.decide.effects import ablation_verdict, format_estimate, format_interval
 from autoloop.review.charts import curves_svg, ladder_svg, point_groups, progress_svg
 from autoloop.decide.figures import change_text, percent_text
+from autoloop.loop.cost import cost_note, usd
 from autoloop.review.queries import (
     CRASHED, baseline_trial, best_trial, common_reasons, discarded_trials, headline, idea_outcomes, kept_trials,
     ladder_summary, latest_ablations, noise_info, outage_info, progress_points, require_trials, select, trial_delta,
@@ -251,6 +252,7 @@ def render_html(data: dict) -> str:
     add(_stat("keep_rate", "keep rate", _pct(head["keep_rate"]), f"{head['kept']} of {head['decided']} decided"))
     add(_stat("compute_hours", f"{head['compute']} hours", f"{head['compute_hours']:.2f}",
               "wall time of every training run"))
+    add(_stat("spent", "spent", usd(head["cost"]["spent_usd"]), cost_note(head["cost"])))
     gain = data["gain"]
     reserve = head.get("reserve")
     change = head.get("change")  # the one baseline -> best pair (autoloop.decide.figures)

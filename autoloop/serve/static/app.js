@@ -374,6 +374,19 @@
     renderSeedForm();
   }
 
+  // Dollars as autoloop.loop.cost writes them: $2.30, and a sum below a cent with its first figures.
+  function usd(x) {
+    return x === 0 || Math.abs(x) >= 0.01 ? "$" + x.toFixed(2) : "$" + x.toPrecision(2);
+  }
+
+  function costNote(cost) {
+    const parts = [usd(cost.tokens_usd) + " model tokens",
+      usd(cost.gpu_usd) + " GPU time" + (cost.gpu_hour_price ? " at $" + cost.gpu_hour_price + "/GPU-hour" : " (no gpu-hour-price set)")];
+    if (cost.usd_per_bpb !== null && cost.usd_per_bpb !== undefined) parts.push(usd(cost.usd_per_bpb) + " per bpb gained");
+    if (cost.max_cost !== null && cost.max_cost !== undefined) parts.push("cap $" + cost.max_cost);
+    return parts.join("; ");
+  }
+
   function stat(label, value, note, cls) {
     return h("div", { class: "stat" + (cls ? " " + cls : "") }, h("div", { class: "label" }, label),
       h("div", { class: "value", title: String(value) }, value), note ? h("div", { class: "note" }, note) : null);
@@ -416,6 +429,7 @@
     cards.push(stat("kept", String(head.kept), head.keep_rate !== null ? pct(head.keep_rate) + " of " + head.decided + " decided" : ""));
     cards.push(stat("trials / hour", summary.trials_per_hour !== null ? summary.trials_per_hour.toFixed(1) : "–",
       head.compute_hours.toFixed(2) + " " + head.compute + " hours"));
+    if (head.cost) cards.push(stat("spent", usd(head.cost.spent_usd), costNote(head.cost)));
     cards.push(stat("noise", summary.noise || "not measured yet", summary.decision_rule ? "rule: " + summary.decision_rule : "", "wide text"));
     // The scale ladder (--ladder): what the best is worth at each rung, and which kept changes held there.
     (summary.ladder || []).forEach((rung) => cards.push(stat("at " + rung.spec, rung.headline, rung.tags, "wide text ladder")));

@@ -106,9 +106,11 @@ def cost_summary(store, run: dict, change: dict | None) -> dict:
 
 def cost_note(cost: dict) -> str:
     """The line under the dollars: what they were spent on, and per bpb gained."""
+    # The machine's hours, named as the headline names them (a CPU run never says GPU).
+    device = cost.get("compute") or "GPU"
     parts = [f"{usd(cost['tokens_usd'])} model tokens",
-             f"{usd(cost['gpu_usd'])} GPU time" + (f" at ${cost['gpu_hour_price']:g}/GPU-hour"
-                                                  if cost.get("gpu_hour_price") else " (no gpu-hour-price set)")]
+             f"{usd(cost['gpu_usd'])} {device} time" + (f" at ${cost['gpu_hour_price']:g}/{device}-hour"
+                                                       if cost.get("gpu_hour_price") else " (no gpu-hour-price set)")]
     if cost.get("usd_per_bpb") is not None:
         parts.append(f"{usd(cost['usd_per_bpb'])} per bpb gained")
     if cost.get("max_cost") is not None:

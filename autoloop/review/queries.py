@@ -414,7 +414,7 @@ def headline(store, run: dict) -> dict:
         "interrupted": counts[Status.INTERRUPTED.value], "running": counts[Status.RUNNING.value],
         "decided": decided, "keep_rate": kept / decided if decided else None, "compute_hours": seconds / 3600,
         "gpu_hours": seconds / 3600,  # the name before CPU runs were told apart: compute_hours
-        "compute": compute_kind(store, run),
+        "compute": (compute := compute_kind(store, run)),
         "baseline_metric": base_metric, "baseline_trial": base["number"] if base else None,
         "best_metric": best_metric, "best_trial": best["number"] if best else None,
         "best_commit": best["trial_commit"] if best else run.get("best_commit"),
@@ -422,7 +422,7 @@ def headline(store, run: dict) -> dict:
         "relative_gain": -change["relative"] if change and change["relative"] is not None else None,
         "statuses": counts,
         # dollars spent (model tokens, GPU time at the run's gpu-hour-price) and per bpb gained
-        "cost": cost_summary(store, run, change),
+        "cost": {**cost_summary(store, run, change), "compute": compute},
     }
 
 

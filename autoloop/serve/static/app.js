@@ -381,7 +381,9 @@
 
   function costNote(cost) {
     const parts = [usd(cost.tokens_usd) + " model tokens",
-      usd(cost.gpu_usd) + " GPU time" + (cost.gpu_hour_price ? " at $" + cost.gpu_hour_price + "/GPU-hour" : " (no gpu-hour-price set)")];
+      // the machine's hours, named as the headline names them (a CPU run never says GPU)
+      usd(cost.gpu_usd) + " " + (cost.compute || "GPU") + " time" +
+        (cost.gpu_hour_price ? " at $" + cost.gpu_hour_price + "/" + (cost.compute || "GPU") + "-hour" : " (no gpu-hour-price set)")];
     if (cost.usd_per_bpb !== null && cost.usd_per_bpb !== undefined) parts.push(usd(cost.usd_per_bpb) + " per bpb gained");
     if (cost.max_cost !== null && cost.max_cost !== undefined) parts.push("cap $" + cost.max_cost);
     return parts.join("; ");

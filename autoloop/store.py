@@ -955,6 +955,12 @@ class Store:
         rows = self._rows("trials", "SELECT * FROM trials WHERE id = ?", (trial_id,))
         return rows[0] if rows else None
 
+    def kept_trial_of(self, run_id: int, commit: str) -> dict[str, Any] | None:
+        """The last kept trial of `run_id` whose commit is `commit` (the incumbent a child of it meets)."""
+        rows = self._rows("trials", "SELECT * FROM trials WHERE run_id = ? AND status = 'keep' AND trial_commit = ? "
+                                    "ORDER BY number DESC LIMIT 1", (run_id, commit))
+        return rows[0] if rows else None
+
     def trials(
         self,
         run_id: int | None = None,

@@ -90,12 +90,8 @@ def _incumbent_of(store, trial: dict) -> dict | None:
         row = store.trial_by_id(incumbent_id)
         if row is not None and row["id"] != trial["id"]:
             return row
-    if trial.get("parent_commit"):
-        rows = store.rows("trials", "SELECT * FROM trials WHERE run_id = ? AND status = 'keep' AND trial_commit = ? "
-                                    "ORDER BY number DESC LIMIT 1", (trial["run_id"], trial["parent_commit"]))
-        if rows and rows[0]["id"] != trial["id"]:
-            return rows[0]
-    return None
+    row = store.kept_trial_of(trial["run_id"], trial["parent_commit"]) if trial.get("parent_commit") else None
+    return row if row is not None and row["id"] != trial["id"] else None
 
 
 def time_split(trial: dict) -> dict[str, float]:

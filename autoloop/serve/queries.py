@@ -359,12 +359,8 @@ def _run_seed(store, run: dict, trial: dict) -> tuple[int | None, dict | None]:
 
 def _incumbent(store, run: dict, trial: dict) -> dict | None:
     """The incumbent a running trial is compared with: the kept trial of its parent commit."""
-    if trial.get("parent_commit"):
-        rows = store.rows("trials", "SELECT * FROM trials WHERE run_id = ? AND status = 'keep' AND trial_commit = ? "
-                                     "ORDER BY number DESC LIMIT 1", (run["id"], trial["parent_commit"]))
-        if rows and rows[0]["id"] != trial["id"]:
-            return rows[0]
-    return None
+    row = store.kept_trial_of(run["id"], trial["parent_commit"]) if trial.get("parent_commit") else None
+    return row if row is not None and row["id"] != trial["id"] else None
 
 
 def _reference_curve(store, incumbent: dict, seed: int | None, repo: Path) -> dict | None:

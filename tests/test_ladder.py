@@ -327,6 +327,32 @@ def test_a_bad_spec_is_one_line_and_records_nothing(known_run):
         "--tag k` first, or finalize without --holds-at-scale")
 
 
+def test_the_proposers_brief_leaves_out_the_ladders_runs_of_another_scale(known_run):
+    """A ladder trial's val_bpb is of the larger scale (here twice the steps): in the brief's
+    table a model would read it as the night's, and its diff (the rung's constants) is no
+    idea the night tried, so a proposal setting them is no duplicate."""
+    from autoloop.config import resolve
+    from autoloop.gitops import GitRepo
+    from autoloop.proposers.base import ProposalContext
+    from autoloop.proposers.brief import find_duplicate, render_context
+    from autoloop.store import Store
+
+    repo = known_run
+    ladder_known(repo, "WIDTH=4 budget=2x", seeds=2)
+    git_repo = GitRepo.open(repo)
+    with Store(repo / "experiments.db") as store:
+        run = store.get_run("k")
+        every = store.trials(run["id"])
+        ladders = [t for t in every if t["kind"] == "ladder"]
+        assert len(ladders) == 4 and all(t.get("diff") for t in ladders)
+        ctx = ProposalContext(config=resolve(repo, {"tag": "k"}), store=store, run=run, repo=git_repo,
+                              parent_commit=git_repo.head(), read_parent_file=git_repo.file_reader(git_repo.head()))
+        assert [t["number"] for t in ctx.history()] == [t["number"] for t in every if t["kind"] != "ladder"]
+        text = render_context(ctx)
+        assert "| ladder |" not in text and "WIDTH=4" not in text, text
+        assert find_duplicate(ladders[0]["diff"], ctx.history()) is None
+
+
 def test_the_ladder_is_planned_into_hours(known_run):
     """runs x the night's median run x the budget factor x the slowdown an earlier rung measured."""
     import dataclasses

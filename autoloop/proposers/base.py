@@ -32,8 +32,13 @@ class ProposalContext:
     best_metric: float | None = None
     extra: dict = field(default_factory=dict)
 
-    def history(self) -> list[dict]:
-        return self.store.trials(self.run["id"])
+    def history(self, last: int | None = None) -> list[dict]:
+        """The run's trials at the night's scale (the `last` of them, oldest first): a ladder
+        trial's val_bpb is of a larger model or budget (autoloop.review.ladder), and its
+        train.py no idea the night tried, so no proposer reads one as evidence."""
+        from autoloop.store import Kind
+
+        return [t for t in self.store.trials(self.run["id"], last=last) if t["kind"] != Kind.LADDER.value]
 
 
 class Proposer(Protocol):

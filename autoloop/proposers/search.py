@@ -366,7 +366,7 @@ class SearchProposer:
     # -- replay --------------------------------------------------------------------------
 
     def _evidence(self, ctx) -> list[dict]:
-        return [t for t in ctx.store.trials(ctx.run["id"]) if t["status"] not in _NOT_EVIDENCE]
+        return [t for t in ctx.history() if t["status"] not in _NOT_EVIDENCE]
 
     def _replay(self, ctx, trials: list[dict]) -> tuple[SearchState, set]:
         keys = [(t["id"], t["status"]) for t in trials]
@@ -446,7 +446,7 @@ class SearchProposer:
         first = self._lr_range_move(ctx, text)
         if first is not None:
             return first
-        trials = ctx.store.trials(ctx.run["id"])
+        trials = ctx.history()
         state, seen = self._replay(ctx, [t for t in trials if t["status"] not in _NOT_EVIDENCE])
         seen.add(_digest(text))
         # What another worker is training now is no move for this one: the same train.py
@@ -522,7 +522,7 @@ class SearchProposer:
                  if t.get("parent_commit") == parent and (t.get("description") or "").startswith(RETUNE_PREFIX)]
         if len(tried) >= RETUNE_TRIALS:
             return None
-        seen = {d for d in (self._trial_digest(ctx, t) for t in ctx.store.trials(ctx.run["id"], last=200)
+        seen = {d for d in (self._trial_digest(ctx, t) for t in ctx.history(last=200)
                             if t.get("parent_commit") == parent) if d}
         seen.add(_digest(text))
         diff = keep.get("diff") or ""

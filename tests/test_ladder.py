@@ -304,6 +304,38 @@ def test_run_with_a_ladder_killed_mid_rung_resumes_it_and_shows_the_tags_everywh
     assert "holds     trial 2" in best and "reverses  trial 3" in best
 
 
+def test_a_stop_during_the_nights_re_measurement_starts_no_ladder(tmp_path, monkeypatch):
+    """Ctrl-C or SIGTERM while the reserve re-measures the best at the night's end: the run
+    stops there, and the ladder (hours of larger runs) does not start after it."""
+    import signal
+
+    from autoloop.loop import reserve
+    from autoloop.store import Store
+
+    repo = make_repo(tmp_path / "repo", KNOWN)
+    with Store(repo / "experiments.db") as store:
+        for text, sets in IDEAS:
+            store.add_idea(text, sets=sets, source="human")
+    measure = reserve.measure
+
+    def stopped_meanwhile(c, **kwargs):
+        c.on_signal(signal.SIGTERM, None)  # what the signal does, as it arrives
+        return measure(c, **kwargs)
+
+    monkeypatch.setattr(reserve, "measure", stopped_meanwhile)
+    for name, value in (("AUTOLOOP_DECISION_RULE", "strict"), ("AUTOLOOP_BASELINE_SEEDS", "1"),
+                        ("AUTOLOOP_DRIFT_EVERY", "0")):
+        monkeypatch.setenv(name, value)
+    args = [a if a != "0" else "2" for a in NIGHT]  # --reserve-seeds 2
+    result = runner.invoke(app, [*args, "--max-trials", "3", "--repo", str(repo)])
+    assert result.exit_code == 0, (result.output, result.exception)
+    assert "stopping:" in result.output and "the ladder at" not in result.output, result.output
+    with Store(repo / "experiments.db") as store:
+        run = store.get_run("t")
+        assert store.rungs(run["id"]) == [] and store.trials(run["id"], kind="ladder") == []
+        assert run["status"] == "stopped"
+
+
 def test_a_bad_spec_is_one_line_and_records_nothing(known_run):
     from autoloop.store import Store
 

@@ -158,9 +158,11 @@ def end_lines(summary, tag: str) -> list[tuple[str, str | None]]:
 def ladder_at_the_end(summary) -> bool:
     """The ladder runs after a night that ended by its limit, as the reserve does (not
     after Ctrl-C, `autoloop stop` or a pause: the next `autoloop run` or `autoloop ladder`
-    measures it, and an unfinished rung goes on where it stopped)."""
+    measures it, and an unfinished rung goes on where it stopped). A stop that came while the
+    reserve re-measured the best counts too: the night's limit was reached, the user's stop
+    came after it."""
     reason = summary.stop_reason or ""
-    return not summary.paused and "autoloop stop" not in reason and "Ctrl-C" not in reason
+    return not (summary.paused or summary.stopped) and "autoloop stop" not in reason and "Ctrl-C" not in reason
 
 
 def ladder_hook(config, display):

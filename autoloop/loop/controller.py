@@ -74,6 +74,7 @@ class RunSummary:
     statuses: dict = field(default_factory=dict)
     counts: dict = field(default_factory=dict)  # statuses with the baseline apart (autoloop.decide.figures)
     headline: dict | None = None  # the best re-measured at fresh seeds (autoloop.loop.reserve), when it was
+    stopped: bool = False  # the user stopped it (Ctrl-C, SIGTERM, `autoloop stop`), even during the reserve
 
 
 class Controller:
@@ -347,6 +348,7 @@ class Controller:
                 reserve.measure(self, slot=slots[0])
             if not summary.paused:
                 final = RunStatus.STOPPED if (self.abort_requested or "stop" in summary.stop_reason) else RunStatus.FINISHED
+                summary.stopped = final is RunStatus.STOPPED
                 self.store.update_run(self.run_row["id"], status=final, stop_requested=0)
         finally:
             for sig, handler in previous.items():

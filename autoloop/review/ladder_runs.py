@@ -106,7 +106,9 @@ def _on_workers(controller: TrialHost, slots: list, pending: deque, *, skip, rec
                 if skip(arm):
                     continue
                 slot = free.pop(0)
-                future = pool.submit(controller.measure_commit, arm.sha, seed, owner=arm.trial, role=role,
+                # The row as the measurer reads it, named by the worker for the console's lines.
+                owner = {**arm.trial, "worker": slot.name}
+                future = pool.submit(controller.measure_commit, arm.sha, seed, owner=owner, role=role,
                                      ctx=contexts[slot.name])
                 inflight[future] = (slot, arm, seed)
             if not inflight:

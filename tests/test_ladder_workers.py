@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -140,7 +141,8 @@ def test_a_rung_on_two_workers_gives_the_serial_figures_with_its_runs_overlappin
     assert {r["ran"]["cwd"] for r in ladder_runs(serial)} == {str(serial)}
     # They trained at once: runs on the two workers overlap in time (the serial ones never do).
     assert len(overlapping_pairs(runs)) >= 3
-    assert overlapping_pairs([{**r, "ran": {**r["ran"], "cwd": str(k)}} for k, r in enumerate(ladder_runs(serial))]) == []
+    apart = [{**r, "ran": {**r["ran"], "cwd": str(k)}} for k, r in enumerate(ladder_runs(serial))]
+    assert overlapping_pairs(apart) == []
     # Every slot read the rung's config: the budget doubled (the fake reports the steps it got).
     assert {r["num_steps"] for r in runs} == {4}
     # The plan, then the slowdown from the baseline's first run at the rung.
@@ -250,3 +252,43 @@ def test_the_ladder_at_the_end_of_a_night_on_two_workers_uses_them_and_resumes_a
         tags = [t["tag"] for t in store.ladder_tags(store.rungs(run["id"])[0]["id"])]
     assert tags == ["holds"]  # the schedule: -0.05 at both widths
     assert_no_worker_left(repo, "t")
+
+
+def test_on_n_workers_hours_plans_the_ladder_n_runs_at_a_time_and_the_cost_cap_all_of_them(sleepy_night, tmp_path):
+    """--hours: the rung's runs in rounds of N (its wall time); --max-cost: every run (its GPU time)."""
+    import dataclasses
+    import sqlite3
+    from types import SimpleNamespace
+
+    from autoloop.config import resolve
+    from autoloop.loop.reserve import ladder_seconds_needed
+    from autoloop.store import Store
+
+    repo = copy_run(sleepy_night, tmp_path / "repo")
+    conn = sqlite3.connect(repo / "experiments.db")
+    conn.execute("UPDATE measurements SET wall_seconds = 10")  # every run of the night took 10 s
+    conn.commit()
+    conn.close()
+    config = dataclasses.replace(resolve(repo, {"tag": "k"}), ladder="WIDTH=4 budget=2x", ladder_seeds=3)
+    with Store(repo / "experiments.db") as store:
+        host = SimpleNamespace(config=config, store=store, run_row=store.get_run("k"))
+        # 2 kept changes: 3 seeds x 4 commits = 12 runs of 10 s x 2.
+        assert ladder_seconds_needed(host) == pytest.approx(12 * 20.0)
+        assert ladder_seconds_needed(host, workers=2) == pytest.approx(6 * 20.0)
+        assert ladder_seconds_needed(host, workers=5) == pytest.approx(3 * 20.0)  # 5 + 5 + 2: three rounds
+        assert ladder_seconds_needed(host, workers=16) == pytest.approx(20.0)
+    # The loop's --hours check: a night on two workers has room for a rung that one worker would not.
+    from autoloop.loop.reserve import seconds_needed as reserve_seconds
+    from autoloop.loop.run import Loop, Pauses
+
+    def stop_reason(slots: int, room: float) -> str | None:
+        with Store(repo / "experiments.db") as store:
+            host = SimpleNamespace(config=config, store=store, run_row=store.get_run("k"), pauses=Pauses(),
+                                   abort_requested=False)
+            loop = Loop(host, [object()] * slots, threaded=slots > 1)
+            rest = loop.trial_estimate() + reserve_seconds(host)  # the next trial, the headline's runs
+            host.config = dataclasses.replace(config, hours=(rest + room) / 3600)
+            return loop.stop_reason(time.time(), 0)
+
+    assert stop_reason(2, 6 * 20.0 + 60) is None  # the rung's 6 rounds of 20 s, and a minute to spare
+    assert stop_reason(1, 6 * 20.0 + 60).startswith("--hours ")  # one worker needs 12 x 20 s

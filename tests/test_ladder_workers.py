@@ -100,9 +100,9 @@ def figures(rung) -> dict:
 
 
 def overlapping_pairs(runs: list[dict]) -> list[tuple[dict, dict]]:
-    """Pairs of runs on different workers whose recorded intervals overlap."""
+    """Pairs of runs on different devices (workers) whose recorded intervals overlap."""
     return [(a, b) for i, a in enumerate(runs) for b in runs[i + 1:]
-            if a["ran"]["cwd"] != b["ran"]["cwd"]
+            if a["ran"]["device"] != b["ran"]["device"]
             and a["ran"]["started"] < b["ran"]["finished"] and b["ran"]["started"] < a["ran"]["finished"]]
 
 
@@ -141,7 +141,7 @@ def test_a_rung_on_two_workers_gives_the_serial_figures_with_its_runs_overlappin
     assert {r["ran"]["cwd"] for r in ladder_runs(serial)} == {str(serial)}
     # They trained at once: runs on the two workers overlap in time (the serial ones never do).
     assert len(overlapping_pairs(runs)) >= 3
-    apart = [{**r, "ran": {**r["ran"], "cwd": str(k)}} for k, r in enumerate(ladder_runs(serial))]
+    apart = [{**r, "ran": {**r["ran"], "device": str(k)}} for k, r in enumerate(ladder_runs(serial))]
     assert overlapping_pairs(apart) == []
     # Every slot read the rung's config: the budget doubled (the fake reports the steps it got).
     assert {r["num_steps"] for r in runs} == {4}
@@ -209,6 +209,33 @@ def test_a_rung_stopped_part_way_on_two_workers_trains_only_the_runs_it_lacks(sl
     assert {r["ran"]["cwd"] for r in runs if r not in first} == worker_folders(repo, "k")
     assert {r.trial: r.tag for r in rung.rows} == {2: "holds", 3: "reverses"}
     assert_no_worker_left(repo)
+
+
+def test_a_rung_on_two_ray_workers_trains_its_runs_at_once_and_gives_the_workers_back(sleepy_night, tmp_path,
+                                                                                       request):
+    request.getfixturevalue("ray_cluster")  # after the autouse fixtures: its nodes use the tests' cache
+    import ray
+
+    repo = copy_run(sleepy_night, tmp_path / "repo")
+    from autoloop.store import Store
+
+    with Store(repo / "experiments.db") as store:  # as `autoloop run --executor ray --workers 2` leaves it
+        run = store.get_run("k")
+        store.update_run(run["id"], config={**run["config"], "executor": "ray", "workers": 2})
+    said: list[str] = []
+    rung = ladder_known(repo, SPEC, seeds=2, say=said.append)
+    assert {r.trial: r.tag for r in rung.rows} == {2: "holds", 3: "reverses"} and rung.status == "done"
+    runs = ladder_runs(repo)
+    assert len(runs) == 8 and {r["status"] for r in runs} == {"ok"} and {r["num_steps"] for r in runs} == {4}
+    # Each Ray worker on the GPU it was granted, in a folder on the node (not the project's).
+    assert {r["ran"]["device"] for r in runs} == {"0", "1"}
+    assert not any(Path(r["ran"]["cwd"]).is_relative_to(repo) for r in runs)
+    assert overlapping_pairs(runs) and any("2 ray workers at once" in line for line in said)
+    # The executor was closed with the rung: its actors gave their GPUs back (Ray reports it a moment later).
+    deadline = time.time() + 60
+    while ray.available_resources().get("GPU") != 2 and time.time() < deadline:
+        time.sleep(0.2)
+    assert ray.available_resources().get("GPU") == 2
 
 
 def autoloop(repo: Path, *args: str, fault: str | None = None) -> subprocess.CompletedProcess:

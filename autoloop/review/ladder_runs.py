@@ -40,7 +40,7 @@ def rung_slots(controller: TrialHost, say):
     """The slots the rung's runs go to (None: the serial slot, one run at a time). An
     executor built here is the controller's for the rung (so `concurrent_trials` is true
     while its runs train) and is closed afterwards."""
-    if controller.executor is not None:  # a night's own workers, already running
+    if controller.executor is not None:  # a night's own workers (a rung inside a parallel night): never a second set
         yield _one_kind(controller.executor.slots, say)
         return
     if controller.config.executor == "serial":

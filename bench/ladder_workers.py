@@ -10,7 +10,7 @@ and with the run's executor set to `local` with `--workers` pretend devices. Pri
 rung's wall seconds, the runs' own seconds (each run's recorded start to end), and the
 tags, which must be the same.
 
-On a 2-core CPU shared with other work (issue 34): serial 37.9 s, 2 workers 21.8 s for 12
+On a 2-core CPU shared with other work (issue 34): serial 38.0 s, 2 workers 22.0 s for 12
 runs of 3 s (36.0 s of runs), the tags holds / reverses both times: each run on a local
 worker pays ~1-2 s for its worker process, which a 5-minute GPU run does not notice.
 """

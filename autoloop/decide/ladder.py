@@ -18,7 +18,9 @@ effect gets there is alpha), so the interval is the two-sided one at level 1 - 2
 
 **Cost.** Runs = seeds x (2 + kept changes) (the baseline, the best and one leave-one-out
 commit each), each run the night's median run x the budget factor x the slowdown of the
-larger model (1 until measured: the baseline's first run at the rung measures it).
+larger model (1 until measured: the baseline's first run at the rung measures it). That
+is its GPU time (what `--max-cost` counts); on N workers the runs go N at a time, so its
+wall time (what `--hours` plans for) is the runs in rounds of N.
 """
 
 from __future__ import annotations
@@ -92,6 +94,9 @@ def runs_needed(kept: int, seeds: int) -> int:
     return seeds * (2 + max(0, kept))
 
 
-def seconds_needed(kept: int, seeds: int, *, run_seconds: float, budget_factor: float, slowdown: float = 1.0) -> float:
-    """A rung's cost in wall seconds (module docstring)."""
-    return runs_needed(kept, seeds) * run_seconds * budget_factor * max(slowdown, 0.0)
+def seconds_needed(kept: int, seeds: int, *, run_seconds: float, budget_factor: float, slowdown: float = 1.0,
+                   workers: int = 1) -> float:
+    """A rung's cost in seconds (module docstring): on one worker its GPU time, on `workers`
+    its wall time (its runs in rounds of that many)."""
+    rounds = math.ceil(runs_needed(kept, seeds) / max(1, int(workers)))
+    return rounds * run_seconds * budget_factor * max(slowdown, 0.0)

@@ -154,11 +154,12 @@ def seconds_needed(c: TrialHost) -> float:
     return n * (statistics.median(walls) if walls else c.config.time_budget + 30.0)
 
 
-def ladder_seconds_needed(c: TrialHost) -> float:
-    """What the end-of-night ladder (`--ladder`, autoloop.review.ladder) will cost, for
-    `--hours`: its runs (autoloop.decide.ladder) at the median wall time of the night's
-    recent runs, times the budget factor and the larger model's slowdown where an earlier
-    rung of the run measured it (1 until then)."""
+def ladder_seconds_needed(c: TrialHost, *, workers: int = 1) -> float:
+    """What the end-of-night ladder (`--ladder`, autoloop.review.ladder) will cost: its runs
+    (autoloop.decide.ladder) at the median wall time of the night's recent runs, times the
+    budget factor and the larger model's slowdown where an earlier rung of the run measured
+    it (1 until then). `workers`: the night's, whose rung runs that many at a time (for
+    `--hours`); 1 gives every run's time (the GPU time `--max-cost` counts)."""
     from autoloop.decide.ladder import parse_spec, seconds_needed as ladder_seconds
 
     spec = parse_spec(getattr(c.config, "ladder", None))
@@ -175,7 +176,7 @@ def ladder_seconds_needed(c: TrialHost) -> float:
     slowdowns = [(r.get("plan") or {}).get("slowdown") for r in c.store.rungs(run_id) if r["spec"] == spec.text]
     slowdown = next((s for s in reversed(slowdowns) if s), 1.0)
     return ladder_seconds(kept, c.config.ladder_seeds, run_seconds=per_run, budget_factor=spec.budget_factor,
-                          slowdown=slowdown)
+                          slowdown=slowdown, workers=workers)
 
 
 def measure(c: TrialHost, *, slot=None) -> dict | None:

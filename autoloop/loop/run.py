@@ -270,8 +270,9 @@ class Loop:
             return "stopped by `autoloop stop`"
         if cfg.hours is not None:
             left = started + cfg.hours * 3600 - time.time()
-            # the headline's runs and the ladder's (`--ladder`) come after
-            if left < self.trial_estimate() + reserve.seconds_needed(c) + reserve.ladder_seconds_needed(c):
+            # the headline's runs and the ladder's (`--ladder`: a run per worker at a time) come after
+            ladder = reserve.ladder_seconds_needed(c, workers=len(self.slots))
+            if left < self.trial_estimate() + reserve.seconds_needed(c) + ladder:
                 return f"--hours {cfg.hours}: the next trial could not finish in the {max(left, 0) / 60:.1f} min left"
         if cfg.max_cost is not None:  # tokens and GPU time (autoloop.loop.cost)
             # the headline's runs and the ladder's are paid for like trials

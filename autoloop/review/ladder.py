@@ -15,6 +15,8 @@ the run's own Controller (same sandbox, harness and seeds logic), at the larger 
    role `ladder`: never in the run's noise, never in a decision. Seed by seed, so an
    interrupted rung has balanced pairs; a measurement already there is not run again, so
    a restart (or `autoloop ladder` again) finds the rung still `running` and goes on.
+   With `--workers N` or Ray the runs go to all the run's workers at once, in the same
+   order (autoloop.review.ladder_runs); the figures are the same either way.
 3. **The figures.** Each kept change: its paired effect (with minus without, by seed) and
    its tag (holds / fades / reverses at the decisions' confidence; autoloop.decide.ladder),
    next to its effect at the night's scale (its latest ablation, else its keep's delta).
@@ -32,13 +34,13 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from autoloop.base.faults import fault_point
 from autoloop.decide.ladder import DEFAULT_SEEDS, RungSpec, level_of, parse_spec, runs_needed, seconds_needed, tag_of
 from autoloop.errors import AutoloopError
 from autoloop.gitops import REF_PREFIX
 from autoloop.loop.host import TrialHost
 from autoloop.loop.noise import runs_of
 from autoloop.review.ablate import NotRevertible, change_diff, effect_figures, kept_changes, reverse_applied
+from autoloop.review.ladder_runs import measure_runs, rung_slots
 from autoloop.store import Kind, Status, utcnow
 
 ROLE = "ladder"
@@ -276,32 +278,34 @@ def ladder(controller: TrialHost, spec: RungSpec | str, *, seeds: int = DEFAULT_
 
     original = controller.config
     slack = 4.0 * (run_seconds or original.time_budget) * spec.budget_factor * 4.0
-    controller.config = scaled_config(original, spec, slack)
     failed: dict[int, str] = {}
     interrupted = False
-    try:
-        for seed in seed_list:
-            for a in measured:
-                if a.trial["id"] in failed or seed in runs_of(store, a.trial, (ROLE,)):
-                    continue
-                m = controller.measure_commit(a.sha, seed, owner=a.trial, role=ROLE)
-                fault_point("between_measurements")  # a run recorded, the rung asks for another
-                if _get(m, "status") == "aborted" or controller.abort_requested:
-                    interrupted = True
-                    break
-                if _get(m, "status") not in (None, "ok") or _get(m, "metric") is None:
-                    failed[a.trial["id"]] = f"failed at seed {seed} at the larger scale: {_get(m, 'reason')}"
-                wall = _wall(store, a.trial, _get(m, "id"))
-                if a.arm == "baseline" and seed == seed_list[0] and run_seconds and wall:
-                    slowdown = wall / (run_seconds * spec.budget_factor)
-                    result.plan = _plan(spec, len(measured) - 2, seeds, run_seconds, slowdown)
-                    store.update_rung(rung["id"], plan=result.plan)
-                    say(describe_plan(result.plan))
-            if interrupted:
-                break
-    finally:
-        controller.config = original
-        controller.converge_git()
+
+    def record(a: Arm, seed: int, m) -> bool:
+        """One run read back (in the main thread, whichever slot trained it); True: start nothing more."""
+        nonlocal interrupted
+        if _get(m, "status") == "aborted" or controller.abort_requested:
+            interrupted = True
+            return True
+        if _get(m, "status") not in (None, "ok") or _get(m, "metric") is None:
+            failed[a.trial["id"]] = f"failed at seed {seed} at the larger scale: {_get(m, 'reason')}"
+        wall = _wall(store, a.trial, _get(m, "id"))
+        if a.arm == "baseline" and seed == seed_list[0] and run_seconds and wall:
+            slowdown = wall / (run_seconds * spec.budget_factor)
+            result.plan = _plan(spec, len(measured) - 2, seeds, run_seconds, slowdown)
+            store.update_rung(rung["id"], plan=result.plan)
+            say(describe_plan(result.plan))
+        return False
+
+    # Seed by seed, so an interrupted rung has balanced pairs; a run already recorded is not run again.
+    queue = [(a, seed) for seed in seed_list for a in measured if seed not in runs_of(store, a.trial, (ROLE,))]
+    with rung_slots(controller, say) as slots:  # the run's workers, or None: the serial slot
+        controller.config = scaled_config(original, spec, slack)  # every job reads it as it is built
+        try:
+            measure_runs(controller, slots, queue, skip=lambda a: a.trial["id"] in failed, record=record, role=ROLE)
+        finally:
+            controller.config = original
+            controller.converge_git()
     _finish_trials(controller, measured, failed, interrupted)
     if interrupted:
         store.update_rung(rung["id"], status="interrupted", reason="interrupted by the user")

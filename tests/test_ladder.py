@@ -304,6 +304,7 @@ def test_run_with_a_ladder_killed_mid_rung_resumes_it_and_shows_the_tags_everywh
     assert "holds     trial 2" in best and "reverses  trial 3" in best
 
 
+@pytest.mark.slow  # about 20 s: a whole night of the fake script in-process
 def test_a_stop_during_the_nights_re_measurement_starts_no_ladder(tmp_path, monkeypatch):
     """Ctrl-C or SIGTERM while the reserve re-measures the best at the night's end: the run
     stops there, and the ladder (hours of larger runs) does not start after it."""

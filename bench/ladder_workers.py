@@ -40,23 +40,13 @@ def main() -> None:
     os.environ["AUTOLOOP_CACHE_DIR"] = str(tmp / "cache")  # the tests' fixed corpus key goes there, never into yours
     os.environ.setdefault("AUTOLOOP_PAIR_SPEED_TOLERANCE", "none")  # the fake's runs are too short to probe
     os.environ["AUTOLOOP_CHECK"] = "0"
-    from conftest import copy_run, make_repo, write_test_corpus_key
-    from test_ladder import IDEAS, ladder_known
+    from conftest import copy_run, write_test_corpus_key
+    from test_ladder import known_night, ladder_known
     from test_ladder_workers import SLEEPY, ladder_runs, on_workers
-
-    from autoloop.config import resolve
-    from autoloop.loop.controller import Controller
-    from autoloop.store import Store
 
     try:
         write_test_corpus_key(Path(os.environ["AUTOLOOP_CACHE_DIR"]))
-        night = make_repo(tmp / "night", SLEEPY)
-        config = resolve(night, {"tag": "k", "proposers": "ideas", "max_steps": 2, "grace_seconds": 30, "seed": 1,
-                                 "max_trials": 3, "decision_rule": "paired", "reserve_seeds": 0})
-        with Store(night / config.db) as store:
-            for text, sets in IDEAS:
-                store.add_idea(text, sets=sets, source="human")
-        Controller(config, night, verifier=None).run()
+        night = known_night(tmp / "night", SLEEPY, Path(os.environ["AUTOLOOP_CACHE_DIR"]))
         spec = f"WIDTH=4 SLEEP={args.seconds:g}"
         for name, workers in (("serial", 0), (f"{args.workers} workers", args.workers)):
             repo = copy_run(night, tmp / f"w{workers}")

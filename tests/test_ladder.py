@@ -99,19 +99,26 @@ IDEAS = [("a better schedule", {"SCHEDULE": "1"}), ("a higher learning rate", {"
 @pytest.fixture(scope="module")
 def known_run_once(tmp_path_factory, session_cache) -> Path:
     """A run of the real controller over KNOWN: the baseline, then both ideas, kept."""
+    return known_night(tmp_path_factory.mktemp("ladder") / "repo", KNOWN, session_cache)
+
+
+def known_night(repo: Path, source: str, cache: Path) -> Path:
+    """A serial night of the real controller over `source` (KNOWN or a variant of it) in a
+    new repo at `repo`: the baseline, then both IDEAS, kept (tests/test_ladder_workers.py
+    and bench/ladder_workers.py start from it too)."""
     with pytest.MonkeyPatch.context() as mp:  # what conftest's autouse fixture does per test
-        mp.setenv("AUTOLOOP_CACHE_DIR", str(session_cache))
+        mp.setenv("AUTOLOOP_CACHE_DIR", str(cache))
         for name in ("AUTOLOOP_TIME_BUDGET", "AUTOLOOP_MAX_STEPS", "AUTOLOOP_TAG", "AUTOLOOP_FAULT", "AUTOLOOP_SEED"):
             mp.delenv(name, raising=False)
-        return _known_run(tmp_path_factory.mktemp("ladder"))
+        return _known_run(repo, source)
 
 
-def _known_run(root: Path) -> Path:
+def _known_run(repo: Path, source: str) -> Path:
     from autoloop.config import resolve
     from autoloop.loop.controller import Controller
     from autoloop.store import Store
 
-    repo = make_repo(root / "repo", KNOWN)
+    repo = make_repo(repo, source)
     config = resolve(repo, {"tag": "k", "proposers": "ideas", "max_steps": 2, "grace_seconds": 30, "seed": 1,
                             "max_trials": 3, "decision_rule": "paired", "reserve_seeds": 0})
     with Store(repo / config.db) as store:

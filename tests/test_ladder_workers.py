@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from conftest import copy_run, make_repo
-from test_ladder import IDEAS, KNOWN, ladder_known
+from test_ladder import IDEAS, KNOWN, known_night, ladder_known
 
 SLEEPY = (KNOWN
           .replace("import random\n", "import random\nimport sys\nimport time\n")
@@ -45,25 +45,7 @@ SPEC = "WIDTH=4 SLEEP=0.4 budget=2x"
 @pytest.fixture(scope="module")
 def sleepy_night(tmp_path_factory, session_cache) -> Path:
     """A serial night of the real controller over SLEEPY: the baseline, both ideas kept."""
-    from autoloop.config import resolve
-    from autoloop.loop.controller import Controller
-    from autoloop.store import Store
-
-    with pytest.MonkeyPatch.context() as mp:  # what conftest's autouse fixture does per test
-        mp.setenv("AUTOLOOP_CACHE_DIR", str(session_cache))
-        for name in ("AUTOLOOP_TIME_BUDGET", "AUTOLOOP_MAX_STEPS", "AUTOLOOP_TAG", "AUTOLOOP_FAULT", "AUTOLOOP_SEED"):
-            mp.delenv(name, raising=False)
-        repo = make_repo(tmp_path_factory.mktemp("ladder-workers") / "repo", SLEEPY)
-        config = resolve(repo, {"tag": "k", "proposers": "ideas", "max_steps": 2, "grace_seconds": 30, "seed": 1,
-                                "max_trials": 3, "decision_rule": "paired", "reserve_seeds": 0})
-        with Store(repo / config.db) as store:
-            for text, sets in IDEAS:
-                store.add_idea(text, sets=sets, source="human")
-        Controller(config, repo, verifier=None).run()
-    with Store(repo / "experiments.db") as store:
-        rows = store.trials(store.get_run("k")["id"])
-    assert [(t["kind"], t["status"]) for t in rows] == [("baseline", "keep")] + [("proposal", "keep")] * 2
-    return repo
+    return known_night(tmp_path_factory.mktemp("ladder-workers") / "repo", SLEEPY, session_cache)
 
 
 def on_workers(repo: Path, workers: int) -> Path:

@@ -12,15 +12,13 @@ run folder: overlap is asserted on those intervals, never on a wall-clock thresh
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
 from conftest import copy_run, make_repo
-from test_ladder import IDEAS, KNOWN, known_night, ladder_known
+from test_ladder import IDEAS, KNOWN, autoloop, known_night, ladder_known
 
 SLEEPY = (KNOWN
           .replace("import random\n", "import random\nimport sys\nimport time\n")
@@ -218,15 +216,6 @@ def test_a_rung_on_two_ray_workers_trains_its_runs_at_once_and_gives_the_workers
     while ray.available_resources().get("GPU") != 2 and time.time() < deadline:
         time.sleep(0.2)
     assert ray.available_resources().get("GPU") == 2
-
-
-def autoloop(repo: Path, *args: str, fault: str | None = None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "AUTOLOOP_DECISION_RULE": "strict", "AUTOLOOP_BASELINE_SEEDS": "1",
-           "AUTOLOOP_DRIFT_EVERY": "0"}
-    env.pop("AUTOLOOP_FAULT", None)
-    if fault:
-        env["AUTOLOOP_FAULT"] = fault
-    return subprocess.run(["autoloop", *args], cwd=repo, env=env, capture_output=True, text=True, timeout=300)
 
 
 @pytest.mark.slow  # about 50 s here: two `autoloop` processes, each run a worker process (as the serial one is slow)

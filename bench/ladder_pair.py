@@ -23,8 +23,8 @@ helped, so width is no rung that separates them; at 240 steps MATRIX_LR=0.08 wen
 -0.076 to +0.052 bpb and no learning-rate or schedule change helped by more than the noise,
 so A buys more per step instead. A first try, `DEPTH=3`, helped alone at both scales (-0.043
 at 60 and at 240 steps) but not beside B: the ladder measures each change leave-one-out from
-the best, and a third block under the doubled learning rate gained only -0.02 +- 0.09 at
-240 steps (2 seeds), so it faded. A larger batch suits a higher learning rate instead.
+the best, and a third block under the doubled learning rate gained only -0.02 (90%
+interval -0.11..+0.07) at 240 steps (2 seeds), so it faded. A larger batch suits a higher learning rate instead.
 
 What it measures: the four commits the ladder trains for a best commit with A and B kept
 (the baseline, the best A+B, A+B without A, A+B without B) at both scales and at every seed,

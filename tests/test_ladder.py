@@ -393,22 +393,31 @@ def test_the_proposers_brief_leaves_out_the_ladders_runs_of_another_scale(known_
         assert find_duplicate(ladders[0]["diff"], ctx.history()) is None
 
 
+def ten_second_runs(repo: Path):
+    """Run 'k' as if every run of its night took 10 s, and its config with the ladder
+    WIDTH=4 budget=2x at 3 seeds: what --hours plans from."""
+    import dataclasses
+    import sqlite3
+
+    from autoloop.config import resolve
+
+    conn = sqlite3.connect(repo / "experiments.db")
+    conn.execute("UPDATE measurements SET wall_seconds = 10")
+    conn.commit()
+    conn.close()
+    return dataclasses.replace(resolve(repo, {"tag": "k"}), ladder="WIDTH=4 budget=2x", ladder_seeds=3)
+
+
 def test_the_ladder_is_planned_into_hours(known_run):
     """runs x the night's median run x the budget factor x the slowdown an earlier rung measured."""
     import dataclasses
-    import sqlite3
     from types import SimpleNamespace
 
-    from autoloop.config import resolve
     from autoloop.loop.reserve import ladder_seconds_needed
     from autoloop.store import Store
 
     repo = known_run
-    conn = sqlite3.connect(repo / "experiments.db")
-    conn.execute("UPDATE measurements SET wall_seconds = 10")  # every run of the night took 10 s
-    conn.commit()
-    conn.close()
-    config = dataclasses.replace(resolve(repo, {"tag": "k"}), ladder="WIDTH=4 budget=2x", ladder_seeds=3)
+    config = ten_second_runs(repo)
     with Store(repo / "experiments.db") as store:
         host = SimpleNamespace(config=config, store=store, run_row=store.get_run("k"))
         assert ladder_seconds_needed(host) == pytest.approx(12 * 10 * 2.0)  # 2 kept: 3 seeds x 4 commits

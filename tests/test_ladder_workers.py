@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from conftest import copy_run, make_repo
-from test_ladder import IDEAS, KNOWN, autoloop, known_night, ladder_known
+from test_ladder import IDEAS, KNOWN, autoloop, known_night, ladder_known, ten_second_runs
 
 SLEEPY = (KNOWN
           .replace("import random\n", "import random\nimport sys\nimport time\n")
@@ -255,19 +255,13 @@ def test_the_ladder_at_the_end_of_a_night_on_two_workers_uses_them_and_resumes_a
 def test_on_n_workers_hours_plans_the_ladder_n_runs_at_a_time_and_the_cost_cap_all_of_them(sleepy_night, tmp_path):
     """--hours: the rung's runs in rounds of N (its wall time); --max-cost: every run (its GPU time)."""
     import dataclasses
-    import sqlite3
     from types import SimpleNamespace
 
-    from autoloop.config import resolve
     from autoloop.loop.reserve import ladder_seconds_needed
     from autoloop.store import Store
 
     repo = copy_run(sleepy_night, tmp_path / "repo")
-    conn = sqlite3.connect(repo / "experiments.db")
-    conn.execute("UPDATE measurements SET wall_seconds = 10")  # every run of the night took 10 s
-    conn.commit()
-    conn.close()
-    config = dataclasses.replace(resolve(repo, {"tag": "k"}), ladder="WIDTH=4 budget=2x", ladder_seeds=3)
+    config = ten_second_runs(repo)
     with Store(repo / "experiments.db") as store:
         host = SimpleNamespace(config=config, store=store, run_row=store.get_run("k"))
         # 2 kept changes: 3 seeds x 4 commits = 12 runs of 10 s x 2.

@@ -344,3 +344,22 @@ def test_the_live_page_shows_an_ongoing_outage_as_text_and_drops_it_when_the_mod
             assert browser.evaluate("document.body.dataset.jsErrors || '0'") == "0"
     finally:
         night.close()
+
+
+def test_a_night_the_model_ended_is_finished_whatever_words_its_server_sent(repo, monkeypatch, quick_backoff):
+    """Whether the user stopped the night is a flag, not a word in the stop reason: the reason
+    quotes the model server's error, and a server that says "stop" did not stop the night
+    (a stopped night would not measure its reserve or its ladder either)."""
+    from autoloop.config import resolve
+    from autoloop.proposers.seeding import seed_idea
+
+    monkeypatch.setenv("AUTOLOOP_LLM_OUTAGE_WAIT", "2")
+    seed_idea(resolve(repo, {}), repo, "try SwiGLU in the MLP", sets=[], patch=None)
+    words = "upstream stopped: run `autoloop stop` and press Ctrl-C"
+    with FakeOpenAI([Error(503, words)] * 50) as server:
+        result = run_cli(repo, "--proposers", "llm", "--llm-base-url", server.base_url)
+    assert result.exit_code == 0, result.output
+    out = squeeze(result.output)
+    assert "stopped: no more proposals:" in out and "upstream stopped" in out, out
+    with Store(repo / "experiments.db") as store:
+        assert store.get_run("t")["status"] == "finished"

@@ -161,8 +161,7 @@ def ladder_at_the_end(summary) -> bool:
     measures it, and an unfinished rung goes on where it stopped). A stop that came while the
     reserve re-measured the best counts too: the night's limit was reached, the user's stop
     came after it."""
-    reason = summary.stop_reason or ""
-    return not (summary.paused or summary.stopped) and "autoloop stop" not in reason and "Ctrl-C" not in reason
+    return not (summary.paused or summary.stopped)
 
 
 def ladder_hook(config, display):

@@ -347,7 +347,9 @@ class Controller:
             if reserve.at_the_end(self, summary):  # the headline's runs at fresh seeds (loop.reserve)
                 reserve.measure(self, slot=slots[0])
             if not summary.paused:
-                final = RunStatus.STOPPED if (self.abort_requested or "stop" in summary.stop_reason) else RunStatus.FINISHED
+                # (`autoloop stop` during the reserve counts too: the user asked the night to end)
+                user_stop = summary.stopped or self.abort_requested or self.store.stop_requested(self.run_row["id"])
+                final = RunStatus.STOPPED if user_stop else RunStatus.FINISHED
                 summary.stopped = final is RunStatus.STOPPED
                 self.store.update_run(self.run_row["id"], status=final, stop_requested=0)
         finally:

@@ -136,7 +136,7 @@ def describe(h: dict) -> str:
 def at_the_end(c: TrialHost, summary) -> bool:
     """Whether the night ended by its limit (not a Ctrl-C, `autoloop stop` or a pause), so
     its reserve is measured now."""
-    if summary.paused or c.abort_requested or "autoloop stop" in (summary.stop_reason or ""):
+    if summary.paused or summary.stopped or c.abort_requested:
         return False
     return c.config.reserve_seeds > 0 and bool(missing(c.store, c.run_row, c.config.reserve_seeds))
 

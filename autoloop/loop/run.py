@@ -141,6 +141,9 @@ class Loop:
         self.pause_reason: str | None = None
         # The outage a model-only night is waiting out (a `wait` item): a stop meanwhile names it.
         self.waiting_for: str | None = None
+        # The user ended the night (Ctrl-C, `autoloop stop`): a flag, never read back out of a
+        # reason's words, which can quote a model server's error text.
+        self.user_stopped = False
 
     def run(self, summary, started: float) -> None:
         c = self.c
@@ -180,6 +183,7 @@ class Loop:
             if error is not None or c.abort_requested:
                 c.abort_requested = True
             pool.shutdown(wait=True)
+        summary.stopped = summary.stopped or self.user_stopped
         if error is not None:
             raise error
         if self.pause_reason is not None:
@@ -263,10 +267,12 @@ class Loop:
         if c.pauses.requested():
             return None  # the pause (a full disk, a drift) is recorded first, whatever else would stop the run
         if c.abort_requested:
+            self.user_stopped = True
             return "interrupted (Ctrl-C)"
         if cfg.max_trials is not None and trials_run >= cfg.max_trials:
             return f"reached --max-trials {cfg.max_trials}"
         if c.store.stop_requested(c.run_row["id"]):
+            self.user_stopped = True
             return "stopped by `autoloop stop`"
         if cfg.hours is not None:
             left = started + cfg.hours * 3600 - time.time()

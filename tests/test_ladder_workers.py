@@ -125,9 +125,12 @@ def test_a_rung_on_two_workers_gives_the_serial_figures_with_its_runs_overlappin
     assert overlapping_pairs(apart) == []
     # Every slot read the rung's config: the budget doubled (the fake reports the steps it got).
     assert {r["num_steps"] for r in runs} == {4}
-    # The plan, then the slowdown from the baseline's first run at the rung.
+    # The plan; its wall time once the two workers are known (12 runs in 6 rounds of 2: half
+    # the runs' time); then the slowdown from the baseline's first run at the rung.
     plans = [line for line in said if line.startswith(f"the ladder at {SPEC}: 12 runs x ")]
-    assert len(plans) == 2 and "not measured yet" in plans[0] and "not measured yet" not in plans[1]
+    assert len(plans) == 3 and "not measured yet" in plans[0] and "not measured yet" not in plans[2]
+    assert "workers at once" not in plans[0] and all(" min on 2 workers at once" in line for line in plans[1:])
+    assert both.plan["workers"] == 2 and both.plan["wall_seconds"] == pytest.approx(both.plan["seconds"] / 2)
     assert both.plan["slowdown"] > 0 and any("2 local workers at once" in line for line in said)
     # The executor was closed with the rung: no worker process is left.
     assert_no_worker_left(parallel)

@@ -203,17 +203,26 @@ def median_run_seconds(store, run_id: int) -> float | None:
 
 def describe_plan(plan: dict) -> str:
     slow = plan.get("slowdown")
-    return (f"the ladder at {plan['spec']}: {plan['runs']} runs x {plan['run_seconds']:.1f} s x budget "
+    text = (f"the ladder at {plan['spec']}: {plan['runs']} runs x {plan['run_seconds']:.1f} s x budget "
             f"{plan['budget_factor']:g}x x slowdown {('%.2f' % slow) if slow else '1 (not measured yet)'} "
             f"= about {plan['seconds'] / 60:.1f} min")
+    workers = plan.get("workers") or 1
+    if workers > 1:  # `seconds` is what the runs cost (GPU time); the night waits for the rounds
+        text += f" of runs, about {plan['wall_seconds'] / 60:.1f} min on {workers} workers at once"
+    return text
 
 
-def _plan(spec: RungSpec, kept: int, seeds: int, run_seconds: float | None, slowdown: float | None) -> dict:
+def _plan(spec: RungSpec, kept: int, seeds: int, run_seconds: float | None, slowdown: float | None,
+          workers: int = 1) -> dict:
     per_run = run_seconds or 0.0
+
+    def cost(on: int) -> float:
+        return seconds_needed(kept, seeds, run_seconds=per_run, budget_factor=spec.budget_factor,
+                              slowdown=slowdown or 1.0, workers=on)
+
     return {"spec": spec.text, "runs": runs_needed(kept, seeds), "run_seconds": per_run,
-            "budget_factor": spec.budget_factor, "slowdown": slowdown,
-            "seconds": seconds_needed(kept, seeds, run_seconds=per_run, budget_factor=spec.budget_factor,
-                                      slowdown=slowdown or 1.0)}
+            "budget_factor": spec.budget_factor, "slowdown": slowdown, "seconds": cost(1),
+            "workers": workers, "wall_seconds": cost(workers)}
 
 
 # ---------------------------------------------------------------------------- the rung
@@ -280,6 +289,7 @@ def ladder(controller: TrialHost, spec: RungSpec | str, *, seeds: int = DEFAULT_
     slack = 4.0 * (run_seconds or original.time_budget) * spec.budget_factor * 4.0
     failed: dict[int, str] = {}
     interrupted = False
+    workers = 1
 
     def record(a: Arm, seed: int, m) -> bool:
         """One run read back (in the main thread, whichever slot trained it); True: start nothing more."""
@@ -292,7 +302,7 @@ def ladder(controller: TrialHost, spec: RungSpec | str, *, seeds: int = DEFAULT_
         wall = _wall(store, a.trial, _get(m, "id"))
         if a.arm == "baseline" and seed == seed_list[0] and run_seconds and wall:
             slowdown = wall / (run_seconds * spec.budget_factor)
-            result.plan = _plan(spec, len(measured) - 2, seeds, run_seconds, slowdown)
+            result.plan = _plan(spec, len(measured) - 2, seeds, run_seconds, slowdown, workers)
             store.update_rung(rung["id"], plan=result.plan)
             say(describe_plan(result.plan))
         return False
@@ -300,6 +310,11 @@ def ladder(controller: TrialHost, spec: RungSpec | str, *, seeds: int = DEFAULT_
     # Seed by seed, so an interrupted rung has balanced pairs; a run already recorded is not run again.
     queue = [(a, seed) for seed in seed_list for a in measured if seed not in runs_of(store, a.trial, (ROLE,))]
     with rung_slots(controller, say) as slots:  # the run's workers, or None: the serial slot
+        if slots and len(slots) > 1 and rung.get("plan"):  # the plan's wall time, now that the workers are known
+            workers = len(slots)
+            result.plan = _plan(spec, len(measured) - 2, seeds, run_seconds, result.plan.get("slowdown"), workers)
+            store.update_rung(rung["id"], plan=result.plan)
+            say(describe_plan(result.plan))
         controller.config = scaled_config(original, spec, slack)  # every job reads it as it is built
         try:
             measure_runs(controller, slots, queue, skip=lambda a: a.trial["id"] in failed, record=record, role=ROLE)

@@ -131,3 +131,37 @@ def test_without_the_scheduler_the_model_answers_again_after_its_structural_keep
     with FakeOpenAI([edit_answer(OBJECTIVE, STRUCTURAL, "a better objective"), later]) as server:
         trials, _ = night(repo, server, max_trials=3, schedule="chain")
     assert [t["proposer"] for t in trials[1:]] == ["llm", "llm"]
+
+
+def _arms_verdict():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("arms_verdict", Path(__file__).resolve().parents[1] / "bench" / "arms_verdict.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _night(scheduler: float, model: float, search: float) -> list[dict]:
+    return [{"rule": arm, "val": {"gain": gain, "gain_se": 0.01}}
+            for arm, gain in (("scheduler", scheduler), ("model-only", model), ("search-only", search))]
+
+
+def test_the_pre_registered_verdict_on_nights_with_a_known_answer():
+    """bench/arms_verdict.py: the better arm is fixed over all nights (not picked per night),
+    and the verdict is the mean difference against its standard error over the nights."""
+    v = _arms_verdict().verdict([_night(0.30, 0.20, 0.25), _night(0.28, 0.24, 0.10), _night(0.26, 0.22, 0.20)])
+    # model-only's mean 0.22 beats search-only's 0.183: the better arm on every night, though
+    # search-only beat it on the first.
+    assert v["better"] == "model-only"
+    assert v["diffs"] == pytest.approx([0.10, 0.04, 0.04])
+    assert v["mean"] == pytest.approx(0.06) and v["se"] == pytest.approx(0.02)  # sd 0.0346 / sqrt(3)
+    assert v["met"]
+    # Ahead on average but by less than one standard error over the nights: not met.
+    v = _arms_verdict().verdict([_night(0.30, 0.20, 0.0), _night(0.20, 0.22, 0.0), _night(0.25, 0.24, 0.0)])
+    assert v["mean"] == pytest.approx(0.03) and v["se"] == pytest.approx(0.0360555, rel=1e-4) and not v["met"]
+    # One night has no night-to-night spread: no verdict, whatever its difference.
+    v = _arms_verdict().verdict([_night(0.50, 0.20, 0.10)])
+    assert v["se"] is None and not v["met"] and "no verdict" in _arms_verdict().describe(v)
+    with pytest.raises(SystemExit, match="no search-only arm"):
+        _arms_verdict().verdict([_night(0.3, 0.2, 0.1)[:2]])

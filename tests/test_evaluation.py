@@ -352,10 +352,14 @@ def test_bf16_outputs_travel_as_bf16_and_score_as_their_float32_values(fresh, tm
 
 
 def test_a_model_that_mixes_the_sequences_of_a_batch_is_caught(fresh, tmp_path):
+    # A tenth of the batch's mean: the fresh model's logits are tiny (lm_head at std 0.001),
+    # so a hundredth moved its log-probabilities by about 1e-4 on the evaluation's windows,
+    # the tolerance itself, and one unseeded init in CI stayed under it. A tenth moves them
+    # by about 1e-3, ten times the tolerance.
     attack = edited(tiny_train_source(), PEEK[0], """\
     forward = model.forward
     model.forward = lambda idx, targets=None: forward(idx, targets) if targets is not None else (
-        forward(idx) + 0.01 * forward(idx).mean(0, keepdim=True))
+        forward(idx) + 0.1 * forward(idx).mean(0, keepdim=True))
     return model
 
 

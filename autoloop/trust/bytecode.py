@@ -66,30 +66,138 @@ def pycache_env(kind: str, cache_root: Path | str) -> dict[str, str | None]:
     }
 
 
+# What a child imports beyond the harness package, warmed with it: an evaluation's model
+# process imports train.py (its optimizer subclasses torch.optim's); a training run also
+# reaches torch._dynamo (the optimizers' constructors import it), torch.profiler (the
+# attention kernel that ran, autoloop.harness.kernels) and, on a GPU, the compiler. A module
+# missing from a prefix is compiled from source by every child that imports it, since no
+# child may write bytecode: for torch._dynamo that was 2.5 CPU seconds per run on this CPU.
+WARM_IMPORTS = {
+    "eval": ("torch.optim",),
+    "train": ("torch.optim", "torch._dynamo", "torch.profiler"),
+}
+WARM_BEST_EFFORT = {"eval": (), "train": ("torch._inductor.compile_fx",)}  # absent on some builds
+STAMP = ".warm.json"  # in the prefix: what it was filled for (see `_stamp`)
+WARM_TIMEOUT_SECONDS = 600
+
+# The prefixes whose warm-up failed in this process: said once and not tried again (every
+# child would fail the same way); `force` tries again.
+_failed: set[tuple[str, str, str, str]] = set()
+
+
+def warm_code(kind: str) -> str:
+    """The trusted warm-up's program: every harness module, then `WARM_IMPORTS[kind]`."""
+    lines = [
+        "import importlib, pkgutil",
+        "import autoloop.harness as harness",
+        "for info in pkgutil.iter_modules(harness.__path__, 'autoloop.harness.'):",
+        "    if info.name != 'autoloop.harness.__main__':",
+        "        importlib.import_module(info.name)",
+        *(f"import {name}" for name in WARM_IMPORTS[kind]),
+    ]
+    for name in WARM_BEST_EFFORT[kind]:
+        lines += ["try:", f"    import {name}", "except Exception:", "    pass"]
+    return "\n".join(lines) + "\n"
+
+
+def _stamp(kind: str, python: str, pythonpath: str) -> dict | None:
+    """What a filled prefix was filled for: the interpreter, the harness's sources, torch's
+    install and the import path. None where it cannot be told cheaply (another interpreter
+    than this one): such a prefix is warmed once per process, as before the stamp."""
+    import importlib.util
+    import sys
+
+    try:
+        if os.path.realpath(python) != os.path.realpath(sys.executable):
+            return None
+        torch_spec = importlib.util.find_spec("torch")
+        torch_init = Path(torch_spec.origin) if torch_spec and torch_spec.origin else None
+        return {
+            "kind": kind, "code": warm_code(kind), "python": os.path.realpath(python), "version": sys.version,
+            "python_mtime": os.stat(os.path.realpath(python)).st_mtime, "pythonpath": pythonpath,
+            "harness": _sources_stamp(Path(__file__).resolve().parents[1] / "harness"),
+            "torch": [str(torch_init), torch_init.stat().st_mtime] if torch_init else None,
+        }
+    except (OSError, ValueError, ImportError):
+        return None
+
+
+def _sources_stamp(directory: Path) -> list:
+    """Each harness source's name, size and mtime: what Python checks a .pyc against (read
+    without importing the harness, which imports torch)."""
+    return [[path.relative_to(directory).as_posix(), stat.st_size, stat.st_mtime_ns]
+            for path in sorted(directory.rglob("*.py")) for stat in [path.stat()]]
+
+
+def _read_stamp(prefix: Path) -> dict | None:
+    import json
+
+    try:
+        with open(prefix / STAMP, "rb") as handle:
+            data = json.loads(handle.read(1 << 16))
+        return data if isinstance(data, dict) else None
+    except (OSError, ValueError):
+        return None
+
+
+def _write_stamp(prefix: Path, stamp: dict) -> None:
+    import json
+
+    tmp = prefix / f"{STAMP}.{os.getpid()}"
+    try:
+        tmp.write_text(json.dumps(stamp, sort_keys=True))
+        os.replace(tmp, prefix / STAMP)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+
+
 def warm_pycache(kind: str, python: str, cache_root: Path | str, *, env: dict[str, str] | None = None,
                  force: bool = False) -> float:
     """Fill a bytecode prefix from a trusted process (the harness + torch, no trial code);
-    once per (kind, python, prefix, PYTHONPATH) in this process. Returns the seconds spent.
+    once per (kind, python, prefix, PYTHONPATH) in this process, and not at all where the
+    prefix's stamp says an earlier process filled it for the same interpreter, harness and
+    torch (each `autoloop` command would otherwise import torch twice more before its first
+    trial). Returns the seconds spent.
 
     For "eval" this is the only writer. For "train" it makes the harness's bytecode there
     current before any trial runs, so an honest trial writes none of it and the integrity
-    snapshot can treat any harness .pyc a trial adds or changes there as tampering."""
+    snapshot can treat any harness .pyc a trial adds or changes there as tampering. The
+    stamp grants nothing: Python still checks each .pyc against its source, and whoever
+    could write the stamp could write the bytecode, which the snapshot watches.
+
+    A warm-up that fails says so on stderr, once per prefix in this process: the children
+    then compile what they import from source (slower, not wrong)."""
+    import sys
+
     prefix = pycache_dir(kind, cache_root)
     base = dict(env if env is not None else os.environ)
     key = (kind, python, str(prefix), base.get("PYTHONPATH", ""))
-    if key in _warmed and not force:
+    if (key in _warmed or key in _failed) and not force:
+        return 0.0
+    stamp = _stamp(kind, python, key[3])
+    if not force and stamp is not None and _read_stamp(prefix) == stamp:
+        _warmed.add(key)
         return 0.0
     prefix.mkdir(parents=True, exist_ok=True)
     base.pop(ENV_DONT_WRITE_BYTECODE, None)
     base[ENV_PYCACHE_PREFIX] = str(prefix)
     started = time.monotonic()
-    code = "import autoloop.harness.evaluate as e; e._harness_modules()"
-    if kind == "train":
-        # What a training run imports beyond the harness: the optimizers and, on a GPU, the
-        # compiler (imported lazily by torch.compile); best effort.
-        code += "\ntry:\n    import torch.optim, torch._dynamo, torch._inductor.compile_fx\nexcept Exception:\n    pass"
-    done = subprocess.run([python, "-c", code], env=base, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, timeout=600, check=False)
-    if done.returncode == 0:
+    try:
+        done = subprocess.run([python, "-c", warm_code(kind)], env=base, stdin=subprocess.DEVNULL,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=WARM_TIMEOUT_SECONDS,
+                              check=False)
+        failure = None if done.returncode == 0 else (
+            (done.stdout or b"").decode(errors="replace").strip().splitlines() or [f"exit {done.returncode}"])[-1]
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        failure = str(exc)
+    if failure is None:
         _warmed.add(key)
+        _failed.discard(key)
+        if stamp is not None:
+            _write_stamp(prefix, stamp)
+    else:
+        if key not in _failed:
+            print(f"autoloop: the {kind} bytecode warm-up with {python} failed ({failure[:300]}); its children "
+                  f"compile what they import from source, which only makes them slower", file=sys.stderr)
+        _failed.add(key)
     return time.monotonic() - started

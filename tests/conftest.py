@@ -21,13 +21,14 @@ _PARALLEL = "PYTEST_XDIST_WORKER" in os.environ
 
 # The files that take longest, run first under `pytest -n 2` (whole files go to a worker):
 # started late, one of them would leave the other worker idle at the end. Longest first, as
-# measured with two workers on 2 cores before issue 32 (test_attacks.py ~24 min then, now split
-# in four: issue 12's table, issue 23's trust attacks, the budget, the workers; test_readme.py
-# ~11, the next ones 6 to 2); a file not listed runs after these, in its usual order.
-LONGEST_FILES = ("test_attacks.py", "test_attacks_trust.py", "test_readme.py", "test_attacks_budget.py",
-                 "test_attacks_workers.py", "test_check.py", "test_executor_equivalence.py", "test_crash_safety.py",
-                 "test_train.py", "test_verify.py", "test_review.py", "test_e2e.py", "test_parallel.py",
-                 "test_controller.py", "test_agent.py", "test_run_check.py")
+# measured by `.ci/run` with --durations=0 on a clean clone (2026-12-06: test_readme.py 540 s,
+# test_attacks_budget.py 490, the next ones 260 to 100); a file not listed runs after these,
+# in its usual order.
+LONGEST_FILES = ("test_readme.py", "test_attacks_budget.py", "test_check.py", "test_train.py", "test_crash_safety.py",
+                 "test_executor_equivalence.py", "test_attacks_startup.py", "test_attacks_workers.py",
+                 "test_parallel.py", "test_attacks.py", "test_review.py", "test_agent.py", "test_controller.py",
+                 "test_verify.py", "test_attacks_probes.py", "test_attacks_trust.py", "test_run_check.py",
+                 "test_llm_outage.py")
 
 
 def pytest_collection_modifyitems(config, items):

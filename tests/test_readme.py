@@ -151,5 +151,44 @@ def test_the_readme_first_command_beside_a_second_project_running_its_own_loop(t
     statuses = [(t["number"], t["kind"], t["status"], t["reason"]) for t in figures["trials"]]
     assert figures["problems"] == [], (statuses, figures["output_tail"], figures.get("beside_output_tail"))
     assert figures["command_exit"] == 0
+    assert_the_night_is_whole(tmp_path / "clone", "demo")
+
+
+def assert_the_night_is_whole(repo: Path, tag: str) -> None:
+    """What the README's night left behind, as tests/test_e2e.py asserted on a night of its
+    own before it was folded in here (the same real train.py through the same loop, which
+    this test runs anyway, from the user's command): git and the db agree, the baseline is
+    verified at three seeds, every trial's diff is recoverable from its row and from git,
+    kept or not, a discarded trial keeps no checkpoint and the best keeps one, and the run
+    records its fingerprints and its curves."""
+    import subprocess
+
+    from autoloop.gitops import GitRepo
+    from autoloop.store import Store
+    from tests.test_controller import assert_consistent
+
+    rows = assert_consistent(repo, tag)
+    assert len(rows) == 4 and rows[0]["kind"] == "baseline" and rows[0]["status"] == "keep"
+    assert rows[0]["metric_source"] == "verified" and rows[0]["heldout_metric"] is not None
+    assert rows[0]["n_runs"] == 3 and rows[0]["metric_sd"] is not None
+    assert rows[0]["num_steps"] == 120 and rows[0]["total_tokens"] > 0 and rows[0]["num_params"] > 0
+    gitrepo = GitRepo.open(repo)
+    archived = gitrepo.archived(tag)
+    for row in rows[1:]:
+        assert row["diff"] and row["diff"] == gitrepo.diff(row["parent_commit"], row["trial_commit"])
+        if row["status"] != "keep":
+            assert archived[row["number"]] == row["trial_commit"]
+            assert not list((repo / ".autoloop" / tag / "trials" / str(row["number"])).rglob("checkpoint.pt"))
+    kept = [r for r in rows if r["status"] == "keep"]
+    assert len(list((repo / ".autoloop" / tag / "trials" / str(kept[-1]["number"])).rglob("checkpoint.pt"))) == 1
+    store = Store(repo / "experiments.db")
+    try:
+        run = store.get_run(tag)
+        assert run["data_fingerprint"] and run["harness_fingerprint"] and run["torch_version"]
+        assert store.curve(rows[0]["id"])
+    finally:
+        store.close()
+    assert subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo,
+                          capture_output=True, text=True).stdout == ""
 
 

@@ -103,17 +103,19 @@ def warm_code(kind: str) -> str:
 def _stamp(kind: str, python: str, pythonpath: str) -> dict | None:
     """What a filled prefix was filled for: the interpreter, the harness's sources, torch's
     install and the import path. None where it cannot be told cheaply (another interpreter
-    than this one): such a prefix is warmed once per process, as before the stamp."""
+    than this one): such a prefix is warmed once per process, as before the stamp. Compared
+    as paths, not resolved: two virtual environments share their base's binary but not
+    their torch, which is read here from this interpreter's own path."""
     import importlib.util
     import sys
 
     try:
-        if os.path.realpath(python) != os.path.realpath(sys.executable):
+        if os.path.abspath(python) != os.path.abspath(sys.executable):
             return None
         torch_spec = importlib.util.find_spec("torch")
         torch_init = Path(torch_spec.origin) if torch_spec and torch_spec.origin else None
         return {
-            "kind": kind, "code": warm_code(kind), "python": os.path.realpath(python), "version": sys.version,
+            "kind": kind, "code": warm_code(kind), "python": os.path.abspath(python), "version": sys.version,
             "python_mtime": os.stat(os.path.realpath(python)).st_mtime, "pythonpath": pythonpath,
             "harness": _sources_stamp(Path(__file__).resolve().parents[1] / "harness"),
             "torch": [str(torch_init), torch_init.stat().st_mtime] if torch_init else None,

@@ -703,3 +703,55 @@ def test_the_run_says_in_one_line_what_a_sandbox_sees():
                  "run folder", "no network", "no home or cache folder"):
         assert part in line, (part, line)
     assert SandboxPolicy("none", "bwrap not installed").describe() == "none: bwrap not installed"
+
+
+# ---------------------------------------------------------------------------- whose autoloop
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sandbox", ["auto", "off"])
+def test_training_imports_the_controllers_own_autoloop(tmp_path, sandbox):
+    """A controller whose autoloop is not the one this interpreter imports by default (a
+    second checkout put first on its path, as bench/night.py does from a clone) trains with
+    its own harness: the training process imports the package the controller measures and
+    fingerprints, not the installed one. Sandboxed, training found no autoloop at all (the
+    sandbox shows only the controller's package, and the installed one's import hook points
+    elsewhere); unsandboxed, it imported the installed one."""
+    if sandbox == "auto" and POLICY.kind != "bwrap":
+        pytest.skip(f"bubblewrap cannot run here ({POLICY.describe()})")
+    import shutil
+
+    checkout = tmp_path / "checkout"
+    shutil.copytree(REPO_ROOT / "autoloop", checkout / "autoloop", ignore=shutil.ignore_patterns("__pycache__"))
+    anchor = "from autoloop import harness as H\n"
+    source = (REPO_ROOT / "train.py").read_text()
+    assert anchor in source
+    repo = make_repo(tmp_path / "repo", source.replace(anchor, anchor + "print('HARNESS FROM', H.__file__)\n", 1))
+    program = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(checkout)!r})
+        import autoloop
+        assert autoloop.__file__.startswith({str(checkout)!r}), autoloop.__file__
+        from autoloop.config import resolve
+        from autoloop.loop.controller import Controller
+        flags = dict(tag="own", proposers="ideas", decision_rule="strict", baseline_seeds=1, drift_every=0,
+                     max_steps=2, max_trials=1, sandbox={sandbox!r})
+        Controller(resolve({str(repo)!r}, flags), {str(repo)!r}).run()
+    """)
+    done = subprocess.run([sys.executable, "-c", program], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    logs = sorted((repo / ".autoloop" / "own" / "trials" / "1").rglob("train.log"))
+    assert logs, done.stderr[-2000:]
+    log = logs[0].read_text()
+    lines = [line for line in log.splitlines() if line.startswith("HARNESS FROM ")]
+    assert lines, log[-2000:]
+    harness = Path(lines[0].split(" ", 2)[2]).resolve()  # through the import root's link
+    assert harness == (checkout / "autoloop" / "harness" / "__init__.py").resolve(), lines[0]
+    from autoloop.store import Store
+
+    store = Store(repo / "experiments.db")
+    try:
+        (baseline,) = store.trials(store.get_run("own")["id"])
+    finally:
+        store.close()
+    assert baseline["status"] == "keep", baseline["reason"]

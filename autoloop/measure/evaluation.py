@@ -35,6 +35,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from autoloop.trust.import_root import trusted_python_path
+
 EVAL_LOG = "eval.log"
 VERDICT_FILE = "verdict.json"
 MAX_VERDICT_BYTES = 1 << 20
@@ -58,36 +60,6 @@ class EvalResult:
     seconds: float = 0.0  # wall seconds, spawn to the scorer's exit
     fields: dict = field(default_factory=dict)
     log_path: Path | None = None
-
-
-def trusted_import_root(cache: Path | None = None) -> Path:
-    """A folder holding only `autoloop` (a link to the package this process runs): the first
-    entry of every trusted child's import path, so that the child imports this harness and
-    no module a project folder or a trial's files could hold under a familiar name."""
-    import hashlib
-
-    import autoloop
-
-    package = Path(autoloop.__file__).resolve().parent
-    if cache is None:
-        from autoloop.harness.contract import cache_root
-
-        cache = cache_root()
-    root = Path(cache) / "pylib" / hashlib.sha256(str(package).encode()).hexdigest()[:12]
-    link = root / "autoloop"
-    if not (link.is_symlink() and Path(os.readlink(link)) == package):
-        root.mkdir(parents=True, exist_ok=True)
-        tmp = root / f".autoloop.{os.getpid()}.{threading.get_ident()}"
-        tmp.unlink(missing_ok=True)
-        os.symlink(package, tmp)
-        os.replace(tmp, link)
-    return root
-
-
-def trusted_python_path(env: dict[str, Any], cache: Path | None = None) -> str:
-    """PYTHONPATH for a trusted child: autoloop's own root first, then the user's."""
-    rest = [p for p in str(env.get("PYTHONPATH") or os.environ.get("PYTHONPATH") or "").split(os.pathsep) if p]
-    return os.pathsep.join([str(trusted_import_root(cache)), *rest])
 
 
 class _Child:

@@ -50,6 +50,7 @@ from autoloop.measure.job import JobResult, MeasureJob
 from autoloop.measure.run_folder import RunFolder
 from autoloop.base.status import RunOutcome
 from autoloop.measure.runner import run_training
+from autoloop.trust.import_root import trusted_python_path
 from autoloop.store import MetricSource
 
 # Per-run fields copied from the result JSON into the measurement and the trial row.
@@ -322,6 +323,9 @@ def _train_job(job: MeasureJob, project_dir: Path, run_dir: Path, on_start: OnSt
     folder.prepare_training()
     data_dir = Path(job.data_dir)
     env = contract_env(job, folder)
+    # Training imports the harness it is measured by, not whichever autoloop the
+    # interpreter would find first (autoloop.trust.import_root).
+    env["PYTHONPATH"] = trusted_python_path(env, _cache_root(job))
     python = job.python or sys.executable
     feed = None
     readonly = project_files(project_dir)  # what git tracks: never an untracked .env, the db or .git

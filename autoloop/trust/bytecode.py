@@ -24,6 +24,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from autoloop.trust.import_root import trusted_python_path
+
 PYCACHE_KINDS = ("train", "eval")
 # Python's own flags for the bytecode cache.
 ENV_PYCACHE_PREFIX = "PYTHONPYCACHEPREFIX"
@@ -173,7 +175,9 @@ def warm_pycache(kind: str, python: str, cache_root: Path | str, *, env: dict[st
 
     prefix = pycache_dir(kind, cache_root)
     base = dict(env if env is not None else os.environ)
-    key = (kind, python, str(prefix), base.get("PYTHONPATH", ""))
+    # The harness this process runs, as its children import it (autoloop.trust.import_root).
+    base["PYTHONPATH"] = trusted_python_path(base)
+    key = (kind, python, str(prefix), base["PYTHONPATH"])
     if (key in _warmed or key in _failed) and not force:
         return 0.0
     stamp = _stamp(kind, python, key[3])

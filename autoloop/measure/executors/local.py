@@ -119,7 +119,7 @@ class LocalSlot:
         from autoloop.base.processes import kill_process_group, process_start_time
         from autoloop.measure.worker import WARMED_ENV
         from autoloop.trust import bytecode
-        from autoloop.measure.evaluation import trusted_python_path
+        from autoloop.trust.import_root import trusted_python_path
 
         run_dir = Path(run_dir)
         job_file = run_dir / "job.json"

@@ -71,3 +71,45 @@ def test_a_failing_warm_up_is_said_once_and_not_retried(tmp_path, fresh_state, c
     assert not (pycache_dir("train", tmp_path / "cache") / bytecode.STAMP).exists()
     warm_pycache("train", str(python), tmp_path / "cache", force=True)
     assert calls.read_text().count("x") == 2
+
+
+def test_a_new_projects_prefix_is_a_copy_of_the_users_template_never_of_another_project(
+        tmp_path, fresh_state, monkeypatch):
+    """The second project of the same harness and torch copies the template in the user's
+    cache instead of importing torch to fill its own; the template holds only what a
+    trusted warm-up wrote (a file planted in the first project's prefix, as an unsandboxed
+    trial could, reaches no other project); each project's files are its own."""
+    monkeypatch.setenv("AUTOLOOP_CACHE_DIR", str(tmp_path / "user-cache"))
+    spawned = []
+    real = bytecode._run_warm_up
+    monkeypatch.setattr(bytecode, "_run_warm_up", lambda *a: spawned.append(a[3]) or real(*a))
+    first, second = tmp_path / "one" / ".autoloop", tmp_path / "two" / ".autoloop"
+    warm_pycache("eval", sys.executable, first)
+    assert len(spawned) == 1 and spawned[0].parent == tmp_path / "user-cache" / "pycache-templates"
+    planted = pycache_dir("eval", first) / "planted.pyc"
+    planted.write_bytes(b"poison")
+    monkeypatch.setattr(bytecode, "_warmed", set())  # as a new `autoloop` process starts
+    warm_pycache("eval", sys.executable, second)
+    assert len(spawned) == 1  # no warm-up process: copied
+    one, two = pycache_dir("eval", first), pycache_dir("eval", second)
+    files = {p.relative_to(one) for p in one.rglob("*") if p.is_file()} - {Path("planted.pyc")}
+    assert files == {p.relative_to(two) for p in two.rglob("*") if p.is_file()}
+    assert len(files) > 100 and not (two / "planted.pyc").exists()
+    assert bytecode._read_stamp(two) == bytecode._read_stamp(one) is not None
+    sample = next(p for p in sorted(files) if p.suffix == ".pyc")
+    assert (one / sample).read_bytes() == (two / sample).read_bytes()
+    assert (one / sample).stat().st_ino != (two / sample).stat().st_ino
+    # `force` (planted bytecode was removed) runs the warm-up into the prefix itself.
+    warm_pycache("eval", sys.executable, second, force=True)
+    assert spawned[-1] == two
+
+
+def test_the_user_cache_keeps_two_templates_per_kind(tmp_path, fresh_state, monkeypatch):
+    monkeypatch.setenv("AUTOLOOP_CACHE_DIR", str(tmp_path / "user-cache"))
+    for version in range(3):  # three harness versions, one after another
+        monkeypatch.setattr(bytecode, "_sources_stamp", lambda directory, v=version: [["metric.py", v, v]])
+        monkeypatch.setattr(bytecode, "_warmed", set())
+        warm_pycache("eval", sys.executable, tmp_path / f"project-{version}")
+    templates = sorted((tmp_path / "user-cache" / "pycache-templates").iterdir())
+    assert len(templates) == bytecode.TEMPLATES_KEPT == 2
+    assert sorted(bytecode._read_stamp(t)["harness"][0][1] for t in templates) == [1, 2]  # the oldest went

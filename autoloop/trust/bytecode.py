@@ -169,6 +169,11 @@ def warm_pycache(kind: str, python: str, cache_root: Path | str, *, env: dict[st
     stamp grants nothing: Python still checks each .pyc against its source, and whoever
     could write the stamp could write the bytecode, which the snapshot watches.
 
+    A new project's prefix is a copy of a template the user's cache keeps per stamp,
+    itself filled by a warm-up into a fresh folder (`_template`): the second project of the
+    same harness and torch does not import torch to fill its own. `force` (after planted
+    bytecode was removed) always runs the warm-up into the prefix itself.
+
     A warm-up that fails says so on stderr, once per prefix in this process: the children
     then compile what they import from source (slower, not wrong)."""
     import sys
@@ -184,18 +189,19 @@ def warm_pycache(kind: str, python: str, cache_root: Path | str, *, env: dict[st
     if not force and stamp is not None and _read_stamp(prefix) == stamp:
         _warmed.add(key)
         return 0.0
-    prefix.mkdir(parents=True, exist_ok=True)
-    base.pop(ENV_DONT_WRITE_BYTECODE, None)
-    base[ENV_PYCACHE_PREFIX] = str(prefix)
     started = time.monotonic()
-    try:
-        done = subprocess.run([python, "-c", warm_code(kind)], env=base, stdin=subprocess.DEVNULL,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=WARM_TIMEOUT_SECONDS,
-                              check=False)
-        failure = None if done.returncode == 0 else (
-            (done.stdout or b"").decode(errors="replace").strip().splitlines() or [f"exit {done.returncode}"])[-1]
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        failure = str(exc)
+    failure = None
+    if not force and stamp is not None:
+        # A new project's prefix is copied from the one a trusted warm-up filled for the
+        # same stamp (an import of torch and its compiler: ~10 s of CPU, per project).
+        template, failure = _template(kind, stamp, python, base)
+        if template is not None and _copy_template(template, prefix):
+            _write_stamp(prefix, stamp)
+            _warmed.add(key)
+            _failed.discard(key)
+            return time.monotonic() - started
+    if failure is None:
+        failure = _run_warm_up(kind, python, base, prefix)
     if failure is None:
         _warmed.add(key)
         _failed.discard(key)
@@ -207,3 +213,95 @@ def warm_pycache(kind: str, python: str, cache_root: Path | str, *, env: dict[st
                   f"compile what they import from source, which only makes them slower", file=sys.stderr)
         _failed.add(key)
     return time.monotonic() - started
+
+
+def _run_warm_up(kind: str, python: str, env: dict[str, str], prefix: Path) -> str | None:
+    """Fill `prefix` from a trusted process; the failure's last line, or None."""
+    prefix.mkdir(parents=True, exist_ok=True)
+    env = dict(env)
+    env.pop(ENV_DONT_WRITE_BYTECODE, None)
+    env[ENV_PYCACHE_PREFIX] = str(prefix)
+    try:
+        done = subprocess.run([python, "-c", warm_code(kind)], env=env, stdin=subprocess.DEVNULL,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=WARM_TIMEOUT_SECONDS,
+                              check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return str(exc)
+    if done.returncode == 0:
+        return None
+    return ((done.stdout or b"").decode(errors="replace").strip().splitlines() or [f"exit {done.returncode}"])[-1]
+
+
+# Templates kept per kind in the user's cache (each about 100 MB for training's): the
+# newest, for the harness and torch of today, and one before it (a second checkout).
+TEMPLATES_KEPT = 2
+
+
+def _template(kind: str, stamp: dict, python: str, env: dict[str, str]) -> tuple[Path | None, str | None]:
+    """The user's template prefix for `stamp`, filled now if missing: a warm-up into a fresh
+    folder of the cache (which no sandbox sees), renamed into place whole, so a template
+    holds only what a trusted warm-up wrote. (template, None), or (None, the warm-up's
+    failure)."""
+    import hashlib
+    import json
+    import shutil
+
+    from autoloop.harness.contract import cache_root
+
+    digest = hashlib.sha256(json.dumps(stamp, sort_keys=True).encode()).hexdigest()[:16]
+    root = cache_root() / "pycache-templates"
+    template = root / f"{kind}-{digest}"
+    if (template / STAMP).is_file():
+        return template, None
+    fresh = root / f".{kind}-{digest}.{os.getpid()}"
+    shutil.rmtree(fresh, ignore_errors=True)
+    failure = _run_warm_up(kind, python, env, fresh)
+    if failure is not None:
+        shutil.rmtree(fresh, ignore_errors=True)
+        return None, failure
+    _write_stamp(fresh, stamp)
+    try:
+        os.rename(fresh, template)
+    except OSError:  # another process put the same template in place first
+        shutil.rmtree(fresh, ignore_errors=True)
+    _prune_templates(root, kind, keep=template)
+    return (template if (template / STAMP).is_file() else None), None
+
+
+def _prune_templates(root: Path, kind: str, keep: Path) -> None:
+    import shutil
+
+    try:
+        others = sorted((p for p in root.glob(f"{kind}-*") if p != keep), key=lambda p: p.stat().st_mtime)
+    except OSError:
+        return
+    for old in others[: max(0, len(others) - (TEMPLATES_KEPT - 1))]:
+        shutil.rmtree(old, ignore_errors=True)
+    for left in root.glob(f".{kind}-*"):  # a warm-up killed before its rename
+        try:
+            if time.time() - left.stat().st_mtime > 2 * WARM_TIMEOUT_SECONDS:
+                shutil.rmtree(left, ignore_errors=True)
+        except OSError:
+            pass
+
+
+def _copy_template(template: Path, prefix: Path) -> bool:
+    """Copy the template's folders and regular files (never a link) into `prefix`, each
+    file written whole and renamed into place (a copy of the project's own: nothing in a
+    prefix is shared between projects). False where any of it fails."""
+    import shutil
+
+    try:
+        for folder, _dirs, files in os.walk(template, followlinks=False):
+            target = prefix / Path(folder).relative_to(template)
+            target.mkdir(parents=True, exist_ok=True)
+            for name in files:
+                source = Path(folder) / name
+                if name == STAMP or source.is_symlink() or not source.is_file():
+                    continue
+                tmp = target / f".{name}.{os.getpid()}"
+                shutil.copyfile(source, tmp)
+                os.replace(tmp, target / name)
+    except OSError:
+        return False
+    return True

@@ -708,9 +708,20 @@ def test_the_run_says_in_one_line_what_a_sandbox_sees():
 # ---------------------------------------------------------------------------- whose autoloop
 
 
+@pytest.fixture(scope="module")
+def second_checkout(tmp_path_factory) -> Path:
+    """A copy of this autoloop package elsewhere (a second checkout), made once for the
+    module: the controller's bytecode templates are per harness, so both tests share one."""
+    import shutil
+
+    checkout = tmp_path_factory.mktemp("checkout")
+    shutil.copytree(REPO_ROOT / "autoloop", checkout / "autoloop", ignore=shutil.ignore_patterns("__pycache__"))
+    return checkout
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("sandbox", ["auto", "off"])
-def test_training_imports_the_controllers_own_autoloop(tmp_path, sandbox):
+def test_training_imports_the_controllers_own_autoloop(tmp_path, sandbox, second_checkout):
     """A controller whose autoloop is not the one this interpreter imports by default (a
     second checkout put first on its path, as bench/night.py does from a clone) trains with
     its own harness: the training process imports the package the controller measures and
@@ -719,10 +730,7 @@ def test_training_imports_the_controllers_own_autoloop(tmp_path, sandbox):
     elsewhere); unsandboxed, it imported the installed one."""
     if sandbox == "auto" and POLICY.kind != "bwrap":
         pytest.skip(f"bubblewrap cannot run here ({POLICY.describe()})")
-    import shutil
-
-    checkout = tmp_path / "checkout"
-    shutil.copytree(REPO_ROOT / "autoloop", checkout / "autoloop", ignore=shutil.ignore_patterns("__pycache__"))
+    checkout = second_checkout
     anchor = "from autoloop import harness as H\n"
     source = (REPO_ROOT / "train.py").read_text()
     assert anchor in source

@@ -291,8 +291,11 @@ def _copy_template(template: Path, prefix: Path) -> bool:
     prefix is shared between projects). False where any of it fails."""
     import shutil
 
+    def fail(error: OSError) -> None:
+        raise error
+
     try:
-        for folder, _dirs, files in os.walk(template, followlinks=False):
+        for folder, _dirs, files in os.walk(template, onerror=fail, followlinks=False):
             target = prefix / Path(folder).relative_to(template)
             target.mkdir(parents=True, exist_ok=True)
             for name in files:
@@ -304,4 +307,4 @@ def _copy_template(template: Path, prefix: Path) -> bool:
                 os.replace(tmp, target / name)
     except OSError:
         return False
-    return True
+    return (template / STAMP).is_file()  # not pruned by another process meanwhile

@@ -61,6 +61,7 @@ sys.path.insert(0, str(ROOT))
 
 from autoloop.config import resolve  # noqa: E402
 from autoloop.loop.controller import Controller  # noqa: E402
+from autoloop.loop.scheduler import UNTRIED_IN_A_ROW  # noqa: E402
 from autoloop.decide.remeasure import headline, reserve_seeds  # noqa: E402
 from autoloop.store import Store  # noqa: E402
 
@@ -130,13 +131,15 @@ def night(repo: Path, rule: str, steps: int, seed: int, target: float, say, extr
     config = resolve(repo, flags(rule, steps, seed, extra))
     rule = name or rule
     spent, trials, started = 0.0, 0, time.monotonic()
+    untried = 0  # trials in a row that spent no run: the loop's own stop (UNTRIED_IN_A_ROW) counts
+    # within one invocation, and this night invokes the controller once a trial
     while spent < target - 1e-9:
         summary = Controller(config, repo).run()
         trials += summary.trials_run
         store = Store(repo / "experiments.db")
         try:
             run = store.get_run("night")
-            spent = runs_spent(store, run["id"], steps)
+            before, spent = spent, runs_spent(store, run["id"], steps)
         finally:
             store.close()
         say(f"  {rule}: {trials} trials, {spent:.2f} runs ({time.monotonic() - started:.0f} s)")
@@ -144,6 +147,10 @@ def night(repo: Path, rule: str, steps: int, seed: int, target: float, say, extr
             raise SystemExit(f"{rule}: stopped by a signal after {spent:.2f} runs")
         if summary.trials_run == 0:
             say(f"  {rule}: no trial ran ({summary.stop_reason}); the night ends here")
+            break
+        untried = untried + 1 if spent == before else 0
+        if untried >= UNTRIED_IN_A_ROW:
+            say(f"  {rule}: {untried} proposals in a row could not be tried; the night ends here, at {spent:.2f} runs")
             break
     return {"trials": trials, "runs": spent, "seconds": time.monotonic() - started}
 
@@ -217,8 +224,11 @@ def report(rows: list[dict]) -> str:
 # this order, the first edit of STRUCTURAL_EDITS whose text is in the file it was sent
 # and not yet answered; the list interleaves structural edits of the model (code, not
 # constants; on a CPU they change the CPU block's small model) with constant tweaks, as
-# models do. When the list is spent it grinds the learning rates (x1.5, /1.5 in turn), as
-# the agents of a public nanoGPT speed-run were seen to do. My guess at each edit's effect
+# models do. When the list is spent it grinds the learning rates (x1.5, /1.5, then wider
+# steps, in turn), as the agents of a public nanoGPT speed-run were seen to do, never
+# answering a change it already answered from the same value (the brief lists what was
+# tried; the first version repeated itself once its grid was spent, which a real model
+# reading the brief would not, and its night never ended). My guess at each edit's effect
 # on the CPU block at 20-40 steps is its last field; what it did is printed per arm.
 STRUCTURAL_EDITS = [
     ("relu squared to GELU in the MLP",
@@ -251,6 +261,7 @@ STRUCTURAL_EDITS = [
      '        {"params": embedding, "lr": EMBEDDING_LR, "name": "embedding"},', "harmful"),
 ]
 GRIND = ("MATRIX_LR", "EMBEDDING_LR", "UNEMBEDDING_LR")
+GRIND_FACTORS = (1.5, 1 / 1.5, 2.0, 0.5, 1.25, 0.8, 3.0, 1 / 3)
 
 ARMS = {
     "model-only": {"proposers": "llm", "schedule": "chain"},
@@ -266,6 +277,7 @@ class ScriptedModel:
     def __init__(self):
         self.used: set[int] = set()
         self.grinds = 0
+        self.answered: set[tuple[str, str, str]] = set()  # (constant, from, to) of each grind answered
 
     def __call__(self, body: dict) -> str:
         import re
@@ -277,15 +289,19 @@ class ScriptedModel:
             if i not in self.used and old in sent:
                 self.used.add(i)
                 return edit_answer(old, new, what)
-        for _ in range(2 * len(GRIND)):
-            name = GRIND[self.grinds % len(GRIND)]
-            factor = 1.5 if (self.grinds // len(GRIND)) % 2 == 0 else 1 / 1.5
+        # (constant, factor) in turn: each constant x1.5, then each /1.5, then x2, ...
+        grid = [(name, factor) for factor in GRIND_FACTORS for name in GRIND]
+        for _ in range(len(grid)):
+            name, factor = grid[self.grinds % len(grid)]
             self.grinds += 1
             line = re.search(rf"^{name} = ([0-9.e+-]+)(.*)$", sent, re.M)
             if line:
                 value = float(line.group(1))
-                return edit_answer(line.group(0), f"{name} = {value * factor:.3g}{line.group(2)}",
-                                   f"{name} x{factor:.3g}")
+                change = (name, line.group(1), f"{value * factor:.3g}")
+                if change in self.answered or change[1] == change[2]:
+                    continue
+                self.answered.add(change)
+                return edit_answer(line.group(0), f"{name} = {change[2]}{line.group(2)}", f"{name} x{factor:.3g}")
         return "I have nothing more to propose."
 
 

@@ -38,10 +38,14 @@ def test_the_warm_up_fills_every_harness_module_and_what_training_imports(tmp_pa
     warm_pycache("train", sys.executable, tmp_path)
     warm_pycache("eval", sys.executable, tmp_path)
     assert "warm-up" not in capsys.readouterr().err
+    from autoloop.trust.integrity import VIA_IMPORT_ROOT, harness_mirrors
+
     harness = Path(autoloop.harness.__file__).parent
     modules = {p.stem for p in harness.glob("*.py")} - {"__main__"}
     for kind in ("train", "eval"):
-        assert modules <= _compiled(pycache_dir(kind, tmp_path), harness), kind
+        # Where the children import it from: through the import root (autoloop.trust.import_root).
+        mirror = harness_mirrors(harness, pycache_dir(kind, tmp_path))[VIA_IMPORT_ROOT]
+        assert modules <= {p.name.split(".")[0] for p in mirror.glob("*.pyc")}, kind
     dynamo = _compiled(pycache_dir("train", tmp_path), Path(torch.__file__).parent / "_dynamo")
     assert {"eval_frame", "convert_frame"} <= dynamo
     profiler = _compiled(pycache_dir("train", tmp_path), Path(torch.__file__).parent / "profiler")
@@ -113,3 +117,26 @@ def test_the_user_cache_keeps_two_templates_per_kind(tmp_path, fresh_state, monk
     templates = sorted((tmp_path / "user-cache" / "pycache-templates").iterdir())
     assert len(templates) == bytecode.TEMPLATES_KEPT == 2
     assert sorted(bytecode._read_stamp(t)["harness"][0][1] for t in templates) == [1, 2]  # the oldest went
+
+
+def test_the_snapshot_watches_the_harness_bytecode_where_children_import_it_from(tmp_path, fresh_state):
+    """Every child imports the harness through the import root (autoloop.trust.import_root),
+    so its bytecode sits in each prefix under the root's path, not the package's: a .pyc
+    planted there (an unsandboxed trial can write the prefixes) is a change the integrity
+    snapshot sees, and the one removal puts back what the warm-up wrote."""
+    from autoloop.trust import integrity
+
+    harness = integrity.harness_dir()
+    warm_pycache("train", sys.executable, tmp_path)
+    prefixes = [pycache_dir(kind, tmp_path) for kind in bytecode.PYCACHE_KINDS]
+    mirror = integrity.harness_mirrors(harness, prefixes[0])[integrity.VIA_IMPORT_ROOT]
+    assert (mirror / "metric.cpython-311.pyc").exists() or list(mirror.glob("metric.*.pyc")), mirror
+    before = integrity.take_snapshot(harness, tmp_path, pycache_prefixes=prefixes)
+    planted = next(mirror.glob("metric.*.pyc"))
+    original = planted.read_bytes()
+    planted.write_bytes(b"poisoned")
+    after = integrity.take_snapshot(harness, tmp_path, pycache_prefixes=prefixes)
+    changed = [label for label, digest in after.bytecode.items() if before.bytecode.get(label) != digest]
+    assert changed == [f"{prefixes[0]}{integrity.VIA_IMPORT_ROOT}:{planted.name}"]
+    assert integrity.remove_planted_bytecode(harness, before, after) == [planted]
+    assert not planted.exists() and original[:4] == __import__("importlib.util").util.MAGIC_NUMBER

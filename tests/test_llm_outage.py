@@ -363,3 +363,23 @@ def test_a_night_the_model_ended_is_finished_whatever_words_its_server_sent(repo
     assert "stopped: no more proposals:" in out and "upstream stopped" in out, out
     with Store(repo / "experiments.db") as store:
         assert store.get_run("t")["status"] == "finished"
+
+
+def test_a_model_that_only_repeats_itself_ends_the_night_instead_of_asking_forever(repo):
+    """A model whose every answer cannot be tried (here: the same edit again and again, which
+    no longer applies once kept) costs no training but three model calls a trial (the
+    answer and two repairs). On the real CPU night's bench a scripted model that ran out of
+    new answers asked 3,400 times in ten minutes; a real one would spend its quota all
+    night. After UNTRIED_IN_A_ROW such proposals the night stops and says why."""
+    from autoloop.loop.scheduler import UNTRIED_IN_A_ROW
+
+    with FakeOpenAI([edit_answer(LR_LINE, "LR = 0.01", "lower lr")]) as server:
+        result = run_cli(repo, "--proposers", "llm", "--llm-base-url", server.base_url, "--max-trials", "60")
+    assert result.exit_code == 0, result.output
+    out = squeeze(result.output)
+    assert f"stopped: no more proposals: the last {UNTRIED_IN_A_ROW} proposals could not be tried" in out, out
+    assert "seed ideas with `autoloop seed`" in out
+    rows = trials(repo)
+    assert [r["status"] for r in rows[:2]] == ["keep", "keep"]  # the baseline, then LR 0.01
+    assert len(rows) == 2 + UNTRIED_IN_A_ROW and all(r["status"] == "invalid" for r in rows[2:])
+    assert len(server.requests) <= 1 + 3 * UNTRIED_IN_A_ROW

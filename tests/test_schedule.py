@@ -165,3 +165,27 @@ def test_the_pre_registered_verdict_on_nights_with_a_known_answer():
     assert v["se"] is None and not v["met"] and "no verdict" in _arms_verdict().describe(v)
     with pytest.raises(SystemExit, match="no search-only arm"):
         _arms_verdict().verdict([_night(0.3, 0.2, 0.1)[:2]])
+
+
+def test_the_benchs_scripted_model_grinds_without_repeating_itself():
+    """bench/night.py's scripted model, once its structural list is spent, grinds the
+    learning rates but never answers a change it answered from the same value (the brief
+    lists what was tried): its first version repeated two answers for ever once its grid
+    was spent, and its model-only night never ended."""
+    import importlib.util
+    import re
+
+    spec = importlib.util.spec_from_file_location("night", Path(__file__).resolve().parents[1] / "bench" / "night.py")
+    night_bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(night_bench)
+    model = night_bench.ScriptedModel()
+    model.used = set(range(len(night_bench.STRUCTURAL_EDITS)))
+    source = "MATRIX_LR = 0.04  # m\nEMBEDDING_LR = 0.6  # e\nUNEMBEDDING_LR = 0.004  # u\n"
+    body = {"messages": [{"role": "user", "content": source}]}  # every answer discarded: the file stays
+    answers = [model(body) for _ in range(3 * len(night_bench.GRIND_FACTORS) + 2)]
+    changes = [re.findall(r"^\+?(\w+_LR = [0-9.e+-]+)", a, re.M) for a in answers[:-2]]
+    assert len({tuple(c) for c in changes}) == len(changes) == 3 * len(night_bench.GRIND_FACTORS)
+    assert answers[-2:] == ["I have nothing more to propose."] * 2
+    # A kept change moves the incumbent: the same factors are new answers from the new value.
+    body = {"messages": [{"role": "user", "content": source.replace("0.04", "0.06")}]}
+    assert "MATRIX_LR" in model(body)

@@ -38,6 +38,11 @@ from autoloop.store import Kind, Status
 from autoloop.loop.host import TrialHost
 
 _FAILED = (Status.CRASH.value, Status.TIMEOUT.value)
+# Proposals in a row that could not be tried (a duplicate, an edit that does not apply, a
+# forbidden file: invalid before any training) before the night stops. Each costs no
+# training but up to three model calls (the answer and two repairs): a model that only
+# repeats itself would otherwise be asked all night.
+UNTRIED_IN_A_ROW = 10
 _LOW_DISK_BYTES = 1 << 30
 
 
@@ -148,6 +153,13 @@ class Scheduler:
         again = self._near_miss_item(parent)
         if again is not None:
             return again
+        untried = self._untried_tail(trials)
+        if len(untried) >= UNTRIED_IN_A_ROW and not self.store.ideas(self.controller.run_row["id"], status="pending"):
+            self.exhausted_reason = (
+                f"no more proposals: the last {len(untried)} proposals could not be tried (the last: "
+                f"{untried[-1]['reason']}); seed ideas with `autoloop seed`, or change the model or program.md, "
+                f"and resume with `autoloop run --tag {self.controller.tag}`")
+            return None
         if self.controller.config.schedule == "yield":
             proposal = SourceSchedule(self.controller, self.prefetcher).next_proposal(parent)
         else:
@@ -329,6 +341,18 @@ class Scheduler:
         if all(t["status"] == Status.INTERRUPTED.value and "lost" in (t.get("reason") or "") for t in window):
             return window
         return []
+
+    def _untried_tail(self, trials: list[dict]) -> list[dict]:
+        """The trailing run of proposals that were never measured (invalid before training)."""
+        tail = []
+        for trial in reversed(trials):
+            if (trial["kind"] not in (Kind.PROPOSAL.value, Kind.REPAIR.value) or trial["status"] != Status.INVALID.value
+                    or self.store.measurements_for(trial["id"])):
+                break
+            tail.append(trial)
+            if len(tail) >= UNTRIED_IN_A_ROW:
+                break
+        return list(reversed(tail))
 
     @staticmethod
     def _failure_tail(trials: list[dict]) -> list[dict]:

@@ -222,7 +222,9 @@ def _run_warm_up(kind: str, python: str, env: dict[str, str], prefix: Path) -> s
     env.pop(ENV_DONT_WRITE_BYTECODE, None)
     env[ENV_PYCACHE_PREFIX] = str(prefix)
     try:
-        done = subprocess.run([python, "-c", warm_code(kind)], env=env, stdin=subprocess.DEVNULL,
+        # From the prefix, not our working folder (a project, where a trial may leave files):
+        # `-c` puts the working folder first on the import path.
+        done = subprocess.run([python, "-c", warm_code(kind)], env=env, cwd=prefix, stdin=subprocess.DEVNULL,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=WARM_TIMEOUT_SECONDS,
                               check=False)
     except (OSError, subprocess.TimeoutExpired) as exc:

@@ -127,10 +127,32 @@ def data_signature(data_dir: Path) -> dict[str, str]:
     return signature
 
 
+# The label part that marks a prefix's mirror of the harness as imported through the import
+# root (autoloop.trust.import_root), beside its mirror as the package's own path.
+VIA_IMPORT_ROOT = "[via import root]"
+
+
+def harness_mirrors(directory: Path, prefix: Path) -> dict[str, Path]:
+    """Where a bytecode prefix holds the harness's bytecode: PYTHONPYCACHEPREFIX mirrors each
+    source's path as it was imported, so the package's own path and, for this process's own
+    harness, the import root's, through which every child imports it. Label part -> folder."""
+    resolved = Path(directory).resolve()
+    mirrors = {"": Path(prefix) / resolved.relative_to(resolved.anchor)}
+    import autoloop
+
+    package = Path(autoloop.__file__).resolve().parent
+    if resolved == package / "harness" or package / "harness" in resolved.parents:
+        from autoloop.trust.import_root import trusted_import_root
+
+        imported = trusted_import_root() / "autoloop" / resolved.relative_to(package)
+        mirrors[VIA_IMPORT_ROOT] = Path(prefix) / imported.relative_to(imported.anchor)
+    return mirrors
+
+
 def harness_bytecode_hashes(directory: Path, prefixes: list[Path] | tuple[Path, ...] = ()) -> dict[str, str]:
     """sha256 of every file in the harness's `__pycache__` folders, and of the harness's
-    files under each bytecode prefix (PYTHONPYCACHEPREFIX mirrors the source's absolute
-    path there). Labels: `__pycache__/metric.cpython-311.pyc`, `<prefix>:metric.cpython-311.pyc`."""
+    files under each bytecode prefix (`harness_mirrors`). Labels: `__pycache__/metric.cpython-311.pyc`,
+    `<prefix>:metric.cpython-311.pyc`, `<prefix>[via import root]:metric.cpython-311.pyc`."""
     from autoloop.harness.fingerprint import sha256_file
 
     directory = Path(directory)
@@ -139,13 +161,12 @@ def harness_bytecode_hashes(directory: Path, prefixes: list[Path] | tuple[Path, 
         for path in sorted(cache.rglob("*")):
             if path.is_file():
                 hashes[path.relative_to(directory).as_posix()] = sha256_file(path)
-    resolved = directory.resolve()
     for prefix in prefixes:
-        mirrored = Path(prefix) / resolved.relative_to(resolved.anchor)
-        if mirrored.is_dir():
-            for path in sorted(mirrored.rglob("*")):
-                if path.is_file():
-                    hashes[f"{prefix}:{path.relative_to(mirrored).as_posix()}"] = sha256_file(path)
+        for mark, mirrored in harness_mirrors(directory, prefix).items():
+            if mirrored.is_dir():
+                for path in sorted(mirrored.rglob("*")):
+                    if path.is_file():
+                        hashes[f"{prefix}{mark}:{path.relative_to(mirrored).as_posix()}"] = sha256_file(path)
     return hashes
 
 
@@ -154,8 +175,8 @@ def bytecode_path(directory: Path, label: str) -> Path:
     if label.startswith("__pycache__/") or "/__pycache__/" in label:
         return Path(directory) / label
     prefix, _, relative = label.rpartition(":")
-    resolved = Path(directory).resolve()
-    return Path(prefix) / resolved.relative_to(resolved.anchor) / relative
+    mark = VIA_IMPORT_ROOT if prefix.endswith(VIA_IMPORT_ROOT) else ""
+    return harness_mirrors(directory, Path(prefix[: len(prefix) - len(mark)]))[mark] / relative
 
 
 def remove_planted_bytecode(directory: Path, before: Snapshot, after: Snapshot) -> list[Path] | None:

@@ -60,6 +60,20 @@ ATTACKS = {
         "    open(_pyc, 'wb').write(b'poisoned')\n"
         "except OSError as _e:\n"
         "    print('pyc attack failed:', _e)\n")),
+    # The evaluator's bytecode for the harness where the evaluator imports it from: through
+    # the import root (docs/verification.md), whose mirror in the evaluator's prefix the
+    # snapshot did not watch. Unsandboxed, training can find both from its environment.
+    "poisoned eval pyc": _patched(IMPORT_ANCHOR, IMPORT_ANCHOR + (
+        "import glob as _glob, os as _os, sys as _sys\n"
+        "_prefix, _cache = _os.environ.get('PYTHONPYCACHEPREFIX'), _os.environ.get('AUTOLOOP_CACHE_DIR')\n"
+        "for _root in (_glob.glob(_os.path.join(_cache, 'pylib', '*')) if _prefix and _cache else []):\n"
+        "    _pyc = _os.path.join(_os.path.dirname(_prefix), 'eval') + _os.path.join(\n"
+        "        _root, 'autoloop', 'harness', f'metric.{_sys.implementation.cache_tag}.pyc')\n"
+        "    try:\n"
+        "        _os.makedirs(_os.path.dirname(_pyc), exist_ok=True)\n"
+        "        open(_pyc, 'wb').write(b'poisoned')\n"
+        "    except OSError as _e:\n"
+        "        print('eval pyc attack failed:', _e)\n")),
     # Rewrite the trial log from inside training.
     "db write": _patched(IMPORT_ANCHOR, IMPORT_ANCHOR + (
         "import sqlite3 as _sq\n"
@@ -141,7 +155,7 @@ def test_attacks_without_a_sandbox_are_caught_by_the_checks(tmp_path, monkeypatc
     from autoloop.harness import metric
 
     repo = make_repo(tmp_path / "repo", TRAIN_PY.read_text())
-    names = ["poisoned pyc", "db write", "replace evaluate_bpb", "val split", "environment"]
+    names = ["poisoned pyc", "poisoned eval pyc", "db write", "replace evaluate_bpb", "val split", "environment"]
     config = _run(repo, monkeypatch, max_steps=6, max_trials=1 + len(names), sandbox="off")
     _seed_attacks(repo, config, names, ATTACKS)
     pyc = Path(__import__("importlib.util").util.cache_from_source(metric.__file__))
@@ -151,7 +165,7 @@ def test_attacks_without_a_sandbox_are_caught_by_the_checks(tmp_path, monkeypatc
         trials = _trials(repo)
         baseline = trials["baseline"]
         assert baseline["status"] == "keep", baseline["reason"]
-        for name, words in (("poisoned pyc", ["bytecode"]), ("db write", ["experiments.db"]),
+        for name, words in (("poisoned pyc", ["bytecode"]), ("poisoned eval pyc", ["bytecode"]), ("db write", ["experiments.db"]),
                             ("val split", ["val split"])):
             trial = trials[name]
             assert trial["status"] == "invalid", (name, trial["reason"])
@@ -602,6 +616,8 @@ def test_attacks_in_step_mode_end_invalid_or_fail_inside_the_sandbox_and_leak_no
     assert (forged["status"], forged["metric"]) == ("discard", baseline["metric"]), forged["reason"]
     assert_invalid(trials, "extra steps", "steps")
     assert "pyc attack failed" in _log(repo, trials["poisoned pyc"]) or trials["poisoned pyc"]["status"] == "crash"
+    eval_pyc = trials["poisoned eval pyc"]
+    assert "eval pyc attack failed" in _log(repo, eval_pyc) or eval_pyc["status"] in ("crash", "invalid"), eval_pyc
     assert "db attack failed" in _log(repo, trials["db write"]) or trials["db write"]["status"] == "crash"
     assert "ENV" in _log(repo, trials["environment"])
 

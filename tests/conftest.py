@@ -38,6 +38,62 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file keeps its order
 
 
+# `AUTOLOOP_TEST_CPU_LOG=FILE`: each test's wall time and the CPU seconds it and every process
+# it started used, one JSON line a test (bench/suite_cpu.py sums them: which tests keep a core
+# busy and which wait). Off by default. A sandboxed process's CPU never reaches getrusage (its
+# pid namespace's init reaps it), so where this process may make a cgroup v1 cpuacct group
+# (root, as in CI here) it moves itself into one of its own, which every descendant inherits,
+# and reads the group's counter; elsewhere getrusage (`cpu_source` says which).
+_CPU_LOG = os.environ.get("AUTOLOOP_TEST_CPU_LOG")
+_CPUACCT = Path("/sys/fs/cgroup/cpuacct")
+_cpu_group: list = []  # [the group's folder or None], decided once a process
+
+
+def _cpu_seconds() -> tuple[float, str]:
+    import resource
+
+    if not _cpu_group:
+        group = _CPUACCT / f"autoloop-tests-{os.getpid()}"
+        try:
+            group.mkdir(exist_ok=True)
+            (group / "cgroup.procs").write_text(str(os.getpid()))
+            _cpu_group.append(group)
+            import atexit
+
+            atexit.register(_leave_cpu_group, group)
+        except OSError:
+            _cpu_group.append(None)
+    if _cpu_group[0] is not None:
+        return int((_cpu_group[0] / "cpuacct.usage").read_text()) / 1e9, "cgroup"
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime, "rusage"
+
+
+def _leave_cpu_group(group: Path) -> None:
+    try:  # back to the root group; the folder goes once nothing is left in it
+        (_CPUACCT / "cgroup.procs").write_text(str(os.getpid()))
+        group.rmdir()
+    except OSError:
+        pass
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    if not _CPU_LOG:
+        yield
+        return
+    import json
+    import time
+
+    start, (cpu, _) = time.time(), _cpu_seconds()
+    yield
+    after, source = _cpu_seconds()
+    line = json.dumps({"test": item.nodeid, "worker": os.environ.get("PYTEST_XDIST_WORKER", "main"),
+                       "start": start, "end": time.time(), "cpu": after - cpu, "cpu_source": source})
+    with open(_CPU_LOG, "a") as log:  # one write a line, appended: workers share the file
+        log.write(line + "\n")
+
+
 _CONTRACT_VARS = (
     "AUTOLOOP_TIME_BUDGET", "AUTOLOOP_MAX_STEPS", "AUTOLOOP_SEED", "AUTOLOOP_RESULT",
     "AUTOLOOP_CHECKPOINT", "AUTOLOOP_PROGRESS", "AUTOLOOP_DATA_DIR", "AUTOLOOP_FAULT", "AUTOLOOP_EVAL", "AUTOLOOP_FEED",

@@ -203,7 +203,9 @@ def test_api_key_is_never_stored_nor_given_to_training(tmp_path, monkeypatch):
     repo = make_repo(tmp_path / "repo", source, {"program.md": PROGRAM})
     with FakeOpenAI([Error(401, f"Incorrect API key provided: {SECRET}"),
                      edit_answer(WIDTH_LINE, "WIDTH = 32", "narrower")]) as server:
-        run_llm(repo, server, max_trials=2, proposers="llm,ideas")
+        # The 401 leaves the model alone for llm_retry_wait (60 s by default, the whole wait of
+        # this test when it was the suite's twelfth-longest): a second here.
+        run_llm(repo, server, max_trials=2, proposers="llm,ideas", llm_retry_wait=1)
         seed_idea(resolve(repo, {}), repo, "lower lr", sets=["LR=0.01"], patch=None)
         run_llm(repo, server, max_trials=3, tag="t")  # resume: the key is re-read, not stored
     assert len(rows(repo)) >= 3

@@ -1,0 +1,57 @@
+"""bench/suite_cpu.py and the per-test CPU log it reads (tests/conftest.py, opt-in with
+AUTOLOOP_TEST_CPU_LOG): a test that waits shows CPU far below its wall time, a test whose
+child burns CPU shows it, and the summary's figures on rows with a known answer."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.test_attacks import needs_bwrap
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("suite_cpu", ROOT / "bench" / "suite_cpu.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_summary_of_rows_with_a_known_answer():
+    bench = _bench()
+    rows = [{"test": "tests/test_a.py::one", "worker": "gw0", "start": 100.0, "end": 110.0, "cpu": 10.0},
+            {"test": "tests/test_a.py::two", "worker": "gw1", "start": 100.0, "end": 104.0, "cpu": 1.0},
+            {"test": "tests/test_b.py::three", "worker": "gw1", "start": 104.0, "end": 110.0, "cpu": 0.0}]
+    s = bench.summary(rows, cores=2)
+    assert (s["tests"], s["workers"], s["span_seconds"], s["wall_seconds"], s["cpu_seconds"]) == (3, 2, 10.0, 20.0, 11.0)
+    assert s["busy"] == 11.0 / 20.0
+    assert bench.by_file(rows) == [("tests/test_a.py", 14.0, 11.0, 2), ("tests/test_b.py", 6.0, 0.0, 1)]
+
+
+@needs_bwrap
+def test_the_log_tells_a_test_that_waits_from_one_whose_children_compute(tmp_path):
+    (tmp_path / "conftest.py").write_text("from tests.conftest import pytest_runtest_protocol  # noqa: F401\n")
+    (tmp_path / "test_two.py").write_text(
+        "import subprocess, sys, time\n\n"
+        "def test_waits():\n    time.sleep(0.5)\n\n"
+        "BURN = [sys.executable, '-c', 'import time\\nt = time.process_time()\\nwhile time.process_time() - t < 0.5: pass']\n\n"
+        "def test_computes():\n    subprocess.run(BURN, check=True)\n\n"
+        "def test_computes_in_a_pid_namespace():  # as a sandboxed training does\n"
+        "    subprocess.run(['bwrap', '--ro-bind', '/', '/', '--dev', '/dev', '--proc', '/proc', '--unshare-pid', *BURN], check=True)\n")
+    log = tmp_path / "cpu.jsonl"
+    env = {**os.environ, "AUTOLOOP_TEST_CPU_LOG": str(log), "PYTHONPATH": str(ROOT)}
+    env.pop("PYTEST_XDIST_WORKER", None)
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+                           str(tmp_path / "test_two.py")], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = {r["test"].split("::")[-1]: r for r in _bench().load(log)}
+    waits, computes, sandboxed = rows["test_waits"], rows["test_computes"], rows["test_computes_in_a_pid_namespace"]
+    assert waits["end"] - waits["start"] >= 0.5 and waits["cpu"] < 0.25
+    assert computes["cpu"] >= 0.45
+    if sandboxed["cpu_source"] == "cgroup":  # getrusage cannot see it (the header says so)
+        assert sandboxed["cpu"] >= 0.45

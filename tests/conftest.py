@@ -223,6 +223,22 @@ def make_repo(path: Path, train_source: str, extra_files: dict[str, str] | None 
     return path
 
 
+def bench_module(name: str):
+    """bench/`name`.py imported as a module (the benches are scripts, not a package); bench/
+    is on the path while it loads, for a bench that imports a helper beside it by name."""
+    import importlib.util
+
+    bench = REPO_ROOT / "bench"
+    spec = importlib.util.spec_from_file_location(name, bench / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(bench))
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(bench))
+    return module
+
+
 def copy_run(source: Path, target: Path) -> Path:
     """A private copy of a run's folder `source` at `target` (the repository with .git,
     experiments.db, .autoloop/) for a test that writes to it or runs the loop on in it: the

@@ -13,6 +13,7 @@ from autoloop.proposers import ProposalContext
 from autoloop.proposers.brief import render_context
 from autoloop.proposers.telemetry import QUARTERS, budget_of, telemetry_line, trial_telemetry
 from autoloop.store import Store
+from tests.conftest import REPO_ROOT, bench_module
 
 # The candidate's loss minus the incumbent's, by quarter of the run: the known answer.
 OFFSETS = {0.25: 0.04, 0.5: 0.01, 0.75: -0.01, 1.0: -0.03}
@@ -97,23 +98,12 @@ def test_the_brief_with_telemetry_and_memory_fits_its_budget_after_100_trials(tm
     the whole prompt (program.md, the brief, train.py, the answer format) stays within
     BRIEF_BUDGET_TOKENS at characters / 4, with one telemetry line for each of the last
     TELEMETRY_TRIALS trials and the memory cut to MEMORY_CHARS."""
-    import importlib.util
-    import sys
-    from pathlib import Path
-
     from autoloop.proposers.brief import BRIEF_BUDGET_TOKENS
     from autoloop.proposers.memory import MEMORY_CHARS
     from autoloop.proposers.telemetry import TELEMETRY_TRIALS
 
-    root = Path(__file__).resolve().parents[1]
-    sys.path.insert(0, str(root / "bench"))  # the bench imports its bench_repo helper by name
-    try:
-        spec = importlib.util.spec_from_file_location("brief_size", root / "bench" / "brief_size.py")
-        bench = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(bench)
-    finally:
-        sys.path.remove(str(root / "bench"))
-    messages = bench.prompt((root / "train.py").read_text(), (root / "program.md").read_text(), tmp_path, 100)
+    bench = bench_module("brief_size")  # it imports its bench_repo helper by name
+    messages = bench.prompt((REPO_ROOT / "train.py").read_text(), (REPO_ROOT / "program.md").read_text(), tmp_path, 100)
     user = messages[1]["content"]
     telemetry = bench.section(user, "# How the recent trials ran")
     memory = bench.section(user, "# What earlier runs of this project established")

@@ -11,21 +11,19 @@ the fresh environment reuses this interpreter's packages (torch ...) and pip run
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import shutil
 from pathlib import Path
 
 import pytest
 
+from tests.conftest import bench_module
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("readme_first_command", ROOT / "bench" / "readme_first_command.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return bench_module("readme_first_command")
 
 
 def test_the_first_bash_block_is_the_install_and_a_short_run():

@@ -15,7 +15,7 @@ from autoloop.loop.controller import Controller
 from autoloop.loop.sources import Outcome, shares, turn_order, yields
 from autoloop.proposers.search import POINT_PREFIX, RETUNE_PREFIX
 from autoloop.store import Store
-from conftest import FAKE_TRAIN, make_repo
+from conftest import FAKE_TRAIN, bench_module, make_repo
 from fakes.fake_openai import FakeOpenAI, edit_answer
 
 LR_LINE = "LR = 0.02  # learning rate; range 0.0001..1 log"
@@ -134,12 +134,7 @@ def test_without_the_scheduler_the_model_answers_again_after_its_structural_keep
 
 
 def _arms_verdict():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("arms_verdict", Path(__file__).resolve().parents[1] / "bench" / "arms_verdict.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return bench_module("arms_verdict")
 
 
 def _night(scheduler: float, model: float, search: float) -> list[dict]:
@@ -172,12 +167,9 @@ def test_the_benchs_scripted_model_grinds_without_repeating_itself():
     learning rates but never answers a change it answered from the same value (the brief
     lists what was tried): its first version repeated two answers for ever once its grid
     was spent, and its model-only night never ended."""
-    import importlib.util
     import re
 
-    spec = importlib.util.spec_from_file_location("night", Path(__file__).resolve().parents[1] / "bench" / "night.py")
-    night_bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(night_bench)
+    night_bench = bench_module("night")
     model = night_bench.ScriptedModel()
     model.used = set(range(len(night_bench.STRUCTURAL_EDITS)))
     source = "MATRIX_LR = 0.04  # m\nEMBEDDING_LR = 0.6  # e\nUNEMBEDDING_LR = 0.004  # u\n"

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import FAKE_TRAIN, make_repo
+from conftest import FAKE_TRAIN, bench_module, make_repo
 from typer.testing import CliRunner
 
 pytest.importorskip("starlette")
@@ -632,11 +632,7 @@ def test_the_overhead_bench_pairs_rounds_and_gives_the_mean_and_its_standard_err
     """bench/serve_scale.py's verdict on known inputs: a constant +0.1 s is measured exactly;
     differences of +0.1, -0.1, +0.1, -0.1 average to 0, with a standard deviation of
     0.2/sqrt(3) and so a standard error of half that."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("serve_scale", Path(__file__).resolve().parents[1] / "bench" / "serve_scale.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = bench_module("serve_scale")
     mean, se = bench.paired_difference([1.0, 2.0, 3.0], [1.1, 2.1, 3.1])
     assert mean == pytest.approx(0.1) and se == pytest.approx(0.0, abs=1e-12)
     mean, se = bench.paired_difference([1.0, 2.0, 3.0, 4.0], [1.1, 1.9, 3.1, 3.9])

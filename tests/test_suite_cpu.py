@@ -4,22 +4,19 @@ child burns CPU shows it, and the summary's figures on rows with a known answer.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+from tests.conftest import bench_module
 from tests.test_attacks import needs_bwrap
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("suite_cpu", ROOT / "bench" / "suite_cpu.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return bench_module("suite_cpu")
 
 
 def test_the_summary_of_rows_with_a_known_answer():

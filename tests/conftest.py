@@ -18,6 +18,11 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 _PARALLEL = "PYTEST_XDIST_WORKER" in os.environ
+# The threads a torch-using test subprocess gets: the machine's two cores, or one when two test
+# processes run beside each other (`pytest -n 2`), where a second thread only spin-waits for a
+# core the other worker holds (a 20-step train.py: 9 CPU seconds at one thread beside two
+# CPU burners, 20 at two; 70 in CI beside the README test).
+TEST_THREADS = os.environ.get("AUTOLOOP_TEST_THREADS", "1" if _PARALLEL else "2")
 
 # The files that take longest, run first under `pytest -n 2` (whole files go to a worker):
 # started late, one of them would leave the other worker idle at the end. Longest first, as
@@ -145,9 +150,7 @@ def set_test_environment(monkeypatch, cache: Path) -> None:
     monkeypatch.setenv("AUTOLOOP_COMPILE_CACHE", str(cache / "compile"))
     for name in _CONTRACT_VARS:
         monkeypatch.delenv(name, raising=False)
-    # A torch-using test subprocess gets the machine's two cores, or one when two test
-    # processes run beside each other (`pytest -n 2`).
-    monkeypatch.setenv("OMP_NUM_THREADS", os.environ.get("AUTOLOOP_TEST_THREADS", "1" if _PARALLEL else "2"))
+    monkeypatch.setenv("OMP_NUM_THREADS", TEST_THREADS)
     # `autoloop run` checks train.py before a new run (half a minute on a CPU); the tests of
     # that check turn it back on, the others are about other things.
     monkeypatch.setenv("AUTOLOOP_CHECK", "0")

@@ -28,6 +28,7 @@ import torch
 
 from autoloop import harness as H
 from autoloop.harness import compile as compile_module
+from tests.conftest import TEST_THREADS
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TRAIN_PY = REPO_ROOT / "train.py"
@@ -47,7 +48,8 @@ def train_env(cache: Path, **extra) -> dict:
     env["AUTOLOOP_CACHE_DIR"] = str(cache)
     env["AUTOLOOP_COMPILE_CACHE"] = str(cache / "compile")
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    env.setdefault("OMP_NUM_THREADS", os.environ.get("AUTOLOOP_TEST_THREADS", "2"))
+    # A session fixture's run comes before the autouse fixture sets the test threads.
+    env.setdefault("OMP_NUM_THREADS", TEST_THREADS)
     env["CUDA_VISIBLE_DEVICES"] = ""  # CPU tests, also on a GPU machine: the CPU scale, deterministic
     env.update({k: str(v) for k, v in extra.items()})
     return env

@@ -209,6 +209,19 @@ def embedded_dataset(session_cache):
 FAKE_TRAIN = Path(__file__).resolve().parent / "fakes" / "fake_train.py"
 
 
+def _sandbox_policy():
+    from autoloop.measure.sandbox import detect
+
+    return detect("auto")
+
+
+SANDBOX = _sandbox_policy()  # what this machine's sandbox is (bubblewrap, or why not)
+# The one mark of a test that runs trials in the real sandbox.
+needs_bwrap = pytest.mark.skipif(
+    SANDBOX.kind != "bwrap", reason=f"bubblewrap cannot run here ({SANDBOX.describe()}); .ci/run installs it"
+)
+
+
 def make_repo(path: Path, train_source: str, extra_files: dict[str, str] | None = None) -> Path:
     """A real git repository with a train.py, committed, and nothing else of autoloop's."""
     import subprocess

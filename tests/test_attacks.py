@@ -21,17 +21,13 @@ import pytest
 
 from autoloop.config import resolve
 from autoloop.loop.controller import Controller
-from autoloop.measure.sandbox import detect
 from autoloop.proposers.seeding import seed_idea
 from autoloop.store import Store
-from tests.conftest import make_repo, write_test_corpus_key
+from tests.conftest import make_repo, needs_bwrap, write_test_corpus_key  # noqa: F401 (needs_bwrap: the attack files import it from here)
 
 TRAIN_PY = Path(__file__).resolve().parents[1] / "train.py"
 SECRET = "s3cr3t-value-that-must-not-leak"
 
-needs_bwrap = pytest.mark.skipif(
-    detect("auto").kind != "bwrap", reason=f"bubblewrap cannot run here ({detect('auto').describe()}); .ci/run installs it"
-)
 
 
 def _patched(old: str, new: str, source: str | None = None) -> str:

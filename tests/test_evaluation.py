@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO_ROOT
+from conftest import REPO_ROOT, needs_bwrap
 from test_verify import edited, tiny_train_source
 
 from autoloop.trust import integrity
@@ -427,8 +427,7 @@ def test_a_checkpoint_that_is_a_link_is_refused(fresh, tmp_path, embedded_datase
     assert not result.ok and "cannot be read safely" in result.reason and "symbolic link" in result.reason
 
 
-@pytest.mark.skipif(__import__("autoloop.measure.sandbox", fromlist=["detect"]).detect("auto").kind != "bwrap",
-                    reason="bubblewrap cannot run here; .ci/run installs it")
+@needs_bwrap
 def test_the_sandboxed_model_process_sees_no_data_and_writes_nothing_that_stays(fresh, tmp_path):
     from autoloop.measure.sandbox import detect
 

@@ -8,7 +8,6 @@ import re
 import signal
 import subprocess
 import time
-from pathlib import Path
 
 import pytest
 
@@ -26,6 +25,7 @@ from autoloop.measure.limits import (
 )
 from autoloop.measure.logpipe import LOG_HEAD_KEEP_BYTES, LOG_TAIL_KEEP_BYTES
 from autoloop.measure.sandbox import detect
+from tests.conftest import needs_bwrap
 from tests.test_runner import SUCCESS, run_script
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux /proc")
@@ -206,7 +206,7 @@ def test_too_many_files_end_the_trial_invalid(tmp_path):
     assert outcome.status == "invalid" and "out/ holds more than 100 files" in outcome.reason, outcome.reason
 
 
-@pytest.mark.skipif(detect("auto").kind != "bwrap", reason="needs bubblewrap")
+@needs_bwrap
 def test_the_sandboxs_tmp_is_memory_and_counts_against_the_limit(tmp_path):
     source = ("import time\n"
               "open('/tmp/fill', 'wb').write(b'x' * 300 * 2**20)\n"
@@ -257,7 +257,7 @@ def test_a_disk_the_trial_filled_is_its_fault_and_the_run_goes_on(small_disk):
     assert not list((repo / ".autoloop" / "t" / "trials" / str(rows[1]["number"])).rglob("ckpt*"))  # its junk deleted
 
 
-@pytest.mark.skipif(detect("auto").kind != "bwrap", reason="needs bubblewrap")
+@needs_bwrap
 def test_a_sandbox_being_built_is_never_read_as_the_hosts_disk(tmp_path):
     """While bubblewrap builds its namespace, /proc/<pid>/root/tmp names one folder then
     another; reading its device and its usage through the path asked about two, and the

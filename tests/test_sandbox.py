@@ -27,13 +27,10 @@ from autoloop.base.processes import process_group_alive
 from autoloop.measure.runner import run_training
 from autoloop.base.environment import allowed_environment
 from autoloop.measure.sandbox import SandboxPaths, SandboxPolicy, bwrap_arguments, detect
-from tests.conftest import make_repo
+from tests.conftest import SANDBOX as POLICY
+from tests.conftest import make_repo, needs_bwrap
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-POLICY = detect("auto")
-needs_bwrap = pytest.mark.skipif(
-    POLICY.kind != "bwrap", reason=f"bubblewrap cannot run here ({POLICY.describe()}); .ci/run installs it"
-)
 
 
 # ---------------------------------------------------------------------------- detection

@@ -7,12 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
-
-from tests.conftest import bench_module
-from tests.test_attacks import needs_bwrap
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.conftest import REPO_ROOT, bench_module, needs_bwrap
 
 
 def _bench():
@@ -41,7 +36,7 @@ def test_the_log_tells_a_test_that_waits_from_one_whose_children_compute(tmp_pat
         "def test_computes_in_a_pid_namespace():  # as a sandboxed training does\n"
         "    subprocess.run(['bwrap', '--ro-bind', '/', '/', '--dev', '/dev', '--proc', '/proc', '--unshare-pid', *BURN], check=True)\n")
     log = tmp_path / "cpu.jsonl"
-    env = {**os.environ, "AUTOLOOP_TEST_CPU_LOG": str(log), "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "AUTOLOOP_TEST_CPU_LOG": str(log), "PYTHONPATH": str(REPO_ROOT)}
     env.pop("PYTEST_XDIST_WORKER", None)
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
                            str(tmp_path / "test_two.py")], cwd=tmp_path, env=env, capture_output=True, text=True)

@@ -14,7 +14,9 @@ end with the baseline and three trials, none of them invalid, crashed, timed out
 interrupted (nothing the user did could cause that). The README states the command's
 wall time on a quiet machine and on a busy one; this prints it (`command_seconds`), with
 the CPU seconds its processes used (`command_cpu_seconds`: what a quiet machine's wall
-time is made of) and the mean load average while it ran (`load_mean`: other users of a
+time is made of; read from a cgroup of its own where this machine lets the bench make one,
+as root on cgroup v1, since getrusage misses the sandboxed runs a pid namespace's init
+reaps: `command_cpu_source` says which, and getrusage's figure is a lower bound) and the mean load average while it ran (`load_mean`: other users of a
 shared machine count too, so "quiet" is a figure, not a claim).
 
 `--beside-loop` starts a second project first, as a user with two loops has one (the
@@ -163,23 +165,23 @@ def problems(rows: list[dict]) -> list[str]:
 # The second project runs on two workers: their git worktrees import autoloop through the
 # README's editable install, which points into the first clone (issue 22, item 6).
 BESIDE_WORKERS = 2
-BESIDE_COMMAND = ["autoloop", "run", "--tag", "beside", "--time-budget", "20", "--no-check",
-                  "--workers", str(BESIDE_WORKERS)]
+BESIDE_COMMAND = ["autoloop", "run", "--tag", "beside", "--no-check", "--workers", str(BESIDE_WORKERS)]
+BESIDE_FLAGS = ("--time-budget", "20")  # the bench's: time mode, training, evaluating, idle in turns
 BESIDE_TRIALS = 1000  # the bench's: it runs until the first command is done
 
 
-def start_beside_loop(source: Path, work: Path, venv: Path, max_trials: int = BESIDE_TRIALS
-                      ) -> tuple[subprocess.Popen, Path]:
+def start_beside_loop(source: Path, work: Path, venv: Path, max_trials: int = BESIDE_TRIALS,
+                      flags: tuple[str, ...] = BESIDE_FLAGS) -> tuple[subprocess.Popen, Path]:
     """A second project (another clone, its own folder and db) running a loop of its own
-    with the same installation and HOME, for `max_trials` trials; returns the process and
-    its folder."""
+    with the same installation and HOME, for `max_trials` trials, with `flags` added to
+    BESIDE_COMMAND; returns the process and its folder."""
     other = work / "beside"
     _sh(["git", "clone", "-q", source, other], cwd=work)
     env = child_environment(venv, work)
     env.update({"GIT_AUTHOR_NAME": "beside", "GIT_AUTHOR_EMAIL": "b@example.com", "GIT_COMMITTER_NAME": "beside",
                 "GIT_COMMITTER_EMAIL": "b@example.com"})
     log = open(work / "beside.log", "w")
-    proc = subprocess.Popen(BESIDE_COMMAND + ["--max-trials", str(max_trials)], cwd=other, env=env, stdout=log, stderr=subprocess.STDOUT,
+    proc = subprocess.Popen(BESIDE_COMMAND + list(flags) + ["--max-trials", str(max_trials)], cwd=other, env=env, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
     log.close()
     return proc, other
@@ -234,6 +236,42 @@ def beside_problems(rows: list[dict], stopped_at: str | None, max_trials: int = 
     return found
 
 
+def _training_started(clone: Path) -> bool:
+    """The command's first training run has begun: its run folder exists."""
+    return any(clone.glob(".autoloop/*/trials/*/runs/*"))
+
+
+def cpu_group(name: str) -> Path | None:
+    """A cgroup v1 cpuacct group of its own, nested in this process's (so a counter above,
+    as tests/conftest.py's per-test one, still counts what runs in it); None where none can
+    be made (cgroup v2, not root)."""
+    try:
+        for line in Path("/proc/self/cgroup").read_text().splitlines():
+            _, controllers, path = line.split(":", 2)
+            if "cpuacct" in controllers.split(","):
+                group = Path("/sys/fs/cgroup/cpuacct") / path.lstrip("/") / name
+                group.mkdir()
+                return group
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def _join(group: Path) -> None:  # in the child, before it runs the command: all it starts inherits the group
+    (group / "cgroup.procs").write_text(str(os.getpid()))
+
+
+def _group_cpu_seconds(group: Path) -> float:
+    return int((group / "cpuacct.usage").read_text()) / 1e9
+
+
+def _remove(group: Path) -> None:
+    try:  # empty once the command's processes are reaped; a process left behind keeps it
+        group.rmdir()
+    except OSError:
+        pass
+
+
 def _when(stamp: str | None) -> datetime | None:
     return datetime.fromisoformat(stamp) if stamp else None
 
@@ -247,13 +285,17 @@ def _sample_load(into: list[float], stop: threading.Event, every: float = 15.0) 
             return
 
 
-def run(source: Path, work: Path, burners: int = 0, beside: bool = False, beside_trials: int = BESIDE_TRIALS) -> dict:
+def run(source: Path, work: Path, burners: int = 0, beside: bool = False, beside_trials: int = BESIDE_TRIALS,
+        beside_flags: tuple[str, ...] = BESIDE_FLAGS, beside_from_training: bool = False) -> dict:
     """Everything, in `work`; returns the figures (timings, trials, problems).
 
     `burners`: CPU-burning processes (`python -c "while True: pass"`) running beside the
     command, as on a user's busy machine. `beside`: a second project running its own loop
-    beside it (`start_beside_loop`), for `beside_trials` trials (by default until the
-    command is done)."""
+    beside it (`start_beside_loop`, with `beside_flags`), for `beside_trials` trials (by
+    default until the command is done); it starts before the command, or with
+    `beside_from_training` when the command's first training run starts (a short loop
+    then trains and evaluates beside the command's sandboxed runs, not beside its install
+    and pre-run check)."""
     started = time.monotonic()
     clone, venv, figures = fresh_environment(source, work)
     command = readme_first_command((clone / "README.md").read_text())
@@ -261,19 +303,33 @@ def run(source: Path, work: Path, burners: int = 0, beside: bool = False, beside
     figures["burners"] = burners
     figures["beside_loop"] = beside
     figures["beside_trials_asked"] = beside_trials if beside else None
-    other = None
-    if beside:
-        loop, other = start_beside_loop(source, work, venv, beside_trials)
-        time.sleep(5)  # it is under way (its first baseline run) before the command starts
+    loop = other = None
+
+    def start_loop() -> None:
+        nonlocal loop, other
+        loop, other = start_beside_loop(source, work, venv, beside_trials, beside_flags)
+        figures["beside_started_after_seconds"] = time.monotonic() - begun
+
     begun = time.monotonic()
+    if beside and not beside_from_training:
+        start_loop()
+        time.sleep(5)  # it is under way (its first baseline run) before the command starts
+        begun = time.monotonic()
     load = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(burners)]
     loads, sampling = [], threading.Event()
     sampler = threading.Thread(target=_sample_load, args=(loads, sampling), daemon=True)
     sampler.start()
     cpu_before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    group = cpu_group(f"readme-first-command-{os.getpid()}")
     try:
-        done = subprocess.run(["bash", "-e", "-c", command], cwd=clone, env=child_environment(venv, work),
-                              capture_output=True, text=True)
+        with open(work / "command.log", "w") as log:
+            done = subprocess.Popen(["bash", "-e", "-c", command], cwd=clone, env=child_environment(venv, work),
+                                    stdout=log, stderr=subprocess.STDOUT,
+                                    preexec_fn=None if group is None else lambda: _join(group))
+        while done.poll() is None:
+            if beside and loop is None and _training_started(clone):
+                start_loop()
+            time.sleep(0.5)
         # The command's processes, all reaped by now (training runs included); not the burners.
         cpu_after = resource.getrusage(resource.RUSAGE_CHILDREN)
     finally:
@@ -281,19 +337,25 @@ def run(source: Path, work: Path, burners: int = 0, beside: bool = False, beside
         for burner in load:
             burner.kill()
             burner.wait()
-        if beside:
+        if loop is not None:
             figures["beside_stopped_at"] = stop_beside_loop(loop)
     figures["command_seconds"] = time.monotonic() - begun
-    figures["command_cpu_seconds"] = (cpu_after.ru_utime + cpu_after.ru_stime) - (cpu_before.ru_utime + cpu_before.ru_stime)
+    if group is not None:
+        figures["command_cpu_seconds"], figures["command_cpu_source"] = _group_cpu_seconds(group), "cgroup"
+        _remove(group)
+    else:
+        figures["command_cpu_seconds"] = (cpu_after.ru_utime + cpu_after.ru_stime) - (cpu_before.ru_utime + cpu_before.ru_stime)
+        figures["command_cpu_source"] = "getrusage (a lower bound: it misses sandboxed runs)"
     figures["load_mean"] = sum(loads) / len(loads) if loads else os.getloadavg()[0]
     figures["command_exit"] = done.returncode
-    (work / "command.log").write_text(done.stdout + done.stderr)
-    figures["output_tail"] = (done.stdout + done.stderr)[-4000:]
+    figures["output_tail"] = (work / "command.log").read_text(errors="replace")[-4000:]
     db = clone / "experiments.db"
     figures["trials"] = trials(db) if db.exists() else []
     figures["problems"] = problems(figures["trials"]) + (check_warnings(db) if db.exists() else [])
     if done.returncode != 0:
         figures["problems"].insert(0, f"the command exited {done.returncode}")
+    if beside and other is None:
+        figures["problems"].append("beside: the second project never started (the command ran no training)")
     if other is not None:
         db = other / "experiments.db"
         figures["beside_trials"] = trials(db) if db.exists() else []
@@ -308,6 +370,8 @@ def report(figures: dict) -> str:
     lines = [f"{name:>19}: {figures[name]:7.1f} s" for name in
              ("clone_seconds", "venv_seconds", "install_seconds", "command_seconds", "command_cpu_seconds",
               "total_seconds") if name in figures]
+    if "command_cpu_source" in figures:
+        lines.append(f"{'command CPU from':>19}: {figures['command_cpu_source']}")
     beside = ", a second project's loop" if figures.get("beside_loop") else ""
     lines.append(f"{'command exit':>19}: {figures.get('command_exit')} ({figures.get('burners', 0)} CPU burners{beside} "
                  f"beside it; load {figures.get('load_mean', 0.0):.1f} on average while it ran, "

@@ -36,14 +36,16 @@ _TRAIN_ON_HOARD = (
     "            opt.step()\n"
     "        model.zero_grad(set_to_none=True)\n\n\n"
 )
-# Four passes over the hoard: four times the budget's training again (tens of seconds),
-# however few steps a busy machine left the run (the rules allow a few steps' worth;
-# docs/verification.md). Eight passes made this the suite's second-slowest test.
-TAIL_TRAINING = _patched(AFTER_LOOP_ANCHOR, "    _train_on(model, optimizers, _hoard * 4)\n" + AFTER_LOOP_ANCHOR,
+# Two passes over the hoard: twice the budget's training again (a hoard is one batch a
+# step), dozens of steps' worth however few steps a busy machine left the run, where the
+# rules allow a few (docs/verification.md). Each attack runs twice (the tail rules'
+# verdicts are measured again), so eight passes made this the suite's second-slowest test
+# and four its third.
+TAIL_TRAINING = _patched(AFTER_LOOP_ANCHOR, "    _train_on(model, optimizers, _hoard * 2)\n" + AFTER_LOOP_ANCHOR,
                          _patched(LOOP_ANCHOR, LOOP_ANCHOR + _HOARD, _patched("def fail(reason):", _TRAIN_ON_HOARD + "def fail(reason):")))
 LONG_LAST_STEP = _patched(LOOP_ANCHOR, (
     "        if clock.steps >= clock.warmup_steps and clock.training_seconds + dt >= clock.time_budget:\n"
-    "            _train_on(model, optimizers, _hoard * 4)\n"
+    "            _train_on(model, optimizers, _hoard * 2)\n"
     "            _hoard = []\n") + LOOP_ANCHOR + _HOARD,
     _patched("def fail(reason):", _TRAIN_ON_HOARD + "def fail(reason):"))
 

@@ -241,8 +241,9 @@ def _alive(pid: int) -> bool:
 
 @pytest.mark.slow
 def test_controller_killed_with_two_trials_running_recovers_both(wide_repo):
-    seed(wide_repo, "first", "LR=0.03", "SLEEP=30.0")
-    seed(wide_repo, "second", "LR=0.04", "SLEEP=30.0")
+    # Long enough to be caught in flight, and no longer: recovery tries both ideas again.
+    seed(wide_repo, "first", "LR=0.03", "SLEEP=12.0")
+    seed(wide_repo, "second", "LR=0.04", "SLEEP=12.0")
     seed(wide_repo, "third", "LR=0.01", "SLEEP=0.1")
     args = ["autoloop", "run", "--tag", TAG, "--time-budget", "60", "--grace-seconds", "30", "--no-verify",
             "--no-sandbox", "--proposers", "ideas", "--workers", "2", "--decision-rule", "strict", "--drift-every", "0"]

@@ -516,10 +516,18 @@ def test_check_command_prints_its_parts_and_stores_them_on_the_run(tmp_path, mon
 
 
 def test_check_command_fails_on_a_broken_script(tmp_path, monkeypatch, embedded_dataset):
+    """And stops there: a range test or a budget plan of a script with a bug would measure the bug."""
+    from autoloop.check.run import BROKEN_SCRIPT_SKIPS
+
     repo = make_repo(tmp_path / "repo", TRAIN_PY.read_text().replace(LOSS_LINE, SHIFTED))
-    result = _cli(["--parts", "overfit"], monkeypatch, repo)
+    result = _cli(["--parts", "overfit,lr,budget"], monkeypatch, repo)
     assert result.exit_code == 1, result.output
     assert C.OVERFIT_MESSAGE in result.output
+    for part in ("lr", "budget"):
+        assert f"{part:>8}: [skipped] {BROKEN_SCRIPT_SKIPS}" in result.output, result.output
+    saved = json.loads((repo / ".autoloop" / "check" / "check.json").read_text())
+    assert saved["ok"] is False and saved["lr"]["status"] == saved["budget"]["status"] == "skipped"
+    assert not (repo / ".autoloop" / "check" / "lr_range.png").exists()
 
 
 def test_check_command_rejects_an_unknown_part(tmp_path, monkeypatch):

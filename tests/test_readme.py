@@ -191,8 +191,8 @@ def assert_the_night_is_whole(repo: Path, tag: str) -> None:
     own before it was folded in here (the same real train.py through the same loop, which
     this test runs anyway, from the user's command): git and the db agree, the baseline is
     verified at three seeds, every trial's diff is recoverable from its row and from git,
-    kept or not, a discarded trial keeps no checkpoint and the best keeps one, and the run
-    records its fingerprints and its curves."""
+    kept or not, a discarded trial keeps no checkpoint and the best keeps one, the run
+    records its fingerprints and its curves, and its pre-run check passed."""
     import subprocess
 
     from autoloop.gitops import GitRepo
@@ -220,6 +220,11 @@ def assert_the_night_is_whole(repo: Path, tag: str) -> None:
         assert store.curve(rows[0]["id"])
     finally:
         store.close()
+    # The pre-run check passed on the real train.py and left its LR range test on the run
+    # for the proposers (tests/test_run_check.py's sound script, which ran the same check).
+    check = run["check_result"]
+    assert check["ok"] and check["overfit"]["status"] == "ok", check
+    assert check["lr"]["status"] in ("ok", "warn") and (repo / ".autoloop" / "check" / "lr_range.png").exists()
     assert subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo,
                           capture_output=True, text=True).stdout == ""
 

@@ -7,7 +7,8 @@ Four parts, each a dict with `status` ("ok" | "warn" | "fail" | "skipped" |
   The loss is measured by the check itself, from the model's logits against the batch's
   true next tokens (the same contract the harness evaluates), so a script that trains on
   misaligned targets or a detached loss fails even when its own reported loss falls.
-  A model that cannot memorise 512 tokens has a bug, not too little data.
+  A model that cannot memorise 512 tokens has a bug, not too little data; the other
+  parts are then `skipped` (they would measure the bug).
 * lr: the learning-rate range test. All parameter groups are scaled together by a
   multiplier swept exponentially over up to a few hundred steps at the training batch,
   through the model as train.py trains it (compiled and warmed up where train.py

@@ -18,6 +18,7 @@ from autoloop.check.training import first_line, fresh_model, missing_interface, 
 from autoloop.errors import AutoloopError
 
 PARTS = ("overfit", "lr", "budget", "device")
+BROKEN_SCRIPT_SKIPS = "not run: train.py cannot overfit one batch (fix that first)"
 
 
 def _busy_cpu(device) -> str | None:
@@ -104,6 +105,13 @@ def run_check(repo: Path, *, time_budget: float = 300.0, max_steps: int | None =
 
     if "overfit" in parts:
         report("overfit", unsupported(missing) if missing else overfit_one_batch(module, ds, device))
+        if result["overfit"]["status"] == "fail":
+            # A script that cannot memorise one batch has a bug: a range test or a budget
+            # plan of it would measure the bug, and the user waits for them for nothing.
+            for name in parts:
+                if name != "overfit":
+                    report(name, {"status": "skipped", "message": BROKEN_SCRIPT_SKIPS})
+            parts = ()
     lr = None
     if "lr" in parts:
         if missing:

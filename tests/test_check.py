@@ -393,8 +393,11 @@ def test_a_script_that_cannot_train_fails_the_lr_part_in_one_line(tmp_path, embe
     repo = make_repo(tmp_path / "repo", broken_copy(tmp_path, "train_bug.py", *shape_bug).read_text())
     result = C.run_check(repo, parts=("overfit", "lr"), data_dir=embedded_dataset.path, say=lambda line: None)
     assert result["overfit"]["status"] == "fail" and not result["ok"]
+    assert result["lr"]["status"] == "skipped"  # after the overfit part failed
+    result = C.run_check(repo, parts=("lr",), data_dir=embedded_dataset.path, say=lambda line: None)
     assert result["lr"]["status"] == "fail" and "mat1 and mat2 shapes cannot be multiplied" in result["lr"]["message"]
     assert result["lr"]["message"].startswith("the LR range test could not train: RuntimeError: ")
+    assert "\n" not in result["lr"]["message"] and not result["ok"]
 
 
 # ---------------------------------------------------------------------------- budget plan

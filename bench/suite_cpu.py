@@ -2,6 +2,7 @@
 
     AUTOLOOP_TEST_CPU_LOG=/tmp/cpu.jsonl python -m pytest -n 2    # record (tests/conftest.py)
     python bench/suite_cpu.py /tmp/cpu.jsonl [--top 25]            # print
+    python bench/suite_cpu.py /tmp/cpu.jsonl --against /tmp/old.jsonl   # what changed since
 
 Each line of the log is one test: its wall time (setup, call and teardown) and the CPU
 seconds its pytest process and every process it started used meanwhile (sandboxed trainings,
@@ -12,6 +13,12 @@ wall time waits (a time budget, a sleep, a timeout): more workers than cores wou
 such tests; a test near or above one CPU second a second keeps its core busy, and only less
 work makes it shorter. Prints the suite's span, the CPU it used against what the cores
 could give (`busy`), and the files and tests with the most wall time.
+
+`--against OLD` compares two runs. A shared machine's pace changes from run to run (the
+same unchanged tests took 14% more CPU on one run than on the one before, at the median),
+so the comparison first measures the pace, the median ratio of CPU over the tests in both
+with at least MIN_CPU seconds, then states this run's CPU at the old pace (what the work
+changed, apart from the machine) and the tests furthest from the pace.
 """
 
 from __future__ import annotations
@@ -47,11 +54,43 @@ def by_file(rows: list[dict]) -> list[tuple[str, float, float, int]]:
     return sorted(((f, wall[f], cpu[f], count[f]) for f in wall), key=lambda t: -t[1])
 
 
+MIN_CPU = 3.0  # CPU seconds: below this a test's ratio is mostly start-up noise
+
+
+def compare(old: list[dict], new: list[dict], min_cpu: float = MIN_CPU) -> dict:
+    """The machine's pace (median new/old CPU ratio over the tests in both runs with at least
+    `min_cpu` in the old), the new run's CPU at the old pace, and every test of either run
+    with its CPU beyond what the pace predicts (`excess`, most first; a test in one run only
+    counts whole)."""
+    import statistics
+
+    before, after = {r["test"]: r["cpu"] for r in old}, {r["test"]: r["cpu"] for r in new}
+    ratios = [after[t] / before[t] for t in before if t in after and before[t] >= min_cpu]
+    pace = statistics.median(ratios) if ratios else 1.0
+    changes = [(t, before.get(t), after.get(t), (after.get(t) or 0.0) - (before.get(t) or 0.0) * pace)
+               for t in before.keys() | after.keys()]
+    return {"pace": pace, "tests_compared": len(ratios), "old_cpu": sum(before.values()), "new_cpu": sum(after.values()),
+            "new_cpu_at_old_pace": sum(after.values()) / pace,
+            "changes": sorted(changes, key=lambda c: -abs(c[3]))}
+
+
+def _print_comparison(c: dict, top: int) -> None:
+    change = c["new_cpu_at_old_pace"] / c["old_cpu"] - 1 if c["old_cpu"] else 0.0
+    print(f"\nagainst the old run: the machine's pace {c['pace']:.2f}x (the median CPU ratio of {c['tests_compared']} "
+          f"tests in both, of {MIN_CPU:g} CPU s or more); CPU {c['old_cpu']:.0f} s -> {c['new_cpu']:.0f} s, "
+          f"{c['new_cpu_at_old_pace']:.0f} s at the old pace: the work changed by {100 * change:+.0f}%")
+    print(f"{'old CPU':>8} {'new CPU':>8} {'beyond':>8}  test (furthest from the pace)")
+    for test, before, after, excess in c["changes"][:top]:
+        show = lambda x: f"{x:8.1f}" if x is not None else f"{'-':>8}"  # noqa: E731
+        print(f"{show(before)} {show(after)} {excess:+8.1f}  {test}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("log", type=Path, help="the AUTOLOOP_TEST_CPU_LOG file a pytest run wrote")
     parser.add_argument("--top", type=int, default=25, help="files and tests to list")
     parser.add_argument("--cores", type=int, default=os.cpu_count() or 1, help="the cores the run had")
+    parser.add_argument("--against", type=Path, help="an older run's log: what changed, apart from the machine's pace")
     args = parser.parse_args()
     rows = load(args.log)
     s = summary(rows, args.cores)
@@ -66,6 +105,8 @@ def main() -> None:
     for r in sorted(rows, key=lambda r: r["start"] - r["end"])[:args.top]:
         wall, cpu = r["end"] - r["start"], r["cpu"]
         print(f"{wall:8.1f} {cpu:8.1f} {cpu / wall if wall else 0:8.2f}  {r['test']}")
+    if args.against:
+        _print_comparison(compare(load(args.against), rows), args.top)
 
 
 if __name__ == "__main__":

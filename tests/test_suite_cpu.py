@@ -7,6 +7,9 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+
+import pytest
+
 from tests.conftest import REPO_ROOT, bench_module, needs_bwrap
 
 
@@ -23,6 +26,24 @@ def test_the_summary_of_rows_with_a_known_answer():
     assert (s["tests"], s["workers"], s["span_seconds"], s["wall_seconds"], s["cpu_seconds"]) == (3, 2, 10.0, 20.0, 11.0)
     assert s["busy"] == 11.0 / 20.0
     assert bench.by_file(rows) == [("tests/test_a.py", 14.0, 11.0, 2), ("tests/test_b.py", 6.0, 0.0, 1)]
+
+
+def test_a_comparison_tells_the_machines_pace_from_the_work_that_changed():
+    bench = _bench()
+
+    def rows(cpus: dict) -> list[dict]:
+        return [{"test": t, "worker": "gw0", "start": 0.0, "end": 1.0, "cpu": c} for t, c in cpus.items()]
+
+    same = {f"t{k}": 4.0 + k for k in range(9)}  # unchanged work, 1.2x the CPU on a slower machine
+    old = rows({**same, "cut": 50.0, "gone": 10.0, "tiny": 1.0})
+    new = rows({**{t: 1.2 * c for t, c in same.items()}, "cut": 30.0, "added": 6.0, "tiny": 2.5})
+    c = bench.compare(old, new)
+    assert c["pace"] == pytest.approx(1.2) and c["tests_compared"] == 10  # "tiny" is under MIN_CPU
+    assert c["new_cpu_at_old_pace"] == pytest.approx(sum(same.values()) + 30.0 / 1.2 + 6.0 / 1.2 + 2.5 / 1.2)
+    excess = {t: e for t, _, _, e in c["changes"]}
+    assert [t for t, *_ in c["changes"][:3]] == ["cut", "gone", "added"]
+    assert excess["cut"] == pytest.approx(30.0 - 60.0) and excess["gone"] == pytest.approx(-12.0)
+    assert excess["added"] == pytest.approx(6.0) and excess["t3"] == pytest.approx(0.0)
 
 
 @needs_bwrap

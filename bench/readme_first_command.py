@@ -251,6 +251,12 @@ def cpu_group(name: str) -> Path | None:
             if "cpuacct" in controllers.split(","):
                 group = Path("/sys/fs/cgroup/cpuacct") / path.lstrip("/") / name
                 group.mkdir()
+                try:  # a group one may make but not join (delegation): find out here, not in the child
+                    _join(group)
+                    (group.parent / "cgroup.procs").write_text(str(os.getpid()))
+                except OSError:
+                    _remove(group)
+                    return None
                 return group
     except (OSError, ValueError):
         pass
@@ -265,11 +271,18 @@ def _group_cpu_seconds(group: Path) -> float:
     return int((group / "cpuacct.usage").read_text()) / 1e9
 
 
-def _remove(group: Path) -> None:
-    try:  # empty once the command's processes are reaped; a process left behind keeps it
-        group.rmdir()
-    except OSError:
-        pass
+def _remove(group: Path, wait: float = 5.0) -> None:
+    """Remove the group once it is empty: a pid namespace's last process may still be on its
+    way out when the command has returned; a process left behind keeps it."""
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            group.rmdir()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.05)
 
 
 def _when(stamp: str | None) -> datetime | None:

@@ -263,7 +263,13 @@ def cpu_group(name: str) -> Path | None:
     return None
 
 
-def _join(group: Path) -> None:  # in the child, before it runs the command: all it starts inherits the group
+def in_group(group: Path, argv: list[str]) -> list[str]:
+    """`argv` run in `group`: a shell joins it, then becomes the command, so everything the
+    command starts inherits the group (no preexec_fn, which is unsafe beside threads)."""
+    return ["bash", "-c", 'echo $$ > "$0/cgroup.procs" && exec "$@"', str(group), *argv]
+
+
+def _join(group: Path) -> None:
     (group / "cgroup.procs").write_text(str(os.getpid()))
 
 
@@ -335,10 +341,12 @@ def run(source: Path, work: Path, burners: int = 0, beside: bool = False, beside
     cpu_before = resource.getrusage(resource.RUSAGE_CHILDREN)
     group = cpu_group(f"readme-first-command-{os.getpid()}")
     try:
+        argv = ["bash", "-e", "-c", command]
+        if group is not None:
+            argv = in_group(group, argv)
         with open(work / "command.log", "w") as log:
-            done = subprocess.Popen(["bash", "-e", "-c", command], cwd=clone, env=child_environment(venv, work),
-                                    stdout=log, stderr=subprocess.STDOUT,
-                                    preexec_fn=None if group is None else lambda: _join(group))
+            done = subprocess.Popen(argv, cwd=clone, env=child_environment(venv, work), stdout=log,
+                                    stderr=subprocess.STDOUT)
         while done.poll() is None:
             if beside and loop is None and _training_started(clone):
                 start_loop()

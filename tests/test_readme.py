@@ -144,7 +144,7 @@ def test_the_commands_cpu_counts_what_a_pid_namespace_reaps():
     burn = ["bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--unshare-pid", sys.executable, "-c",
             "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.5: pass"]
     try:
-        subprocess.run(burn, check=True, preexec_fn=lambda: bench._join(group))
+        subprocess.run(bench.in_group(group, burn), check=True)
         assert bench._group_cpu_seconds(group) >= 0.45
     finally:
         bench._remove(group)

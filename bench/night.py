@@ -5,6 +5,7 @@ both final bests re-measured at fresh seeds on val and held-out.
     python bench/night.py --runs 12 --steps 20              # a small night: ~35 runs in all
     python bench/night.py --rules two-tier strict confirmed-only --keep /tmp/night
     python bench/night.py --arms scheduler model-only search-only --runs 16 --steps 20 --reserve 3
+    python bench/night.py --arms scheduler model-only search-only --budget flops   # equal compute, not runs
 
 With --arms (issue 33): the same night for three proposal arms under the first rule, at
 equal compute, the model scripted (STRUCTURAL_EDITS below); the table and what the figures
@@ -26,7 +27,10 @@ built-in search proposer (`proposers = ["search"]`) in step mode (deterministic 
 the same commit at the same seed gives the same val_bpb), through the public controller
 API: `Controller(resolve(repo, {...}), repo).run()`, one trial per call, until the night
 has spent `--runs` training runs (every measurement of the run counts, an early-stopped
-one by the fraction of the steps it ran). The first rule's night sets the count; every
+one by the fraction of the steps it ran). With `--budget flops` a run counts by its model
+FLOPs over the baseline's (`compute_spent`): a run of a model the search grew to four
+times the baseline's compute counts 4, so arms that grow the model and arms that do not
+spend the same compute, which counting runs does not give (docs/search.md). The first rule's night sets the count; every
 later rule runs to exactly the same count where its trials allow (strict: one run each).
 Drift checks are off (they would spend runs on neither rule's proposals); `check` is off.
 
@@ -125,12 +129,57 @@ def runs_spent(store: Store, run_id: int, steps: int) -> float:
     return total
 
 
+UNITS = {"runs": "runs", "flops": "baseline runs' compute"}
+
+
+def run_flops(repo: Path, commit: str, steps: int, _cache: dict = {}) -> float:  # noqa: B006 (a cache by commit)
+    """The model FLOPs of one full run of `commit`'s train.py at `steps` steps: the harness's
+    own count (autoloop.harness.flops_per_token: 6 per matmul weight plus causal attention)
+    of the model its CPU block builds, on the meta device (no weights, no training), times
+    the tokens of `steps` optimizer steps. Read from the code, not from the run, so a run
+    stopped early or lost costs what it would have."""
+    key = (str(repo), commit, steps)
+    if key not in _cache:
+        from autoloop import harness as H
+
+        source = subprocess.run(["git", "show", f"{commit}:train.py"], cwd=repo, check=True, capture_output=True,
+                                text=True).stdout
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "train.py"
+            path.write_text(source)
+            module = H.import_train_module(path)
+            model = module.build_model(module.model_config(), device="meta")
+            _cache[key] = float(H.flops_per_token(model)) * module.TOTAL_BATCH_TOKENS * steps
+    return _cache[key]
+
+
+def compute_spent(store: Store, run_id: int, steps: int, repo: Path) -> float:
+    """The night's training compute in runs of the baseline's size (`--budget flops`): each
+    measurement costs its commit's `run_flops` over the baseline's, an early-stopped one by
+    the fraction of the budget it ran, as in `runs_spent`. A search that grows the model
+    pays for it here; counted in runs, a run of a model 8 times the baseline's costs 1."""
+    trials = store.trials(run_id)
+    base = run_flops(repo, next(t for t in trials if t["kind"] == "baseline")["trial_commit"], steps)
+    total = 0.0
+    for trial in trials:
+        cost = run_flops(repo, trial["trial_commit"], steps) / base
+        for m in store.measurements(trial["id"]):
+            if m.get("status") == "stopped":
+                total += cost * (trial.get("stopped_at") or 1.0)
+                continue
+            n = m.get("num_steps")
+            total += cost * (min(1.0, n / steps) if n else 1.0)
+    return total
+
+
 def night(repo: Path, rule: str, steps: int, seed: int, target: float, say, extra: dict | None = None,
-          name: str | None = None) -> dict:
-    """Trials until `target` runs are spent (or the proposer runs dry)."""
+          name: str | None = None, budget: str = "runs") -> dict:
+    """Trials until `target` runs are spent (or the proposer runs dry). `budget` "flops":
+    `target` counts runs of the baseline's size (compute_spent), not runs (runs_spent)."""
     config = resolve(repo, flags(rule, steps, seed, extra))
     rule = name or rule
     spent, trials, started = 0.0, 0, time.monotonic()
+    runs = 0.0
     untried = 0  # trials in a row that spent no run: the loop's own stop (UNTRIED_IN_A_ROW) counts
     # within one invocation, and this night invokes the controller once a trial
     while spent < target - 1e-9:
@@ -139,10 +188,12 @@ def night(repo: Path, rule: str, steps: int, seed: int, target: float, say, extr
         store = Store(repo / "experiments.db")
         try:
             run = store.get_run("night")
-            before, spent = spent, runs_spent(store, run["id"], steps)
+            before, runs = spent, runs_spent(store, run["id"], steps)
+            spent = compute_spent(store, run["id"], steps, repo) if budget == "flops" else runs
         finally:
             store.close()
-        say(f"  {rule}: {trials} trials, {spent:.2f} runs ({time.monotonic() - started:.0f} s)")
+        cost = f", {spent:.2f} in baseline runs' compute" if budget == "flops" else ""
+        say(f"  {rule}: {trials} trials, {runs:.2f} runs{cost} ({time.monotonic() - started:.0f} s)")
         if run["status"] == "stopped":  # Ctrl-C or SIGTERM: the controller stopped; so does the night
             raise SystemExit(f"{rule}: stopped by a signal after {spent:.2f} runs")
         if summary.trials_run == 0:
@@ -152,7 +203,10 @@ def night(repo: Path, rule: str, steps: int, seed: int, target: float, say, extr
         if untried >= UNTRIED_IN_A_ROW:
             say(f"  {rule}: {untried} proposals in a row could not be tried; the night ends here, at {spent:.2f} runs")
             break
-    return {"trials": trials, "runs": spent, "seconds": time.monotonic() - started}
+    figures = {"trials": trials, "runs": runs, "seconds": time.monotonic() - started, "budget": budget}
+    if budget == "flops":
+        figures["compute"] = spent  # in runs of the baseline's size
+    return figures
 
 
 def reserve(repo: Path, rule: str, steps: int, seed: int, k: int, say, extra: dict | None = None,
@@ -336,11 +390,14 @@ def sources_of(repo: Path) -> dict:
 
 
 def arms_report(rows: list[dict]) -> str:
-    lines = [f"{'arm':<12} {'runs':>6} {'trials':>6} {'kept':>4} {'re-measured val gain':>22} {'held-out gain':>20}  proposals (kept) by source"]
+    flops = any("compute" in r for r in rows)
+    lines = [f"{'arm':<12} {'runs':>6} " + (f"{'compute':>7} " if flops else "")
+             + f"{'trials':>6} {'kept':>4} {'re-measured val gain':>22} {'held-out gain':>20}  proposals (kept) by source"]
     for r in rows:
         v, h = r["val"], r["heldout"]
         src = ", ".join(f"{k} {n} ({kept})" for k, (n, kept) in sorted(r["sources"].items()))
-        lines.append(f"{r['rule']:<12} {r['runs']:>6.2f} {r['trials']:>6} {r['kept']:>4} "
+        compute = f"{r.get('compute', float('nan')):>7.2f} " if flops else ""
+        lines.append(f"{r['rule']:<12} {r['runs']:>6.2f} {compute}{r['trials']:>6} {r['kept']:>4} "
                      f"{v['gain']:>+11.5f} ± {v['gain_se'] or 0:.5f} {h['gain']:>+10.5f} ± {h['gain_se'] or 0:.5f}  {src}")
     by = {r["rule"]: r for r in rows}
     if {"scheduler", "model-only", "search-only"} <= set(by):
@@ -373,10 +430,10 @@ def run_arms(args, work: Path, say) -> list[dict]:
         repo = make_repo(work / arm, args.unbounded)
         with FakeOpenAI([ScriptedModel()], model="scripted") as server:
             extra = arm_settings(arm, server.base_url)
-            say(f"{arm}: night of {target:g} runs at {args.steps} steps in {repo}")
-            spent = night(repo, args.rules[0], args.steps, args.seed, target, say, extra, name=arm)
-            if not rows:
-                target = spent["runs"]  # the later arms match the first night's exact count
+            say(f"{arm}: night of {target:g} {UNITS[args.budget]} at {args.steps} steps in {repo}")
+            spent = night(repo, args.rules[0], args.steps, args.seed, target, say, extra, name=arm, budget=args.budget)
+            if not rows:  # the later arms match the first night's exact count
+                target = spent["compute" if args.budget == "flops" else "runs"]
             row = reserve(repo, args.rules[0], args.steps, args.seed, args.reserve, say, extra, name=arm)
         rows.append({**row, **spent, **sources_of(repo)})
     return rows
@@ -384,7 +441,11 @@ def run_arms(args, work: Path, say) -> list[dict]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--runs", type=float, default=40, help="Training runs a night (the equal compute).")
+    ap.add_argument("--runs", type=float, default=40,
+                    help="Training runs a night (the equal compute); with --budget flops, runs of the baseline's size.")
+    ap.add_argument("--budget", choices=list(UNITS), default="runs",
+                    help="What a night's --runs counts: runs (each run 1, whatever its model), or flops (each run by "
+                         "its model FLOPs over the baseline's, so a search that grows the model pays for it).")
     ap.add_argument("--steps", type=int, default=60, help="Training steps per run (step mode).")
     ap.add_argument("--reserve", type=int, default=4, help="Fresh seeds the final bests are re-measured at.")
     ap.add_argument("--seed", type=int, default=1337, help="The runs' base seed.")
@@ -414,10 +475,10 @@ def main() -> int:
     rows, target = [], args.runs
     for rule in args.rules:
         repo = make_repo(work / rule, args.unbounded)
-        say(f"{rule}: night of {target:g} runs at {args.steps} steps in {repo}")
-        spent = night(repo, rule, args.steps, args.seed, target, say)
-        if not rows:
-            target = spent["runs"]  # the later rules match the first night's exact count
+        say(f"{rule}: night of {target:g} {UNITS[args.budget]} at {args.steps} steps in {repo}")
+        spent = night(repo, rule, args.steps, args.seed, target, say, budget=args.budget)
+        if not rows:  # the later rules match the first night's exact count
+            target = spent["compute" if args.budget == "flops" else "runs"]
         row = reserve(repo, rule, args.steps, args.seed, args.reserve, say)
         rows.append({**row, **spent})
     print()

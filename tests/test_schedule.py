@@ -5,6 +5,7 @@ real controller over the fake training script and the fake OpenAI-compatible ser
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -181,3 +182,51 @@ def test_the_benchs_scripted_model_grinds_without_repeating_itself():
     # A kept change moves the incumbent: the same factors are new answers from the new value.
     body = {"messages": [{"role": "user", "content": source.replace("0.04", "0.06")}]}
     assert "MATRIX_LR" in model(body)
+
+
+def test_the_bench_counts_a_nights_compute_by_each_runs_model_flops(tmp_path):
+    """bench/night.py --budget flops: the arms of the first check ran 40 runs each, but a
+    run of a model the search had grown cost several of the baseline's (search-only's night
+    took twice the scheduler's wall time). Counted by compute, a run of twice the batch is 2
+    baseline runs, an early-stopped run its fraction of that, and a wider model its harness
+    FLOPs (real train.py variants in a real git repository and store)."""
+    from autoloop import harness as H
+
+    night_bench = bench_module("night")
+    train = (Path(__file__).resolve().parents[1] / "train.py").read_text()
+    batch, width = "    TOTAL_BATCH_TOKENS = 16 * 256", "    MODEL_DIM = 128"
+    assert batch in train and width in train
+    variants = {"baseline": train, "batch x2": train.replace(batch, "    TOTAL_BATCH_TOKENS = 32 * 256"),
+                "width x2": train.replace(width, "    MODEL_DIM = 256")}
+    repo = make_repo(tmp_path / "repo", train)
+
+    commits = {}
+    for name, source in variants.items():
+        (repo / "train.py").write_text(source)
+        subprocess.run(["git", "commit", "-qam", name, "--allow-empty"], cwd=repo, check=True)
+        commits[name] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, check=True, capture_output=True,
+                                       text=True).stdout.strip()
+    steps = 60
+    with Store(repo / "experiments.db") as store:
+        run = store.create_run("night")
+        base = store.new_trial(run["id"], "baseline", trial_commit=commits["baseline"], status="keep")
+        store.add_measurement(base["id"], 3.0, seed=1, num_steps=steps, status="ok")
+        doubled = store.new_trial(run["id"], "proposal", trial_commit=commits["batch x2"], status="discard")
+        for seed in (1, 2):
+            store.add_measurement(doubled["id"], 3.1, seed=seed, num_steps=steps, status="ok")
+        stopped = store.new_trial(run["id"], "proposal", trial_commit=commits["batch x2"], status="discard",
+                                  stopped_at=0.3)
+        store.add_measurement(stopped["id"], None, seed=1, status="stopped")
+        assert night_bench.runs_spent(store, run["id"], steps) == pytest.approx(1 + 2 + 0.3)
+        # The baseline's run is 1, each run at twice the batch is 2, the stopped one 0.3 of 2.
+        assert night_bench.compute_spent(store, run["id"], steps, repo) == pytest.approx(1 + 2 * 2 + 0.3 * 2)
+        wide = store.new_trial(run["id"], "proposal", trial_commit=commits["width x2"], status="discard")
+        store.add_measurement(wide["id"], 3.2, seed=1, num_steps=steps, status="ok")
+        spent = night_bench.compute_spent(store, run["id"], steps, repo)
+    # The wider model's cost is the harness's own FLOPs count of the two models built.
+    module = H.import_train_module(repo / "train.py")  # the width x2 commit is checked out
+    wide_flops = H.flops_per_token(module.build_model(module.model_config(), device="meta"))
+    (repo / "train.py").write_text(train)
+    base_flops = H.flops_per_token(H.import_train_module(repo / "train.py").build_model(device="meta"))
+    assert wide_flops > 2.5 * base_flops
+    assert spent == pytest.approx(5.6 + wide_flops / base_flops)

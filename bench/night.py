@@ -162,8 +162,11 @@ def compute_spent(store: Store, run_id: int, steps: int, repo: Path) -> float:
     base = run_flops(repo, next(t for t in trials if t["kind"] == "baseline")["trial_commit"], steps)
     total = 0.0
     for trial in trials:
+        runs = store.measurements(trial["id"])
+        if not runs:  # a proposal never trained (a duplicate, an edit that changed nothing): no commit to cost
+            continue
         cost = run_flops(repo, trial["trial_commit"], steps) / base
-        for m in store.measurements(trial["id"]):
+        for m in runs:
             if m.get("status") == "stopped":
                 total += cost * (trial.get("stopped_at") or 1.0)
                 continue

@@ -217,6 +217,8 @@ def test_the_bench_counts_a_nights_compute_by_each_runs_model_flops(tmp_path):
         stopped = store.new_trial(run["id"], "proposal", trial_commit=commits["batch x2"], status="discard",
                                   stopped_at=0.3)
         store.add_measurement(stopped["id"], None, seed=1, status="stopped")
+        # A proposal that never trained (a duplicate: invalid before any commit) costs nothing.
+        store.new_trial(run["id"], "proposal", status="invalid", reason="the proposal changes nothing")
         assert night_bench.runs_spent(store, run["id"], steps) == pytest.approx(1 + 2 + 0.3)
         # The baseline's run is 1, each run at twice the batch is 2, the stopped one 0.3 of 2.
         assert night_bench.compute_spent(store, run["id"], steps, repo) == pytest.approx(1 + 2 * 2 + 0.3 * 2)

@@ -52,6 +52,7 @@ measurement with status "stopped", counted by the fraction of the budget it ran
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import subprocess
@@ -132,25 +133,23 @@ def runs_spent(store: Store, run_id: int, steps: int) -> float:
 UNITS = {"runs": "runs", "flops": "baseline runs' compute"}
 
 
-def run_flops(repo: Path, commit: str, steps: int, _cache: dict = {}) -> float:  # noqa: B006 (a cache by commit)
+@functools.lru_cache(maxsize=None)  # a commit's cost never changes, and a night asks for it every trial
+def run_flops(repo: Path, commit: str, steps: int) -> float:
     """The model FLOPs of one full run of `commit`'s train.py at `steps` steps: the harness's
     own count (autoloop.harness.flops_per_token: 6 per matmul weight plus causal attention)
     of the model its CPU block builds, on the meta device (no weights, no training), times
     the tokens of `steps` optimizer steps. Read from the code, not from the run, so a run
     stopped early or lost costs what it would have."""
-    key = (str(repo), commit, steps)
-    if key not in _cache:
-        from autoloop import harness as H
+    from autoloop import harness as H
 
-        source = subprocess.run(["git", "show", f"{commit}:train.py"], cwd=repo, check=True, capture_output=True,
-                                text=True).stdout
-        with tempfile.TemporaryDirectory() as tmp:
-            path = Path(tmp) / "train.py"
-            path.write_text(source)
-            module = H.import_train_module(path)
-            model = module.build_model(module.model_config(), device="meta")
-            _cache[key] = float(H.flops_per_token(model)) * module.TOTAL_BATCH_TOKENS * steps
-    return _cache[key]
+    source = subprocess.run(["git", "show", f"{commit}:train.py"], cwd=repo, check=True, capture_output=True,
+                            text=True).stdout
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "train.py"
+        path.write_text(source)
+        module = H.import_train_module(path)
+        model = module.build_model(module.model_config(), device="meta")
+        return float(H.flops_per_token(model)) * module.TOTAL_BATCH_TOKENS * steps
 
 
 def compute_spent(store: Store, run_id: int, steps: int, repo: Path) -> float:

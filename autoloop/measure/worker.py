@@ -48,6 +48,7 @@ from typing import Any
 
 from autoloop.measure.job import JobResult, MeasureJob
 from autoloop.measure.run_folder import RunFolder
+from autoloop.base.files import copy_regular_files
 from autoloop.base.status import RunOutcome
 from autoloop.measure.runner import run_training
 from autoloop.trust.import_root import trusted_python_path
@@ -301,17 +302,6 @@ class CheckpointWatch:
                 self.feed.mark_checkpoint(info.st_size)
 
 
-def _copy_regular_files(source: Path, dest: Path) -> None:
-    """Copy a trusted cache's folders and regular files (never a link) into `dest`."""
-    for folder, dirs, files in os.walk(source, followlinks=False):
-        rel = Path(folder).relative_to(source)
-        (dest / rel).mkdir(parents=True, exist_ok=True)
-        for name in files:
-            path = Path(folder) / name
-            if path.is_file() and not path.is_symlink():
-                shutil.copy2(path, dest / rel / name)
-
-
 def _train_job(job: MeasureJob, project_dir: Path, run_dir: Path, on_start: OnStart | None, abort: _Abort,
                runner: Callable[..., RunOutcome]) -> JobResult:
     from autoloop.measure.limits import TrialLimits
@@ -334,7 +324,7 @@ def _train_job(job: MeasureJob, project_dir: Path, run_dir: Path, on_start: OnSt
     if job.compile_seed and Path(job.compile_seed).is_dir():
         # The run's trusted compile cache (filled by the baseline, the user's own code):
         # copied in, so this run starts warm and whatever it writes dies with its folder.
-        _copy_regular_files(Path(job.compile_seed), folder.compile)
+        copy_regular_files(Path(job.compile_seed), folder.compile)
     if job.harness_mode:
         from autoloop.harness.data import make_meta_only_view
         from autoloop.harness.feed import FeedServer
@@ -404,7 +394,7 @@ def _train_job(job: MeasureJob, project_dir: Path, run_dir: Path, on_start: OnSt
         if status != "ok":
             out.metric = out.metric_source = out.heldout = None
         if status == "ok" and job.compile_seed and job.role == "baseline" and not Path(job.compile_seed).exists():
-            _copy_regular_files(folder.compile, Path(job.compile_seed))  # the user's own code filled it
+            copy_regular_files(folder.compile, Path(job.compile_seed))  # the user's own code filled it
         shutil.rmtree(folder.compile, ignore_errors=True)  # nothing a trial wrote outlives its run
         return out
 

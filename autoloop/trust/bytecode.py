@@ -24,6 +24,7 @@ import subprocess
 import time
 from pathlib import Path
 
+from autoloop.base.files import copy_regular_files
 from autoloop.trust.import_root import trusted_python_path
 
 PYCACHE_KINDS = ("train", "eval")
@@ -288,25 +289,10 @@ def _prune_templates(root: Path, kind: str, keep: Path) -> None:
 
 
 def _copy_template(template: Path, prefix: Path) -> bool:
-    """Copy the template's folders and regular files (never a link) into `prefix`, each
-    file written whole and renamed into place (a copy of the project's own: nothing in a
-    prefix is shared between projects). False where any of it fails."""
-    import shutil
-
-    def fail(error: OSError) -> None:
-        raise error
-
+    """Copy the template into `prefix` (autoloop.base.files: a copy of the project's own,
+    nothing in a prefix is shared between projects). False where any of it fails."""
     try:
-        for folder, _dirs, files in os.walk(template, onerror=fail, followlinks=False):
-            target = prefix / Path(folder).relative_to(template)
-            target.mkdir(parents=True, exist_ok=True)
-            for name in files:
-                source = Path(folder) / name
-                if name == STAMP or source.is_symlink() or not source.is_file():
-                    continue
-                tmp = target / f".{name}.{os.getpid()}"
-                shutil.copyfile(source, tmp)
-                os.replace(tmp, target / name)
+        copy_regular_files(template, prefix, skip={STAMP})
     except OSError:
         return False
     return (template / STAMP).is_file()  # not pruned by another process meanwhile

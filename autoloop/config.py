@@ -66,6 +66,10 @@ class Config:
     max_consecutive_failures: int = 3  # circuit breaker: crashes/timeouts in a row before re-running the incumbent
     allow_env_change: bool = False  # resume on another GPU / torch / data / harness anyway (recorded)
     verify: bool = True  # verify keep candidates in a fresh process before keeping them
+    # A keep's verification sends causality probes enough to catch a next-token peek worth the
+    # run's noise (autoloop/harness/probe_power.py), at most this many times the scored windows:
+    # the cost of the power (on a CPU, 16 makes a keep's verification about 80 s longer).
+    probe_factor: int = 16
     # Decisions (docs/decisions.md). "two-tier": a candidate paired with the incumbent on the
     # same seeds is adopted (the branch moves) when the paired mean is lower, and confirmed
     # when the sequential test against the run's noise says so; "confirmed-only": only
@@ -197,6 +201,7 @@ _RANGES: dict[str, tuple[float, bool, float | None, str, str]] = {
     "max_consecutive_failures": (1, True, None, "crashes in a row before the incumbent is re-run", "3"),
     "baseline_seeds": (1, True, None, "seeds the baseline runs at", "3"),
     "max_runs": (1, True, None, "runs of one candidate at most", "5"),
+    "probe_factor": (1, True, None, "probe rows per scored window at most in a keep's verification", "16"),
     "reserve_seeds": (0, True, None, "fresh seeds the best is re-measured at; 0 turns the reserve off", "4"),
     "ladder_seeds": (2, True, None, "fresh seeds each commit is measured at on the ladder", "3"),
     "ladder_every": (0, True, None, "kept changes between ladder rungs; 0 means at the end only", "5"),

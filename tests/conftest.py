@@ -157,6 +157,11 @@ def set_test_environment(monkeypatch, cache: Path) -> None:
     # A night that ends by its limit re-measures its best at fresh seeds (autoloop.loop.reserve):
     # runs most tests do not count on; the tests of the reserve turn it back on.
     monkeypatch.setenv("AUTOLOOP_RESERVE_SEEDS", "0")
+    # A keep's verification probes for a sparse peek with power, at most 16 x the scored
+    # windows: on a CPU about 40 s a keep, ten times a 6-step run. Tests of other things
+    # probe at 1 x; the tests of the power (tests/test_attacks_probes.py, test_probe_power.py)
+    # use the default.
+    monkeypatch.setenv("AUTOLOOP_PROBE_FACTOR", "1")
 
 
 @pytest.fixture(scope="session")

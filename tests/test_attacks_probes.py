@@ -131,6 +131,7 @@ def _assert_no_val_bpb_shown(repo, trial: dict) -> None:
 def test_a_sparse_peek_is_not_kept_as_verified_and_causal(attacked_repo, monkeypatch, embedded_dataset):
     source, fraction = sparse_peek(embedded_dataset)
     assert 0.002 < fraction < 0.008, fraction
+    monkeypatch.delenv("AUTOLOOP_PROBE_FACTOR")  # the probes with power as they ship
     repo = attacked_repo  # the shared sandboxed baseline's run, ours to run on
     config = _run(repo, monkeypatch, max_steps=6, max_trials=1)
     _seed_attacks(repo, config, ["sparse peek"], {"sparse peek": source})
@@ -148,6 +149,7 @@ def test_a_sparse_peek_is_not_kept_as_verified_and_causal(attacked_repo, monkeyp
 def test_under_no_verify_a_model_that_does_not_reproduce_its_figure_is_not_kept(tmp_path, monkeypatch,
                                                                                  embedded_dataset):
     source, _ = sparse_peek(embedded_dataset)
+    monkeypatch.delenv("AUTOLOOP_PROBE_FACTOR")  # the probes with power as they ship
     repo = make_repo(tmp_path / "repo", TRAIN_PY.read_text())
     config = _run(repo, monkeypatch, max_steps=6, max_trials=3, verify=False)
     _seed_attacks(repo, config, ["remembering", "sparse peek"], {"remembering": REMEMBERING, "sparse peek": source})

@@ -116,7 +116,7 @@ class HashPeek(torch.nn.Module):
 
 
 def _evaluate_in_process(model, data_dir, *, seed: int, noise: float | None, splits=("val", "heldout"),
-                         power: bool = True) -> dict:
+                         power: bool = True, factor: int = P.MAX_PROBE_FACTOR) -> dict:
     """One evaluation through the scorer, the channel and the model server's loop."""
     a, b = socket.socketpair()
     region_fd = make_region()
@@ -132,7 +132,7 @@ def _evaluate_in_process(model, data_dir, *, seed: int, noise: float | None, spl
     thread.start()
     try:
         return evaluate(scorer_channel, scorer_region, data_dir=data_dir, device_name="cpu", splits=splits,
-                        seed=seed, power=power, probe_noise=noise)
+                        seed=seed, power=power, probe_noise=noise, probe_factor=factor)
     finally:
         thread.join(30)
         a.close()
@@ -214,6 +214,34 @@ def test_a_peek_at_every_position_is_caught_by_the_default_probes(embedded_datas
     assert power["tested_positions"] == verdict["causality"]["tested_positions"] > 0
 
 
+def test_the_probe_factor_caps_the_plan():
+    """The run's `probe-factor` setting is the cap: at no known noise exactly factor x the
+    scored rows, at a known one never more; the setting's default is the harness's cap."""
+    from autoloop.config import Config
+
+    assert P.probe_plan(None, 1.0, 256, scored_rows=10, factor=2) == (20, None)
+    rows, f_min = P.probe_plan(0.001, 1.0, 256, scored_rows=256, factor=1)
+    assert rows == 256 and f_min == pytest.approx(1.25e-4)  # 23,965 needed, 256 allowed
+    assert P.probe_plan(0.5, 1.0, 256, scored_rows=256, factor=1)[0] == P.probes_needed(0.5 / 8) < 256
+    with pytest.raises(ValueError, match="probe factor"):
+        P.probe_plan(None, 1.0, 256, scored_rows=10, factor=0)
+    assert Config().probe_factor == P.MAX_PROBE_FACTOR
+
+
+def test_the_scorer_sends_the_probes_its_factor_allows(embedded_dataset):
+    """Through the scorer: factor x the scored windows of probe rows, each testing one
+    position, and the default probes (2% of the batches) besides."""
+    model = HashPeek(embedded_dataset.vocab_size, 0.0)
+    tested = {}
+    for factor in (1, 2):
+        verdict = _evaluate_in_process(model, embedded_dataset.path, seed=3, noise=None, splits=("val",), factor=factor)
+        assert verdict["ok"], verdict["reason"]
+        tested[factor] = verdict["causality"]["power"]["tested_positions"]
+    windows = len(evaluation_windows(embedded_dataset.split("val"), "cpu"))
+    for factor, n in tested.items():
+        assert factor * windows <= n < factor * windows + 32, (tested, windows)
+
+
 def test_the_scorers_probe_noise_option_names_a_bad_figure(capsys):
     from autoloop.harness.evaluate import _noise, main
 
@@ -222,3 +250,7 @@ def test_the_scorers_probe_noise_option_names_a_bad_figure(capsys):
         with pytest.raises(SystemExit):
             main(["--channel-fd", "0", "--region-fd", "0", "--verdict-fd", "0", "--probe-noise", bad])
         assert f"--probe-noise takes a bpb figure >= 0 or 'unknown', not '{bad}'" in capsys.readouterr().err
+    for bad in ("0", "-2", "1.5", "many"):
+        with pytest.raises(SystemExit):
+            main(["--channel-fd", "0", "--region-fd", "0", "--verdict-fd", "0", "--probe-factor", bad])
+        assert f"--probe-factor takes a whole number >= 1, not '{bad}'" in capsys.readouterr().err

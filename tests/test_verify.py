@@ -21,6 +21,7 @@ installed one.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -459,17 +460,24 @@ def test_verifier_reads_train_py_from_the_commit_not_the_worktree(repo):
 
 
 @pytest.mark.slow
-def test_honest_better_learning_rate_is_verified_and_kept(repo):
+def test_honest_better_learning_rate_is_verified_and_kept(repo, embedded_dataset):
+    from autoloop.harness.metric import evaluation_windows
     from autoloop.proposers.seeding import seed_idea
 
-    config = _config()
+    config = _config(probe_factor=1)
     seed_idea(config, repo, "double the Muon learning rate", sets=["MATRIX_LR=0.08"], patch=None)
     summary = Controller(config, repo).run()
     store = Store(repo / "experiments.db")
     run = store.get_run(TAG)
     base, trial = store.trials(run["id"])
     reserve = [m for m in store.measurements(trial["id"]) if m["role"] == "reserve"]
+    probes = [e["message"] for e in store.events(run["id"], kind="probes")]
     store.close()
+    # The keep's probes with power, capped by the run's probe-factor: 1 x the scored windows
+    # of val and held-out, and the default probes (16 x, the default, would be 16 times more).
+    windows = sum(len(evaluation_windows(embedded_dataset.split(s), "cpu")) for s in ("val", "heldout"))
+    tested = [int(re.search(r"probes tested (\d+) positions", m).group(1)) for m in probes]
+    assert len(tested) == 1 and windows <= tested[0] < windows + 32, (probes, windows)
     assert summary.kept == 2 and trial["status"] == "keep", trial["reason"]
     assert trial["metric_source"] == "verified" and trial["metric"] < base["metric"]
     assert trial["result"]["val_bpb"] is None

@@ -49,7 +49,7 @@ from autoloop.harness.data import load_dataset
 from autoloop.harness.errors import HarnessError
 from autoloop.harness.fingerprint import compute_harness_fingerprint
 from autoloop.harness.metric import counted_sums, evaluation_windows, target_nats
-from autoloop.harness.probe_power import peek_fraction_from_losses, power_record, probe_plan
+from autoloop.harness.probe_power import MAX_PROBE_FACTOR, peek_fraction_from_losses, power_record, probe_plan
 from autoloop.harness.scoring import Causality, make_plan, witness_log_probs
 
 # val and held-out bpb equal to this many significant digits are not two measurements.
@@ -118,12 +118,13 @@ def _outputs(channel: Channel, region: Region, batch_id: int, b: int, t: int, vo
 
 def evaluate(channel: Channel, region: Region, *, data_dir: Path | None, device_name: str,
              splits: tuple[str, ...] = ("val",), seed: int | None = None, probe_batches: int | None = None,
-             power: bool = False, probe_noise: float | None = None) -> dict:
+             power: bool = False, probe_noise: float | None = None, probe_factor: int = MAX_PROBE_FACTOR) -> dict:
     """Run the plan against the model process; returns the verdict (never raises for a trial's fault).
 
     `power`: as many probes as catch a next-token peek worth `probe_noise` bpb (the run's
     paired noise; None: unknown, so the most the cap allows) with probability 95%
-    (autoloop.harness.probe_power); otherwise the default share."""
+    (autoloop.harness.probe_power), at most `probe_factor` x the scored windows; otherwise
+    the default share."""
     seconds: dict[str, float | None] = {"startup": _process_age()}
     verdict: dict = {
         "ok": False, "reason": None, "stage": "load", "val_bpb": None, "heldout_bpb": None, "causality": None,
@@ -141,8 +142,8 @@ def evaluate(channel: Channel, region: Region, *, data_dir: Path | None, device_
     targets = np.concatenate([w[:, 1:].reshape(-1) for w in windows.values()])
     counted = table[targets] > 0
     bytes_per_token = float(table[targets][counted].sum()) / max(int(counted.sum()), 1)
-    probe_rows, f_min = (probe_plan(probe_noise, bytes_per_token, vocab, sum(len(w) for w in windows.values()))
-                         if power else (None, None))
+    probe_rows, f_min = (probe_plan(probe_noise, bytes_per_token, vocab, sum(len(w) for w in windows.values()),
+                                    factor=probe_factor) if power else (None, None))
     plan = make_plan(windows, BATCH_SIZE["cuda" if device_name == "cuda" else "cpu"], vocab, seed,
                      probe_batches=probe_batches, probe_rows=probe_rows)
     causality = Causality(tolerance_for(torch.bfloat16 if device_name == "cuda" else None))
@@ -243,6 +244,16 @@ def _noise(text: str) -> float | None:
     return value
 
 
+def _factor(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"--probe-factor takes a whole number >= 1, not {text!r}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m autoloop.harness.evaluate", description=__doc__.splitlines()[0])
     parser.add_argument("--data-dir", type=Path, default=None, help="the prepared dataset; the default one if omitted")
@@ -255,6 +266,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--probe-noise", type=_noise, default=False,
                         help="probes with power: enough to catch a next-token peek worth this many bpb (the run's "
                              "paired noise, or 'unknown' for the most the cap allows) with probability 95%%")
+    parser.add_argument("--probe-factor", type=_factor, default=MAX_PROBE_FACTOR,
+                        help="with --probe-noise: probe rows at most this many times the scored windows (the cap)")
     args = parser.parse_args(argv)
     started = time.perf_counter()
     channel = Channel(args.channel_fd, timeout=BATCH_TIMEOUT_SECONDS)
@@ -262,7 +275,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         verdict = evaluate(channel, region, data_dir=args.data_dir, device_name=args.device, splits=args.splits,
                            probe_batches=args.probe_batches, power=args.probe_noise is not False,
-                           probe_noise=args.probe_noise if args.probe_noise is not False else None)
+                           probe_noise=args.probe_noise if args.probe_noise is not False else None,
+                           probe_factor=args.probe_factor)
     except HarnessError as exc:  # the data, not the trial: say so and let the controller report it
         print(f"ERROR: {exc}", flush=True)
         return 2

@@ -36,8 +36,8 @@ token it saw there. Its outputs elsewhere are an honest model's.
   (`peek_fraction_from_losses`: the adversary peeks where the loss is highest, so the
   fewest positions that could gain `noise`), reported next to the planned figure.
 
-`probe_plan` caps n at a multiple of the scored rows (the cost), and says the power the
-cap leaves; `power_record` is what a verdict stores.
+`probe_plan` caps n at a multiple of the scored rows (the cost: MAX_PROBE_FACTOR unless
+the run's `probe-factor` setting says otherwise), and says the power the cap leaves; `power_record` is what a verdict stores.
 """
 
 from __future__ import annotations
@@ -92,11 +92,14 @@ def peek_fraction_from_losses(bits: np.ndarray, total_bytes: int, gain_bpb: floa
 
 
 def probe_plan(noise_bpb: float | None, bytes_per_token: float, vocab_size: int, scored_rows: int,
-               miss: float = MISS) -> tuple[int, float | None]:
-    """(changed probe rows to send, f_min) for an evaluation of `scored_rows` windows.
+               miss: float = MISS, factor: int = MAX_PROBE_FACTOR) -> tuple[int, float | None]:
+    """(changed probe rows to send, f_min) for an evaluation of `scored_rows` windows, at
+    most `factor` x `scored_rows` (the run's `probe-factor` setting).
 
     No noise known (None, or 0 as in deterministic step mode): every gain matters, so the cap."""
-    cap = max(1, MAX_PROBE_FACTOR * scored_rows)
+    if factor < 1:
+        raise ValueError(f"the probe factor is a whole number >= 1, got {factor!r}")
+    cap = max(1, int(factor) * scored_rows)
     if noise_bpb is None or not math.isfinite(noise_bpb) or noise_bpb <= 0:
         return cap, None
     f_min = peek_fraction_floor(noise_bpb, bytes_per_token, bits_per_peek(vocab_size))

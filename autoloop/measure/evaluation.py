@@ -127,6 +127,7 @@ def evaluate_checkpoint(
     limits=None,
     probe_power: bool = False,
     probe_noise: float | None = None,
+    probe_factor: int | None = None,
 ) -> EvalResult:
     """Evaluate `checkpoint_base/checkpoint` (the trial's output, opened without following
     links) with the model of `source_dir/script`, by the harness, in two processes.
@@ -140,7 +141,8 @@ def evaluate_checkpoint(
     memory, processes and log are the trial's, watched as in training; over one, the
     evaluation fails with the limit named. `probe_power`: as many causality probes as catch
     a next-token peek worth `probe_noise` bpb (None: unknown) with probability 95%
-    (autoloop.harness.probe_power): a keep's verification."""
+    (autoloop.harness.probe_power), at most `probe_factor` x the scored windows (None: the
+    harness's cap): a keep's verification."""
     from autoloop.harness.channel import make_region
     from autoloop.base.processes import process_start_time
     from autoloop.base.environment import allowed_environment
@@ -193,6 +195,8 @@ def evaluate_checkpoint(
             command += ["--probe-batches", str(probe_batches)]
         if probe_power:
             command += ["--probe-noise", "unknown" if probe_noise is None else repr(float(probe_noise))]
+            if probe_factor is not None:
+                command += ["--probe-factor", str(int(probe_factor))]
         scorer = _Child(command, cwd=out_dir, env=dict(base_env), log_path=log_path, prefix="[scorer] ",
                         pass_fds=(scorer_end.fileno(), region, verdict_write), sandbox=sandbox,
                         readonly=[Path(data_dir), out_dir, prefix], hidden=list(hidden))

@@ -72,9 +72,11 @@ class MeasureJob:
     external_eval: bool = True
     verify: bool = False
     # A keep candidate's verification: probes enough to catch a next-token peek worth the
-    # run's paired noise (`probe_noise`, bpb; None: unknown) with probability 95%.
+    # run's paired noise (`probe_noise`, bpb; None: unknown) with probability 95%, at most
+    # `probe_factor` x the scored windows (None: the harness's cap).
     probe_power: bool = False
     probe_noise: float | None = None
+    probe_factor: int | None = None
     sandbox: str = "auto"  # the sandbox mode (autoloop.measure.sandbox.detect)
     harness_dir: str | None = None  # the harness whose files the integrity snapshot hashes
     integrity_python: str | None = None  # the interpreter of the trusted re-warm of bytecode

@@ -394,7 +394,8 @@ class Measurer:
         job = self.job("verify", owner["trial_commit"] or c.run_row["base_commit"], int(row.get("seed") or 0),
                        role=row.get("role") or "candidate", slot=slot, verify=heldout,
                        checkpoint=str(RunFolder(run_dir).checkpoint), result=_result_of(run_dir),
-                       probe_power=power, probe_noise=noise.pair_sd if noise is not None else None)
+                       probe_power=power, probe_noise=noise.pair_sd if noise is not None else None,
+                       probe_factor=c.config.probe_factor if power else None)
 
         def on_start(pid: int, pgid: int, start_time: int | None) -> None:
             c.store.update_trial(running["id"], pid=pid, pgid=pgid, pid_start_time=start_time)

@@ -485,6 +485,7 @@ def _evaluate(job: MeasureJob, project_dir: Path, folder: RunFolder, result: dic
         pycache=pycache_env("eval", _pycache_root(job)), cache=_cache_root(job),
         limits=TrialLimits.from_dict(job.limits),
         probe_power=bool(getattr(job, "probe_power", False)), probe_noise=getattr(job, "probe_noise", None),
+        probe_factor=getattr(job, "probe_factor", None),
     )
 
 

@@ -68,7 +68,7 @@ class Config:
     verify: bool = True  # verify keep candidates in a fresh process before keeping them
     # A keep's verification sends causality probes enough to catch a next-token peek worth the
     # run's noise (autoloop/harness/probe_power.py), at most this many times the scored windows:
-    # the cost of the power (on a CPU, 16 makes a keep's verification about 80 s longer).
+    # the cost of the power (on a CPU at no known noise, 16 makes a keep's verification about 80 s longer).
     probe_factor: int = 16
     # Decisions (docs/decisions.md). "two-tier": a candidate paired with the incumbent on the
     # same seeds is adopted (the branch moves) when the paired mean is lower, and confirmed

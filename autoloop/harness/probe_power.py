@@ -37,7 +37,8 @@ token it saw there. Its outputs elsewhere are an honest model's.
   fewest positions that could gain `noise`), reported next to the planned figure.
 
 `probe_plan` caps n at a multiple of the scored rows (the cost: MAX_PROBE_FACTOR unless
-the run's `probe-factor` setting says otherwise), and says the power the cap leaves; `power_record` is what a verdict stores.
+the run's `probe-factor` setting says otherwise), and says the power the cap leaves;
+`power_record` is what a verdict stores.
 """
 
 from __future__ import annotations

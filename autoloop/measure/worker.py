@@ -484,8 +484,7 @@ def _evaluate(job: MeasureJob, project_dir: Path, folder: RunFolder, result: dic
         env=dict(job.env or {}) or None, hidden=[Path(p) for p in job.hidden],
         pycache=pycache_env("eval", _pycache_root(job)), cache=_cache_root(job),
         limits=TrialLimits.from_dict(job.limits),
-        probe_power=bool(getattr(job, "probe_power", False)), probe_noise=getattr(job, "probe_noise", None),
-        probe_factor=getattr(job, "probe_factor", None),
+        probe_power=job.probe_power, probe_noise=job.probe_noise, probe_factor=job.probe_factor,
     )
 
 

@@ -12,7 +12,8 @@ whatever ran in a sandbox's pid namespace (the header says which). A test whose 
 wall time waits (a time budget, a sleep, a timeout): more workers than cores would overlap
 such tests; a test near or above one CPU second a second keeps its core busy, and only less
 work makes it shorter. Prints the suite's span, the CPU it used against what the cores
-could give (`busy`), and the files and tests with the most wall time.
+could give (`busy`), the most disk it held (from the free disk read before, during and after
+each test), and the files and tests with the most wall time.
 
 `--against OLD` compares two runs. A shared machine's pace changes from run to run (the
 same unchanged tests took 14% more CPU on one run than on the one before, at the median),
@@ -52,6 +53,20 @@ def by_file(rows: list[dict]) -> list[tuple[str, float, float, int]]:
         cpu[name] += r["cpu"]
         count[name] += 1
     return sorted(((f, wall[f], cpu[f], count[f]) for f in wall), key=lambda t: -t[1])
+
+
+def disk(rows: list[dict]) -> dict | None:
+    """The free disk where the tests wrote, at the first test's start and at its lowest
+    (each test is read at its start, after its call and after its teardown); None for a log
+    without it. What the suite held at most is the difference, give or take what other
+    processes on the machine wrote meanwhile."""
+    read = sorted((r for r in rows if r.get("disk_free_gb") and r["disk_free_gb"][0] is not None),
+                  key=lambda r: r["start"])
+    if not read:
+        return None
+    first = read[0]["disk_free_gb"][0]
+    lowest = min(gb for r in read for gb in r["disk_free_gb"] if gb is not None)
+    return {"free_at_start_gb": first, "least_free_gb": lowest, "held_at_most_gb": first - lowest}
 
 
 MIN_CPU = 3.0  # CPU seconds: below this a test's ratio is mostly start-up noise
@@ -98,6 +113,10 @@ def main() -> None:
     print(f"CPU read from: {', '.join(sources)}" + ("" if sources == ["cgroup"] else " (getrusage misses sandboxed processes)"))
     print(f"{s['tests']} tests on {s['workers']} workers over {s['span_seconds']:.0f} s: wall {s['wall_seconds']:.0f} s "
           f"in all, CPU {s['cpu_seconds']:.0f} s, the {args.cores} cores {100 * s['busy']:.0f}% busy")
+    d = disk(rows)
+    if d is not None:
+        print(f"disk where the tests wrote: {d['free_at_start_gb']:.1f} GB free at the start, {d['least_free_gb']:.1f} GB "
+              f"at the least, so the suite held about {d['held_at_most_gb']:.1f} GB at most")
     print(f"\n{'wall s':>8} {'CPU s':>8} {'CPU/wall':>8} {'tests':>5}  file")
     for name, wall, cpu, count in by_file(rows)[:args.top]:
         print(f"{wall:8.1f} {cpu:8.1f} {cpu / wall if wall else 0:8.2f} {count:5d}  {name}")

@@ -43,9 +43,9 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file keeps its order
 
 
-# `AUTOLOOP_TEST_CPU_LOG=FILE`: each test's wall time and the CPU seconds it and every process
-# it started used, one JSON line a test (bench/suite_cpu.py sums them: which tests keep a core
-# busy and which wait). Off by default. A sandboxed process's CPU never reaches getrusage (its
+# `AUTOLOOP_TEST_CPU_LOG=FILE`: each test's wall time, the CPU seconds it and every process
+# it started used, and the free disk before, after its call and after it, one JSON line a test
+# (bench/suite_cpu.py sums them: which tests keep a core busy and which wait, and the disk). Off by default. A sandboxed process's CPU never reaches getrusage (its
 # pid namespace's init reaps it), so where this process may make a cgroup v1 cpuacct group
 # (root, as in CI here) it moves itself into one of its own, which every descendant inherits,
 # and reads the group's counter; elsewhere getrusage (`cpu_source` says which).
@@ -82,6 +82,49 @@ def _leave_cpu_group(group: Path) -> None:
         pass
 
 
+def _tests_disk(config) -> Path:
+    """Where the tests' temporary folders are, for the free disk there."""
+    import tempfile
+
+    base = config.option.basetemp
+    return Path(base).parent if base else Path(tempfile.gettempdir())
+
+
+def _free_gb(path: Path) -> float | None:
+    import shutil
+
+    try:
+        return shutil.disk_usage(path).free / 1e9
+    except OSError:
+        return None
+
+
+# What the whole suite held on disk at its most, as bench/suite_cpu.py reads it from the log
+# (a clean clone, 2026-12-07: see .ci/run). A test's project holds ~100 MB of bytecode, and
+# pyproject.toml's retention policy removes a passing test's folder when it ends.
+SUITE_DISK_GB = 2
+
+
+def pytest_report_header(config):
+    # A full disk fails hundreds of tests at once, each with "No space left on device":
+    # the header says how much there was before the first of them.
+    free = _free_gb(_tests_disk(config))
+    if free is not None:
+        low = "  TOO LITTLE: the tests will fail" if free < SUITE_DISK_GB else ""
+        return f"disk: {free:.1f} GB free under {_tests_disk(config)}, the suite needs about {SUITE_DISK_GB} GB{low}"
+    return None
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    yield
+    if _CPU_LOG:  # before teardown removes the test's folder: what the test itself filled
+        item.stash[_FREE_AFTER_CALL] = _free_gb(_tests_disk(item.config))
+
+
+_FREE_AFTER_CALL = pytest.StashKey[float | None]()
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     if not _CPU_LOG:
@@ -90,11 +133,13 @@ def pytest_runtest_protocol(item, nextitem):
     import json
     import time
 
-    start, (cpu, _) = time.time(), _cpu_seconds()
+    start, (cpu, _), free = time.time(), _cpu_seconds(), _free_gb(_tests_disk(item.config))
     yield
     after, source = _cpu_seconds()
     line = json.dumps({"test": item.nodeid, "worker": os.environ.get("PYTEST_XDIST_WORKER", "main"),
-                       "start": start, "end": time.time(), "cpu": after - cpu, "cpu_source": source})
+                       "start": start, "end": time.time(), "cpu": after - cpu, "cpu_source": source,
+                       "disk_free_gb": [free, item.stash.get(_FREE_AFTER_CALL, None),
+                                        _free_gb(_tests_disk(item.config))]})
     with open(_CPU_LOG, "a") as log:  # one write a line, appended: workers share the file
         log.write(line + "\n")
 

@@ -28,6 +28,15 @@ def test_the_summary_of_rows_with_a_known_answer():
     assert bench.by_file(rows) == [("tests/test_a.py", 14.0, 11.0, 2), ("tests/test_b.py", 6.0, 0.0, 1)]
 
 
+def test_the_disk_the_suite_held_is_the_free_disk_it_took_at_its_lowest():
+    bench = _bench()
+    rows = [{"test": "a", "worker": "gw0", "start": 5.0, "end": 6.0, "cpu": 0.0, "disk_free_gb": [9.0, 8.5, 8.9]},
+            {"test": "b", "worker": "gw1", "start": 1.0, "end": 7.0, "cpu": 0.0, "disk_free_gb": [10.0, 7.5, None]},
+            {"test": "c", "worker": "gw0", "start": 7.0, "end": 8.0, "cpu": 0.0}]  # a log from before the field
+    assert bench.disk(rows) == {"free_at_start_gb": 10.0, "least_free_gb": 7.5, "held_at_most_gb": 2.5}
+    assert bench.disk(rows[2:]) is None
+
+
 def test_a_comparison_tells_the_machines_pace_from_the_work_that_changed():
     bench = _bench()
 
@@ -48,7 +57,7 @@ def test_a_comparison_tells_the_machines_pace_from_the_work_that_changed():
 
 @needs_bwrap
 def test_the_log_tells_a_test_that_waits_from_one_whose_children_compute(tmp_path):
-    (tmp_path / "conftest.py").write_text("from tests.conftest import pytest_runtest_protocol  # noqa: F401\n")
+    (tmp_path / "conftest.py").write_text("from tests.conftest import pytest_runtest_call, pytest_runtest_protocol  # noqa: F401\n")
     (tmp_path / "test_two.py").write_text(
         "import subprocess, sys, time\n\n"
         "def test_waits():\n    time.sleep(0.5)\n\n"
@@ -66,5 +75,6 @@ def test_the_log_tells_a_test_that_waits_from_one_whose_children_compute(tmp_pat
     waits, computes, sandboxed = rows["test_waits"], rows["test_computes"], rows["test_computes_in_a_pid_namespace"]
     assert waits["end"] - waits["start"] >= 0.5 and waits["cpu"] < 0.25
     assert computes["cpu"] >= 0.45
+    assert all(len(r["disk_free_gb"]) == 3 and all(gb > 0 for gb in r["disk_free_gb"]) for r in rows.values())
     if sandboxed["cpu_source"] == "cgroup":  # getrusage cannot see it (the header says so)
         assert sandboxed["cpu"] >= 0.45

@@ -99,9 +99,10 @@ def _free_gb(path: Path) -> float | None:
         return None
 
 
-# What the whole suite held on disk at its most, as bench/suite_cpu.py reads it from the log
-# (a clean clone, 2026-12-07: see .ci/run). A test's project holds ~100 MB of bytecode, and
-# pyproject.toml's retention policy removes a passing test's folder when it ends.
+# What the whole suite needs on disk, with room to spare: it held 1.5 GB at most as
+# bench/suite_cpu.py reads it from the log (a clean clone, 2026-12-07, .ci/run), 9 GB before
+# pyproject.toml's retention policy removed a passing test's folder when it ends (a test's
+# project holds ~100 MB of bytecode).
 SUITE_DISK_GB = 2
 
 

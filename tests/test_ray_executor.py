@@ -213,16 +213,36 @@ def test_worker_killed_mid_trial_is_lost_and_the_slot_recovers(executor, embedde
                                          tmp_path / "a")
     assert started.wait(60), "the remote training never started"
     training = slot.last_state["processes"][0]["pid"]
-    actor_pid = slot.actor_info()["pid"]
+    info = slot.actor_info()
+    actor_pid, scratch = info["pid"], Path(info["scratch"])
+    assert scratch.is_dir() and info["guard_pid"] and alive(info["guard_pid"])
     os.kill(actor_pid, signal.SIGKILL)
     thread.join(60)
     result = box["result"]
     assert result.status == "lost" and result.reason.startswith("worker lost:"), result.reason
     assert result.worker == "ray-w1"
-    assert wait_dead(training), "the lost worker's training is still running"  # its guardian killed it
+    assert wait_dead(training), "the lost worker's training is still running"
+    # Its guardian outlived it (Ray kills an ending actor's children) and removed the node's
+    # scratch folder, the run folder of the lost job in it.
+    assert wait_dead(info["guard_pid"]), "the guardian is still waiting"
+    assert not scratch.exists(), sorted(p.name for p in scratch.rglob("*"))
     again = slot.run(make_job(embedded_dataset), tmp_path / "b")
     assert again.status == "ok", again.reason
     assert slot.actor_info()["pid"] != actor_pid
+
+
+def test_a_closed_slot_leaves_nothing_on_the_node(executor, embedded_dataset, tmp_path):
+    """ray.kill (a slot's close, and a slot replacing its actor) ends the actor the way Ray
+    ends one, killing its children: the guardian is not one of them, and removes the scratch."""
+    slot = executor.slots[0]
+    assert slot.run(make_job(embedded_dataset), tmp_path / "a").status == "ok"
+    info = slot.actor_info()
+    scratch = Path(info["scratch"])
+    assert scratch.is_dir() and alive(info["guard_pid"])
+    slot.close()
+    assert wait_dead(info["pid"]) and wait_dead(info["guard_pid"]), "the actor or its guardian is still running"
+    assert not scratch.exists(), sorted(p.name for p in scratch.rglob("*"))
+    assert slot.run(make_job(embedded_dataset), tmp_path / "b").status == "ok"  # a new actor
 
 
 def test_abort_stops_the_remote_training(executor, embedded_dataset, tmp_path):

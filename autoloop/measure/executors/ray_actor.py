@@ -50,19 +50,43 @@ def make_result(status: str, reason: str | None, **fields) -> Any:
     return JobResult(status=status, reason=reason, **{k: v for k, v in fields.items() if k in names})
 
 
-# Started by each actor, in a session of its own: when the actor's process is gone (its
-# parent changes) it kills the process groups the actor listed as running, then removes
-# the actor's scratch folder. run_training starts training in a session of its own, so
-# without this a killed actor would leave its training running on the GPU.
+# Started by each actor, in a session of its own: when the actor's process is gone it kills
+# the process groups the actor listed as running, then removes the actor's scratch folder
+# (the node-side run folders, checkpoints included). run_training starts training in a session
+# of its own, so without this a killed actor would leave its training running on the GPU.
+# Ray kills an ending actor's own children (kill_child_processes_on_worker_exit), which
+# killed a guard that was one before it could do either: so the guard leaves the actor's
+# children first (it forks, says its pid on stdout, and the first half exits), and watches the
+# actor through a pidfd, which a new process reusing the pid cannot satisfy.
 _GUARD = r"""
-import json, os, shutil, sys, time
+import json, os, select, shutil, sys, time
 actor, groups, scratch = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+try:
+    watch = os.pidfd_open(actor)
+except ProcessLookupError:  # gone already
+    watch = -1
+except (AttributeError, OSError):  # no pidfd here: the pid is polled
+    watch = None
+child = os.fork()
+if child > 0:
+    print(child, flush=True)
+    os._exit(0)
+os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # the pipe was for the pid alone
 try:
     from autoloop.base.processes import kill_process_group
 except Exception:
     kill_process_group = None
-while os.getppid() == actor:
-    time.sleep(0.5)
+if watch is None:
+    while True:
+        try:
+            os.kill(actor, 0)
+        except ProcessLookupError:
+            break
+        except OSError:
+            pass
+        time.sleep(0.5)
+elif watch >= 0:
+    select.select([watch], [], [])  # readable once the actor has ended
 try:
     with open(groups) as handle:
         entries = json.load(handle)
@@ -165,10 +189,14 @@ class JobActor:
         self._device: str | None = None
         self._groups = self.scratch / "groups.json"
         self._groups.write_text("[]")
-        self._guard = subprocess.Popen(
+        first_half = subprocess.Popen(
             [sys.executable, "-c", _GUARD, str(os.getpid()), str(self._groups), str(self.scratch)],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True,
         )
+        said = first_half.stdout.readline()
+        first_half.stdout.close()
+        first_half.wait()
+        self._guard_pid = int(said) if said.strip().isdigit() else None  # None: the guard did not start
 
     # -- called while a job runs (the actor is threaded)
 
@@ -177,7 +205,7 @@ class JobActor:
 
         return {"pid": os.getpid(), "host": socket.gethostname(), "node_id": ray.get_runtime_context().get_node_id(),
                 "gpu_ids": [str(g) for g in ray.get_gpu_ids()], "scratch": str(self.scratch),
-                "guard_pid": self._guard.pid, "device": _device_name()}
+                "guard_pid": self._guard_pid, "device": _device_name()}
 
     def abort(self, job_id: str) -> None:
         # By id: an abort that arrives before its job starts (or after it ended) still

@@ -266,13 +266,15 @@ def test_muon_orthogonalize_pushes_singular_values_to_one(train_module, shape):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("shape", [(2, 512, 128), (2, 128, 512), (4, 128, 128)])
-def test_compiled_bf16_muon_step_matches_the_eager_one(train_module, shape):
+def test_compiled_bf16_muon_step_matches_the_eager_one(train_module, shape, tmp_path, monkeypatch):
     """Muon's step as the GPU runs it (compiled, bf16, 0-D hyperparameter tensors). On torch
     2.13's CPU inductor, transposing a tall matrix into the iteration made every call NaN;
     the CUDA-path test (below) caught it one step into training."""
     m = train_module
     if shutil.which("cc") is None and shutil.which("gcc") is None:
         pytest.skip("torch.compile needs a C compiler")
+    # Not inductor's default, /tmp/torchinductor_<user>, which no test may leave behind (160 MB).
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     torch.manual_seed(0)
     params = [torch.randn(shape[1:]) for _ in range(shape[0])]
     grads, buffer = torch.randn(shape) * 1e-3, torch.randn(shape) * 1e-3

@@ -45,7 +45,8 @@ def pytest_collection_modifyitems(config, items):
 
 # `AUTOLOOP_TEST_CPU_LOG=FILE`: each test's wall time, the CPU seconds it and every process
 # it started used, and the free disk before, after its call and after it, one JSON line a test
-# (bench/suite_cpu.py sums them: which tests keep a core busy and which wait, and the disk). Off by default. A sandboxed process's CPU never reaches getrusage (its
+# (bench/suite_cpu.py sums them: which tests keep a core busy and which wait, and the disk).
+# Off by default. A sandboxed process's CPU never reaches getrusage (its
 # pid namespace's init reaps it), so where this process may make a cgroup v1 cpuacct group
 # (root, as in CI here) it moves itself into one of its own, which every descendant inherits,
 # and reads the group's counter; elsewhere getrusage (`cpu_source` says which).

@@ -110,11 +110,12 @@ SUITE_DISK_GB = 2
 def pytest_report_header(config):
     # A full disk fails hundreds of tests at once, each with "No space left on device":
     # the header says how much there was before the first of them.
-    free = _free_gb(_tests_disk(config))
-    if free is not None:
-        low = "  TOO LITTLE: the tests will fail" if free < SUITE_DISK_GB else ""
-        return f"disk: {free:.1f} GB free under {_tests_disk(config)}, the suite needs about {SUITE_DISK_GB} GB{low}"
-    return None
+    where = _tests_disk(config)
+    free = _free_gb(where)
+    if free is None:
+        return None
+    low = "  TOO LITTLE: the tests will fail" if free < SUITE_DISK_GB else ""
+    return f"disk: {free:.1f} GB free under {where}, the suite needs about {SUITE_DISK_GB} GB{low}"
 
 
 @pytest.hookimpl(hookwrapper=True)

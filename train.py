@@ -1,5 +1,4 @@
-"""
-autoloop train.py: single-file, single-device, fixed-budget GPT pretraining.
+"""autoloop train.py: single-file, single-device, fixed-budget GPT pretraining.
 
 This file is the experiment. The research loop edits it (the constants below, or any
 code), trains it for a fixed budget, and keeps the edit only if val_bpb improves.
@@ -14,14 +13,12 @@ timing, FLOP counts and MFU, the torch.compile fallback) are the fixed harness's
 (autoloop.harness), so no edit here can change how a trial is scored or measured.
 
 On CUDA it trains a ~25M-parameter model (autoresearch's scale) compiled, in bf16; on a
-CPU a tiny one in fp32, eager, so a 30-second run on a laptop still learns visibly (the
-"Device and scale" block). Before the first batch, model and Muon are warmed up on random
-tokens and put back (torch.compile compiles there; a compiler that fails means an eager
-run, said in one WARNING line). Step mode repeats bit for bit on a CPU, not on CUDA
-(docs/gpu.md, "Determinism").
+CPU a tiny one in fp32, eager ("Device and scale"). Before the first batch, model and Muon
+are warmed up on random tokens and put back (torch.compile compiles there; a compiler that
+fails means an eager run and one WARNING line). Step mode repeats bit for bit on a CPU.
 
 Importable names (the harness, `autoloop check` and tests rely on them): build_model,
-model_config, GPT, muon_orthogonalize, muon_update, Muon, build_optimizers,
+model_config, GPT, muon_orthogonalize, muon_update, Muon, AdamW, build_optimizers,
 make_train_step, prepare_training, softcapped_cross_entropy, lr_multiplier,
 weight_decay_at, muon_momentum_at. Training runs only under __main__.
 """
@@ -89,9 +86,8 @@ CURVE_POINTS = 256  # the result's loss curve is thinned to at most about this m
 
 # ---------------------------------------------------------------------------
 # ---- Device and scale ----
-# The one place where the device changes the run (a 2-core CPU does ~25k tokens/s at its
-# size). Each derived switch is one line `NAME = <expression>`, so a test can force the
-# CUDA code path on a CPU by replacing the expression (tests/test_train.py does).
+# The one place where the device changes the run. Each derived switch is one line `NAME =
+# <expression>`, so a test can force the CUDA code path on a CPU (tests/test_train.py does).
 # ---------------------------------------------------------------------------
 
 DEVICE_TYPE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -270,13 +266,11 @@ class GPT(nn.Module):
 def softcapped_cross_entropy(x, weight, targets, cap, vocab=None, chunk_bytes=None):
     """Mean cross-entropy of the soft-capped logits cap * tanh(x @ weight.T / cap) against targets.
 
-    x: (N, d) hidden states; weight: (V_padded, d), the lm_head, whose rows past `vocab`
-    are padding: computed (aligned matmuls) and sliced off before the softmax, so they are
-    never a prediction. The fp32 logits of all N rows take N x vocab x 4 bytes (17 GB at a
-    32k vocabulary and 131k tokens per micro-step), so above `chunk_bytes`
-    (LOSS_CHUNK_BYTES) the rows go through in chunks, each chunk's gradient computed on the
-    spot, and only one chunk's logits exist at a time. Below it (the byte vocabulary at
-    any batch here) the plain path, which torch.compile fuses best.
+    x: (N, d) hidden states; weight: (V_padded, d), the lm_head; rows past `vocab` are
+    padding, sliced off before the softmax. All N rows' fp32 logits take N x vocab x 4 bytes
+    (17 GB at a 32k vocabulary and 131k tokens per micro-step), so above `chunk_bytes`
+    (LOSS_CHUNK_BYTES) they go through in chunks, each chunk's gradient computed on the
+    spot; below it (the byte vocabulary) the plain path, which torch.compile fuses best.
     """
     vocab = weight.size(0) if vocab is None else vocab
     chunk_bytes = LOSS_CHUNK_BYTES if chunk_bytes is None else chunk_bytes
@@ -291,9 +285,8 @@ def softcapped_cross_entropy(x, weight, targets, cap, vocab=None, chunk_bytes=No
 class _ChunkedSoftcapCrossEntropy(torch.autograd.Function):
     """The loss and its gradients chunk by chunk in forward; backward only scales them.
 
-    d loss / d raw logit = (softmax - onehot) / N * (1 - tanh^2), the softcap's derivative;
-    zero for the padding columns. Kept for backward: dx (N x d, x's dtype) and dW
-    (V_padded x d, fp32), never N x V.
+    d loss / d raw logit = (softmax - onehot) / N * (1 - tanh^2); zero for the padding
+    columns. Kept for backward: dx (N x d) and dW (V_padded x d, fp32), never N x V.
     """
 
     @staticmethod
@@ -330,11 +323,8 @@ class _ChunkedSoftcapCrossEntropy(torch.autograd.Function):
 
 
 def build_model(config=None, device="cpu"):
-    """The model for `config` (None: model_config() from the constants), initialised, on `device`.
-
-    The harness calls this to rebuild a trained model from a checkpoint (the config is
-    stored in it), then loads the weights over the fresh initialisation.
-    """
+    """The model for `config` (None: model_config()), initialised, on `device`. The harness
+    rebuilds a trained model with it from a checkpoint's config, then loads the weights."""
     config = dict(config) if config is not None else model_config()
     device = torch.device(device)
     if INIT_ON_META:
@@ -355,16 +345,14 @@ def build_model(config=None, device="cpu"):
 
 # ---------------------------------------------------------------------------
 # ---- Optimizer ----
-# Muon (MomentUm Orthogonalized by Newton-Schulz; here the Polar Express iteration) for
-# the 2-D weights of the blocks: the Nesterov-momentum update is replaced by the nearest
-# semi-orthogonal matrix, so every direction moves at the same rate. AdamW for the
-# embedding, the lm_head and any other parameter.
+# Muon (MomentUm Orthogonalized by Newton-Schulz; here Polar Express) for the blocks' 2-D
+# weights: the Nesterov-momentum update is replaced by the nearest semi-orthogonal matrix, so
+# every direction moves at the same rate. AdamW for the embedding, lm_head and the rest.
 # ---------------------------------------------------------------------------
 
-# Polar Express (Amsel et al. 2025, arXiv:2505.16932) coefficients for 5 iterations of
-# X <- a X + (b A + c A^2) X with A = X X^T, as in modded-nanogpt and nanochat. Each
-# step is the optimal odd polynomial for the current singular value interval, so five
-# steps bring all singular values close to 1 (plain Newton-Schulz needs more).
+# Polar Express (Amsel et al. 2025, arXiv:2505.16932) coefficients, as in modded-nanogpt and
+# nanochat: each step the optimal odd polynomial for the current singular value interval, so
+# five bring all singular values close to 1 (plain Newton-Schulz needs more).
 POLAR_EXPRESS_COEFFS = (
     (8.156554524902461, -22.48329292557795, 15.878769915207462),
     (4.042929935166739, -2.808917465908714, 0.5000178451051316),
@@ -376,10 +364,7 @@ POLAR_EXPRESS_COEFFS = (
 
 def muon_orthogonalize(G, steps=MUON_NS_STEPS, dtype=None):
     """Approximate U V^T of G = U S V^T (singular values pushed to ~1); batched over leading dims.
-
-    Computed in `dtype` (MUON_DTYPE by default: bf16 on CUDA, fp32 on a CPU whose bf16
-    matmuls are slow) and returned in that dtype.
-    """
+    Computed and returned in `dtype` (MUON_DTYPE by default: bf16 on CUDA, fp32 on a CPU)."""
     assert G.ndim >= 2 and steps <= len(POLAR_EXPRESS_COEFFS)
     X = G.to(dtype or MUON_DTYPE)
     # Scale so the largest singular value is below 1 (the Frobenius norm bounds it); the
@@ -398,35 +383,30 @@ def muon_orthogonalize(G, steps=MUON_NS_STEPS, dtype=None):
 
 
 def muon_update(params, grads, momentum_buffer, momentum, lr, decay):
-    """One Muon step for a group of same-shape matrices, in place.
-
-    grads (K, rows, cols) stacked; momentum, lr (already shape-scaled) and decay (1 - lr x
-    weight decay) are floats eagerly and 0-D tensors compiled: a tensor's value is data to
-    the compiled code, so a changing schedule never recompiles it.
-    """
+    """One Muon step for a group of same-shape matrices, in place. grads (K, rows, cols) stacked;
+    momentum, lr (shape-scaled) and decay (1 - lr x weight decay) are floats eagerly and 0-D
+    tensors compiled: a tensor's value is data to compiled code, so the schedule never recompiles it."""
     momentum_buffer.lerp_(grads, 1 - momentum)
     update = muon_orthogonalize(grads.lerp_(momentum_buffer, momentum))  # Nesterov: look ahead
     for p, u in zip(params, update.unbind(0)):
         p.mul_(decay).sub_(lr * u.to(p.dtype))
 
 
-class Muon(torch.optim.Optimizer):
+class Muon:
     """Muon with Nesterov momentum and Polar Express, for groups of same-shape 2-D parameters.
 
     Parameters of one shape are stacked and orthogonalised in one batched call. The LR is
-    scaled by max(1, rows/cols)**0.5 so tall matrices (the MLP up-projection) get updates
-    of the same RMS per element as square ones. Weight decay is decoupled (p *= 1 - lr*wd).
-    With compiled=True each group's step is one compiled graph (momentum, orthogonalisation
-    and update fused: a few kernels instead of ~150 launches), fed 0-D tensors.
+    scaled by max(1, rows/cols)**0.5 so tall matrices (the MLP up-projection) get updates of
+    the same RMS per element as square ones. Weight decay is decoupled (p *= 1 - lr*wd). With
+    compiled=True each group's step is one compiled graph (a few kernels, not ~150), fed 0-D tensors.
     """
 
     def __init__(self, params, lr, momentum=MUON_MOMENTUM, weight_decay=0.0, compiled=False):
         params = list(params)
-        groups = []
-        for shape in sorted({tuple(p.shape) for p in params}):
-            groups.append({"params": [p for p in params if tuple(p.shape) == shape], "name": "matrix {}x{}".format(*shape)})
-        super().__init__(groups, {"lr": lr, "momentum": momentum, "weight_decay": weight_decay})
-        self.compiled = compiled
+        self.param_groups = [{"params": [p for p in params if tuple(p.shape) == shape], "name": "matrix {}x{}".format(*shape),
+                              "lr": lr, "momentum": momentum, "weight_decay": weight_decay}
+                             for shape in sorted({tuple(p.shape) for p in params})]
+        self.state, self.compiled = {}, compiled
         # fullgraph: a graph break here would silently bring the launches back.
         self._update = torch.compile(muon_update, dynamic=False, fullgraph=True) if compiled else muon_update
         # CPU 0-D tensors (as autoresearch): read by the compiled code as scalars, no copy to the GPU.
@@ -439,7 +419,7 @@ class Muon(torch.optim.Optimizer):
             if all(p.grad is None for p in params):
                 continue
             grads = torch.stack([torch.zeros_like(p) if p.grad is None else p.grad for p in params])  # (K, rows, cols)
-            state = self.state[params[0]]  # one stacked buffer per group, kept on its first parameter
+            state = self.state.setdefault(params[0], {})  # one stacked buffer per group, on its first parameter
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(grads)
             rows, cols = params[0].shape
@@ -450,6 +430,32 @@ class Muon(torch.optim.Optimizer):
                     tensor.fill_(value)
                 hyper = self._hyper
             self._update(params, grads, state["momentum_buffer"], *hyper)
+
+
+class AdamW:
+    """AdamW as torch.optim.AdamW computes it. Like Muon, not a torch.optim.Optimizer: those
+    import torch._dynamo on first use, 1.6 s of CPU an eager run would pay for nothing."""
+
+    def __init__(self, groups, betas=ADAM_BETAS, eps=ADAM_EPS, weight_decay=0.0):
+        self.param_groups = [{"weight_decay": weight_decay, **group} for group in groups]
+        self.betas, self.eps, self.state = betas, eps, {}
+
+    @torch.no_grad()
+    def step(self):
+        beta1, beta2 = self.betas
+        for group in self.param_groups:
+            for p in (p for p in group["params"] if p.grad is not None):
+                if p not in self.state:  # moments and math in fp32 whatever p's dtype (bf16 embeddings on CUDA)
+                    self.state[p] = {"step": 0, **{k: torch.zeros_like(p, dtype=torch.float32) for k in ("exp_avg", "exp_avg_sq")}}
+                state = self.state[p]
+                state["step"] = t = state["step"] + 1
+                m, v, w, g = state["exp_avg"], state["exp_avg_sq"], p.float(), p.grad.float()  # w is p when p is fp32
+                w.mul_(1 - group["lr"] * group["weight_decay"])
+                m.lerp_(g, 1 - beta1)
+                v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+                w.addcdiv_(m, (v.sqrt() / (1 - beta2**t) ** 0.5).add_(self.eps), value=-group["lr"] / (1 - beta1**t))
+                if w is not p:
+                    p.copy_(w)
 
 
 def build_optimizers(model, compiled=False):
@@ -467,8 +473,7 @@ def build_optimizers(model, compiled=False):
     ]
     if scalars:
         adam_groups.append({"params": scalars, "lr": SCALAR_LR, "name": "scalars"})
-    use_fused = next(model.parameters()).device.type == "cuda"
-    adamw = torch.optim.AdamW(adam_groups, betas=ADAM_BETAS, eps=ADAM_EPS, weight_decay=0.0, fused=use_fused)
+    adamw = AdamW(adam_groups, betas=ADAM_BETAS, eps=ADAM_EPS)
     muon = Muon(matrices, lr=MATRIX_LR, momentum=MUON_MOMENTUM_START, weight_decay=WEIGHT_DECAY, compiled=compiled)
     optimizers = [muon, adamw]
     for opt in optimizers:
@@ -480,11 +485,9 @@ def build_optimizers(model, compiled=False):
 def make_train_step(model, optimizers, batches, *, grad_accum=1, train_model=None, kernel=None):
     """One optimizer step as a function: `train_step() -> (mean loss, grad norm)`, floats.
 
-    `batches` yields (inputs, targets); each next batch is drawn right after a backward, so
-    on CUDA its copy overlaps the GPU's work. The forward runs through `train_model` (the
-    compiled module; `model` by default); `kernel`, when given, pins the model's SDPA
-    kernel. Gradients land on `model`'s parameters; the caller sets LRs before each call.
-    """
+    `batches` yields (inputs, targets), each drawn right after a backward (on CUDA its copy
+    overlaps the GPU's work). The forward runs through `train_model` (the compiled module;
+    `model` by default); `kernel` pins the model's SDPA kernel. The caller sets the LRs."""
     train_model = model if train_model is None else train_model
     if kernel is not None:
         model.set_attention_kernel(kernel)
@@ -632,9 +635,7 @@ def main():
         if train_loss > 100:
             fail(f"loss exploded ({train_loss:.4g} > 100)")
 
-        if step == 0:
-            # The cyclic GC's pauses (torch.compile makes a great many objects) cost hundreds of
-            # ms at random steps; all that lives long exists now and the loop makes no cycles.
+        if step == 0:  # GC pauses cost hundreds of ms at random steps; the loop makes no cycles
             gc.collect()
             gc.freeze()
             gc.disable()
@@ -649,10 +650,8 @@ def main():
     gc.enable()
 
     # ---- Evaluation and results ----
-    # The uncompiled model: it is what the verifier rebuilds from the checkpoint, so its
-    # re-evaluated val_bpb matches this one, and no recompile for another batch size.
-    # Under the controller (AUTOLOOP_EVAL=external) a separate harness process evaluates the
-    # checkpoint, so val_bpb stays null here and training never reads the val split.
+    # The uncompiled model, as the verifier rebuilds it from the checkpoint. Under the controller
+    # (AUTOLOOP_EVAL=external) a harness process evaluates the checkpoint: val_bpb stays null here.
     t_eval = time.perf_counter()
     val_bpb = None if spec.external_eval else H.evaluate_bpb(model, ds, "val", device=device, batch_size=EVAL_BATCH_SIZE)
     eval_seconds = time.perf_counter() - t_eval

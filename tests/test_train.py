@@ -99,6 +99,7 @@ def trained_run(tmp_path_factory, session_cache, embedded_dataset):
     proc = run_train(
         TRAIN_PY, session_cache, AUTOLOOP_MAX_STEPS=20, AUTOLOOP_SEED=7,
         AUTOLOOP_RESULT=out / "result.json", AUTOLOOP_CHECKPOINT=out / "model.pt", AUTOLOOP_PROGRESS=out / "progress.jsonl",
+        PYTHONPROFILEIMPORTTIME=1,  # what it imported, on stderr
     )
     assert proc.returncode == 0, explain(proc)
     return {"proc": proc, "dir": out, "result": json.loads((out / "result.json").read_text())}
@@ -121,6 +122,16 @@ def test_result_json_and_summary_block_agree(trained_run):
     assert result["total_tokens"] == 20 * result["batch_tokens"]
     assert result["peak_memory_mb"] > 0 and result["eval_seconds"] > 0
     assert result["total_seconds"] >= result["training_seconds"] + result["compile_seconds"] + result["eval_seconds"]
+
+
+def test_an_eager_run_never_imports_the_compiler(trained_run):
+    """torch.optim's optimizers (their methods) and torch.profiler's start import torch._dynamo
+    and inductor on first use: 1.6 CPU s of every eager run's start-up, for nothing. train.py's
+    optimizers and the harness's kernel detection do without them."""
+    imported = {line.rsplit("|", 1)[1].strip() for line in trained_run["proc"].stderr.splitlines()
+                if line.startswith("import time:")}
+    assert "torch" in imported  # the import log is there to read
+    assert not {name for name in imported if name.split(".")[:2] in (["torch", "_dynamo"], ["torch", "_inductor"])}
 
 
 def test_curve_and_progress_are_recorded(trained_run):

@@ -134,10 +134,14 @@ def kernel_from_op_names(names, none_found="math"):
 
 
 def ops_run(fn):
-    """The names of the ops `fn()` dispatched (torch.profiler, CPU side: it sees the extern
-    kernels that compiled code calls), and fn's result."""
-    from torch.profiler import ProfilerActivity, profile
+    """The names of the ops `fn()` dispatched (the profiler's CPU side: it sees the extern
+    kernels that compiled code calls), and fn's result.
 
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    torch.autograd.profiler, which torch.profiler wraps, for the same events: torch.profiler's
+    start asks `hasattr(torch, "_inductor")`, which imports inductor and dynamo, 1.6 s of
+    CPU that an eager run pays nowhere else."""
+    from torch.autograd.profiler import profile
+
+    with profile() as prof:
         out = fn()
-    return {event.name for event in prof.events()}, out
+    return {event.name for event in prof.function_events}, out

@@ -70,11 +70,11 @@ def pycache_env(kind: str, cache_root: Path | str) -> dict[str, str | None]:
 
 
 # What a child imports beyond the harness package, warmed with it: an evaluation's model
-# process imports train.py (its optimizer subclasses torch.optim's); a training run also
-# reaches torch._dynamo (the optimizers' constructors import it), torch.profiler (the
-# attention kernel that ran, autoloop.harness.kernels) and, on a GPU, the compiler. A module
-# missing from a prefix is compiled from source by every child that imports it, since no
-# child may write bytecode: for torch._dynamo that was 2.5 CPU seconds per run on this CPU.
+# process imports train.py (a trial's may use torch.optim); a training run may also reach
+# torch._dynamo (torch.compile on a GPU; torch.optim's optimizers import it on first use,
+# which is why train.py's own do not subclass them), torch.profiler and, on a GPU, the
+# compiler. A module missing from a prefix is compiled from source by every child that
+# imports it, since no child may write bytecode: for torch._dynamo that was 2.5 CPU seconds.
 WARM_IMPORTS = {
     "eval": ("torch.optim",),
     "train": ("torch.optim", "torch._dynamo", "torch.profiler"),

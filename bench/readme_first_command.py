@@ -171,13 +171,15 @@ BESIDE_TRIALS = 1000  # the bench's: it runs until the first command is done
 
 
 def start_beside_loop(source: Path, work: Path, venv: Path, max_trials: int = BESIDE_TRIALS,
-                      flags: tuple[str, ...] = BESIDE_FLAGS) -> tuple[subprocess.Popen, Path]:
+                      flags: tuple[str, ...] = BESIDE_FLAGS,
+                      settings: dict[str, str] | None = None) -> tuple[subprocess.Popen, Path]:
     """A second project (another clone, its own folder and db) running a loop of its own
     with the same installation and HOME, for `max_trials` trials, with `flags` added to
-    BESIDE_COMMAND; returns the process and its folder."""
+    BESIDE_COMMAND and `settings` (AUTOLOOP_* variables) in its user's environment; returns
+    the process and its folder."""
     other = work / "beside"
     _sh(["git", "clone", "-q", source, other], cwd=work)
-    env = child_environment(venv, work)
+    env = {**child_environment(venv, work), **(settings or {})}
     env.update({"GIT_AUTHOR_NAME": "beside", "GIT_AUTHOR_EMAIL": "b@example.com", "GIT_COMMITTER_NAME": "beside",
                 "GIT_COMMITTER_EMAIL": "b@example.com"})
     log = open(work / "beside.log", "w")
@@ -305,12 +307,13 @@ def _sample_load(into: list[float], stop: threading.Event, every: float = 15.0) 
 
 
 def run(source: Path, work: Path, burners: int = 0, beside: bool = False, beside_trials: int = BESIDE_TRIALS,
-        beside_flags: tuple[str, ...] = BESIDE_FLAGS, beside_from_training: bool = False) -> dict:
+        beside_flags: tuple[str, ...] = BESIDE_FLAGS, beside_from_training: bool = False,
+        beside_settings: dict[str, str] | None = None) -> dict:
     """Everything, in `work`; returns the figures (timings, trials, problems).
 
     `burners`: CPU-burning processes (`python -c "while True: pass"`) running beside the
     command, as on a user's busy machine. `beside`: a second project running its own loop
-    beside it (`start_beside_loop`, with `beside_flags`), for `beside_trials` trials (by
+    beside it (`start_beside_loop`, with `beside_flags` and `beside_settings`), for `beside_trials` trials (by
     default until the command is done); it starts before the command, or with
     `beside_from_training` when the command's first training run starts (a short loop
     then trains and evaluates beside the command's sandboxed runs, not beside its install
@@ -326,7 +329,7 @@ def run(source: Path, work: Path, burners: int = 0, beside: bool = False, beside
 
     def start_loop() -> None:
         nonlocal loop, other
-        loop, other = start_beside_loop(source, work, venv, beside_trials, beside_flags)
+        loop, other = start_beside_loop(source, work, venv, beside_trials, beside_flags, beside_settings)
         figures["beside_started_after_seconds"] = time.monotonic() - begun
 
     begun = time.monotonic()

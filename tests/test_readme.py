@@ -159,6 +159,12 @@ BESIDE_TEST_TRIALS = 3  # the baseline, then one trial on each of its two worker
 # default, a time-mode loop that runs before and until the end, cost about twice the CPU
 # (272 CPU s against 88 at three trials, each loop run alone) for the same claims.
 BESIDE_TEST_FLAGS = ("--max-steps", "20", "--decision-rule", "strict", "--baseline-seeds", "1", "--reserve-seeds", "0")
+# Its keeps' verifications probe at 1 x the scored windows, as the suite's loops of other
+# things do (tests/conftest.py); the probes' power is tested in tests/test_attacks_probes.py
+# and test_probe_power.py. At the default 16 each was about 44 s of a quiet core, and two at
+# once beside the command and the other test worker once took over the 180 s an evaluation
+# may: a trial invalid for a reason the user did not cause.
+BESIDE_TEST_SETTINGS = {"AUTOLOOP_PROBE_FACTOR": "1"}
 
 
 @pytest.mark.slow
@@ -174,7 +180,8 @@ def test_the_readme_first_command_beside_a_second_project_running_its_own_loop(t
     # worker) beside the command's baseline, not the whole command: CI's time.
     # `python bench/readme_first_command.py --beside-loop` runs it until the end.
     figures = _bench().run(ROOT, tmp_path, beside=True, beside_trials=BESIDE_TEST_TRIALS,
-                           beside_flags=BESIDE_TEST_FLAGS, beside_from_training=True)
+                           beside_flags=BESIDE_TEST_FLAGS, beside_from_training=True,
+                           beside_settings=BESIDE_TEST_SETTINGS)
     print(_bench().report(figures))
     statuses = [(t["number"], t["kind"], t["status"], t["reason"]) for t in figures["trials"]]
     assert figures["problems"] == [], (statuses, figures["output_tail"], figures.get("beside_output_tail"))

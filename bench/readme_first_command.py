@@ -308,7 +308,7 @@ def _sample_load(into: list[float], stop: threading.Event, every: float = 15.0) 
 
 def run(source: Path, work: Path, burners: int = 0, beside: bool = False, beside_trials: int = BESIDE_TRIALS,
         beside_flags: tuple[str, ...] = BESIDE_FLAGS, beside_from_training: bool = False,
-        beside_settings: dict[str, str] | None = None) -> dict:
+        beside_settings: dict[str, str] | None = None, corpus_key: bytes | None = None) -> dict:
     """Everything, in `work`; returns the figures (timings, trials, problems).
 
     `burners`: CPU-burning processes (`python -c "while True: pass"`) running beside the
@@ -317,9 +317,17 @@ def run(source: Path, work: Path, burners: int = 0, beside: bool = False, beside
     default until the command is done); it starts before the command, or with
     `beside_from_training` when the command's first training run starts (a short loop
     then trains and evaluates beside the command's sandboxed runs, not beside its install
-    and pre-run check)."""
+    and pre-run check). `corpus_key`: the embedded corpus's key, put in the fresh HOME's
+    cache before anything runs (a test's fixed corpus: the same data and, in step mode on
+    a CPU, the same verdicts every time); by default the command makes a random one, as on
+    a new user's machine."""
     started = time.monotonic()
     clone, venv, figures = fresh_environment(source, work)
+    if corpus_key is not None:  # where the fresh shell's autoloop looks for it
+        subprocess.run([str(venv / "bin" / "python"), "-c", "import sys\n"
+                        "from autoloop.harness.corpus_key import corpus_key_path, write_key\n"
+                        "write_key(corpus_key_path(), bytes.fromhex(sys.argv[1]))", corpus_key.hex()],
+                       cwd=clone, env=child_environment(venv, work), check=True)
     command = readme_first_command((clone / "README.md").read_text())
     figures["command"] = command
     figures["burners"] = burners

@@ -313,8 +313,8 @@ def run(source: Path, work: Path, burners: int = 0, beside: bool = False, beside
 
     `burners`: CPU-burning processes (`python -c "while True: pass"`) running beside the
     command, as on a user's busy machine. `beside`: a second project running its own loop
-    beside it (`start_beside_loop`, with `beside_flags` and `beside_settings`), for `beside_trials` trials (by
-    default until the command is done); it starts before the command, or with
+    beside it (`start_beside_loop`, with `beside_flags` and `beside_settings`), for
+    `beside_trials` trials (by default until the command is done); it starts before the command, or with
     `beside_from_training` when the command's first training run starts (a short loop
     then trains and evaluates beside the command's sandboxed runs, not beside its install
     and pre-run check). `corpus_key`: the embedded corpus's key, put in the fresh HOME's

@@ -69,7 +69,7 @@ def main() -> int:
         for checkout in checkouts:  # the corpus and the caches, once each, not counted
             (Path(tmp) / "warm").mkdir(exist_ok=True)
             one_run(checkout, Path(tmp) / "warm", cache, 1)
-        for i in range(args.runs):
+        for _ in range(args.runs):
             for checkout in checkouts:
                 work = Path(tmp) / f"{len(figures[checkout])}-{checkouts.index(checkout)}"
                 work.mkdir()

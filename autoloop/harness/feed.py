@@ -397,13 +397,7 @@ class FeedServer:
         if peer is not None:
             with self._lock:
                 self._peers.add(peer)
-        streams: dict[int, _Stream] = {}
-        try:
-            self._serve_requests(conn, streams, peer)
-        finally:
-            with self._lock:
-                self._held -= sum(stream.reserved for stream in streams.values())
-            streams.clear()
+        self._serve_requests(conn, {}, peer)
 
     def _serve_requests(self, conn: socket.socket, streams: dict, peer: int | None) -> None:
         try:
@@ -437,9 +431,13 @@ class FeedServer:
                 with self._lock:
                     self._error(f"connection lost: {exc}")
         finally:
+            # The streams' bytes go back in the same step as the connection: whoever sees it
+            # closed may open a stream in its share at once.
             with self._lock:
                 self._conns.discard(conn)
+                self._held -= sum(stream.reserved for stream in streams.values())
                 self._last_disconnect = self._offset(self._clock())
+            streams.clear()
             conn.close()
 
     def _hello(self, conn: socket.socket, streams: dict, payload: bytes, now: float) -> None:

@@ -650,15 +650,17 @@ def main():
     gc.enable()
 
     # ---- Evaluation and results ----
-    # The uncompiled model, as the verifier rebuilds it from the checkpoint. Under the controller
-    # (AUTOLOOP_EVAL=external) a harness process evaluates the checkpoint: val_bpb stays null here.
+    # The checkpoint first: the harness times its writing against the last step, and an evaluation
+    # of its own (--no-verify) is not training. The uncompiled model, as the verifier rebuilds it from
+    # the checkpoint. Under the controller (AUTOLOOP_EVAL=external) a harness process evaluates the
+    # checkpoint: val_bpb stays null here.
+    if spec.checkpoint_path is not None:
+        H.save_checkpoint(spec.checkpoint_path, model, config)
     t_eval = time.perf_counter()
     val_bpb = None if spec.external_eval else H.evaluate_bpb(model, ds, "val", device=device, batch_size=EVAL_BATCH_SIZE)
     eval_seconds = time.perf_counter() - t_eval
     if spec.external_eval:
         print("val_bpb: n/a (evaluated by the harness from the checkpoint)", flush=True)
-    if spec.checkpoint_path is not None:
-        H.save_checkpoint(spec.checkpoint_path, model, config)
 
     timed_steps = max(0, clock.steps - clock.warmup_steps)
     tok_per_s = timed_steps * tokens_per_step / clock.training_seconds if clock.training_seconds > 0 else None

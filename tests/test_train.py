@@ -134,6 +134,19 @@ def test_an_eager_run_never_imports_the_compiler(trained_run):
     assert not {name for name in imported if name.split(".")[:2] in (["torch", "_dynamo"], ["torch", "_inductor"])}
 
 
+def test_the_checkpoint_is_written_before_the_scripts_own_evaluation(trained_run):
+    """The harness times the checkpoint's last write against the last step (the tail rule,
+    autoloop/trust/budget.py). Written after the script evaluated itself (--no-verify), an
+    honest evaluation counted as work after the clock (a GPU's, 8M tokens, is 16 steps' tokens
+    against the 3 steps it allows), and on a slow CPU the remembering attack's table was
+    refused for that, not by the determinism re-check that is there for it."""
+    out, result = trained_run["dir"], trained_run["result"]
+    assert result["val_bpb"] is not None and result["eval_seconds"] > 0  # it did evaluate itself
+    written = (out / "result.json").stat().st_mtime - (out / "model.pt").stat().st_mtime
+    # Less a tick of the kernel's coarse file clock; written after, it would be milliseconds.
+    assert written >= result["eval_seconds"] - 0.05, (written, result["eval_seconds"])
+
+
 def test_curve_and_progress_are_recorded(trained_run):
     curve = trained_run["result"]["curve"]
     assert [p["step"] for p in curve] == list(range(1, 21))  # short runs keep every step

@@ -397,9 +397,10 @@ class FeedServer:
         if peer is not None:
             with self._lock:
                 self._peers.add(peer)
-        self._serve_requests(conn, {}, peer)
+        self._serve_requests(conn, peer)
 
-    def _serve_requests(self, conn: socket.socket, streams: dict, peer: int | None) -> None:
+    def _serve_requests(self, conn: socket.socket, peer: int | None) -> None:
+        streams: dict[int, _Stream] = {}
         try:
             while not self._stopping.is_set():
                 header = _recv_exact(conn, _HEADER.size)

@@ -116,7 +116,7 @@ class HashPeek(torch.nn.Module):
 
 
 def _evaluate_in_process(model, data_dir, *, seed: int, noise: float | None, splits=("val", "heldout"),
-                         power: bool = True, factor: int = P.MAX_PROBE_FACTOR) -> dict:
+                         power: bool = True, factor: int = P.MAX_PROBE_FACTOR, arithmetic: str | None = None) -> dict:
     """One evaluation through the scorer, the channel and the model server's loop."""
     a, b = socket.socketpair()
     region_fd = make_region()
@@ -132,7 +132,7 @@ def _evaluate_in_process(model, data_dir, *, seed: int, noise: float | None, spl
     thread.start()
     try:
         return evaluate(scorer_channel, scorer_region, data_dir=data_dir, device_name="cpu", splits=splits,
-                        seed=seed, power=power, probe_noise=noise, probe_factor=factor)
+                        seed=seed, power=power, probe_noise=noise, probe_factor=factor, arithmetic=arithmetic)
     finally:
         thread.join(30)
         a.close()
@@ -212,6 +212,60 @@ def test_a_peek_at_every_position_is_caught_by_the_default_probes(embedded_datas
     power = verdict["causality"]["power"]
     assert power["f_min"] is None and power["power"] is None  # no noise given: nothing claimed
     assert power["tested_positions"] == verdict["causality"]["tested_positions"] > 0
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.05])
+def test_the_cpu_scorers_numpy_arithmetic_gives_the_verdict_torch_gives(embedded_dataset, fraction):
+    """A CPU evaluation's scorer computes with numpy (so its process never imports torch), a
+    GPU's with torch: on one model, seed and plan the two give the same figures to float32
+    rounding, the same probes and the same verdict, honest or caught peeking."""
+    ds = embedded_dataset
+    splits = ("val", "heldout")
+    model = HashPeek(ds.vocab_size, fraction, _probed_windows(ds, splits))
+    ours, torchs = (_evaluate_in_process(model, ds.path, seed=7, noise=0.01, factor=1, arithmetic=name)
+                    for name in ("numpy", "torch"))
+    assert (ours["arithmetic"], torchs["arithmetic"]) == ("numpy", "torch")
+    for split in ("val_bpb", "heldout_bpb"):
+        assert ours[split] == pytest.approx(torchs[split], abs=1e-6), split
+    assert (ours["ok"], ours["stage"], ours["batches"]) == (torchs["ok"], torchs["stage"], torchs["batches"])
+    mine, theirs = ours["causality"], torchs["causality"]
+    assert (mine["probes"], mine["tested_positions"]) == (theirs["probes"], theirs["tested_positions"])
+    assert mine["max_leak"] == pytest.approx(theirs["max_leak"], rel=1e-4, abs=1e-5)
+    # The sharper power bound reads every scored target's loss: the same losses.
+    assert mine["power"]["f_min_losses"] == pytest.approx(theirs["power"]["f_min_losses"], rel=1e-4)
+    assert ours["ok"] if fraction == 0 else ours["stage"] == "causality"
+
+
+def test_the_numpy_arithmetic_on_known_outputs():
+    """Uniform outputs cost ln(V) nats a target; a sure prediction costs 0; bf16 outputs widen
+    to the float32 values torch's `.float()` gives; special tokens (0 bytes) are not counted."""
+    from autoloop.harness.logits import NumpyLogits, widen_bf16
+
+    vocab = 5
+    token_bytes = np.array([0, 1, 2, 1, 3])
+    logits = NumpyLogits(token_bytes)
+    out = np.zeros((4, vocab), dtype=np.float32)
+    out[3, 2] = 1e4  # row 3 is sure of token 2 (and no exponential overflows)
+    lse = logits.logsumexp(out)
+    nats, nbytes, bits = logits.scored(out, np.array([1, 0, 4, 2]), lse)
+    assert nbytes == 1 + 3 + 2 and nats == pytest.approx(2 * math.log(vocab), rel=1e-6)
+    assert bits == pytest.approx([math.log2(vocab), math.log2(vocab), 0.0], abs=1e-6)
+    assert logits.witness(out, np.array([[1, 2]] * 4), lse)[:, 1] == pytest.approx([-math.log(vocab)] * 3 + [0.0], abs=1e-5)
+    values = torch.tensor([1.0, -2.5, 3.14159, 1e-3, 65504.0, -1e30]).to(torch.bfloat16)
+    widened = widen_bf16(values.view(torch.int16).numpy().view(np.uint16))
+    assert widened.tolist() == values.float().tolist()
+    buffer = bytearray(values.view(torch.int16).numpy().tobytes())
+    assert logits.read(buffer, 2, 3, True, 2).tolist() == values.float().view(2, 3)[:, :2].tolist()
+
+
+def test_the_scorer_module_does_not_import_torch():
+    """What makes a CPU evaluation's scorer start in 0.2 s instead of 2.6: nothing it imports
+    pulls torch in (the harness package's names are imported on first use)."""
+    import subprocess
+    import sys
+
+    code = "import sys, autoloop.harness.evaluate; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0
 
 
 def test_the_probe_factor_caps_the_plan():

@@ -34,11 +34,10 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from autoloop.harness.constants import FP32_TOLERANCE, LOW_PRECISION_TOLERANCE
+
 # Cuts at random positions, on top of the first and the last one.
 RANDOM_CUTS = 3
-# Largest allowed change of a log-probability at a position that must not change.
-FP32_TOLERANCE = 1e-4
-LOW_PRECISION_TOLERANCE = 2e-2
 
 
 def tolerance_for(autocast_dtype: torch.dtype | None) -> float:

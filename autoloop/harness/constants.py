@@ -42,3 +42,8 @@ def seq_len(device_type: str) -> int:
 def eval_tokens(device_type: str) -> int:
     """How many target tokens the fixed validation / held-out evaluation covers."""
     return EVAL_TOKENS[device_key(device_type)]
+
+# Largest allowed change of a log-probability at a position that must not change (the
+# causality checks: autoloop.harness.causality in one process, the scorer's probes).
+FP32_TOLERANCE = 1e-4
+LOW_PRECISION_TOLERANCE = 2e-2  # bf16 autocast, as on a GPU

@@ -18,13 +18,14 @@ them (autoloop.harness.channel). This process:
 3. sends each batch's tokens to the model process and reads its outputs back, checking
    every header and every value (a frame out of order, a width that is not the
    vocabulary's, NaN or inf: the trial's failure);
-4. computes the loss itself (metric.target_nats, float32), compares each probe with its
-   scored window, and writes the verdict JSON to the verdict descriptor (a pipe the
-   controller's side owns: nothing the model process can reach).
+4. computes the loss itself (float32 rows: numpy on a CPU, autoloop.harness.logits, so this
+   process never imports torch there; the metric's `target_nats` on a GPU), compares each
+   probe with its scored window, and writes the verdict JSON to the verdict descriptor (a
+   pipe the controller's side owns: nothing the model process can reach).
 
 The verdict is `{"ok", "reason", "stage", "val_bpb", "heldout_bpb", "causality",
-"splits", "device", "model", "batches", "seconds" {startup, ready, score, total},
-"harness_fingerprint"}`; exit 0 whenever a verdict was written, pass or fail; 2 when the
+"splits", "device", "arithmetic" (numpy or torch), "model", "batches", "seconds" {startup,
+ready, score, total}, "harness_fingerprint"}`; exit 0 whenever a verdict was written, pass or fail; 2 when the
 data itself is broken (the controller reports that, not the trial). Only torch, numpy and
 the standard library are used, like the rest of the harness.
 """
@@ -41,16 +42,16 @@ import time
 from pathlib import Path
 
 import numpy as np
-import torch
 
-from autoloop.harness.causality import tolerance_for
 from autoloop.harness.channel import BFLOAT16, Channel, ChannelError, ModelFailed, Region
+from autoloop.harness.constants import FP32_TOLERANCE, LOW_PRECISION_TOLERANCE
 from autoloop.harness.data import load_dataset
 from autoloop.harness.errors import HarnessError
 from autoloop.harness.fingerprint import compute_harness_fingerprint
-from autoloop.harness.metric import counted_sums, evaluation_windows, target_nats
+from autoloop.harness.logits import NumpyLogits
 from autoloop.harness.probe_power import MAX_PROBE_FACTOR, peek_fraction_from_losses, power_record, probe_plan
-from autoloop.harness.scoring import Causality, make_plan, witness_log_probs
+from autoloop.harness.scoring import Causality, make_plan
+from autoloop.harness.windows import evaluation_windows
 
 # val and held-out bpb equal to this many significant digits are not two measurements.
 IDENTITY_DIGITS = 9
@@ -90,8 +91,7 @@ class _Failed(Exception):
     """The trial's model failed the evaluation (a reason for the verdict)."""
 
 
-def _outputs(channel: Channel, region: Region, batch_id: int, b: int, t: int, vocab_size: int,
-             device: torch.device) -> torch.Tensor:
+def _outputs(channel: Channel, region: Region, batch_id: int, b: int, t: int, vocab_size: int, logits):
     """The model's (B*T, vocab) outputs for the batch just sent, in float32, checked."""
     rows, next_row, width_seen = [], 0, None
     while True:
@@ -102,29 +102,41 @@ def _outputs(channel: Channel, region: Region, batch_id: int, b: int, t: int, vo
         if width_seen is not None and width != width_seen:
             raise ChannelError("the model's outputs changed width within a batch")
         width_seen = width
-        # Copied out before the acknowledgement (the model process may write the region
-        # again), straight onto the scorer's device: one copy, host to device on a GPU.
-        element = torch.bfloat16 if dtype == BFLOAT16 else torch.float32
-        view = torch.frombuffer(region.map, dtype=element, count=n * width).view(n, width)[:, :vocab_size]
-        block = view.to(device, copy=True).float()  # every loss is computed in float32
+        # Copied out before the acknowledgement: the model process may write the region again.
+        rows.append(logits.read(region.map, n, width, dtype == BFLOAT16, vocab_size))
         channel.ack()
-        rows.append(block)
         next_row += n
-    out = torch.cat(rows)
-    if not bool(torch.isfinite(out).all()):
+    out = logits.join(rows)
+    if not logits.all_finite(out):
         raise _Failed("the model's outputs contain NaN or infinite values")
     return out
 
 
+def arithmetic_for(device_name: str, token_bytes: np.ndarray, choice: str | None = None):
+    """numpy on a CPU (the scorer then never imports torch), torch on the trial's GPU.
+    `choice` ("numpy" or "torch") forces one: the tests compare the two on one model."""
+    if choice == "numpy" or (choice is None and device_name != "cuda"):
+        return NumpyLogits(token_bytes)
+    import torch
+
+    from autoloop.harness.logits_torch import TorchLogits
+
+    on_gpu = device_name == "cuda" and torch.cuda.is_available()
+    if choice is None and not on_gpu:
+        return NumpyLogits(token_bytes)
+    return TorchLogits(token_bytes, torch.device("cuda" if on_gpu else "cpu"))
+
+
 def evaluate(channel: Channel, region: Region, *, data_dir: Path | None, device_name: str,
              splits: tuple[str, ...] = ("val",), seed: int | None = None, probe_batches: int | None = None,
-             power: bool = False, probe_noise: float | None = None, probe_factor: int = MAX_PROBE_FACTOR) -> dict:
+             power: bool = False, probe_noise: float | None = None, probe_factor: int = MAX_PROBE_FACTOR,
+             arithmetic: str | None = None) -> dict:
     """Run the plan against the model process; returns the verdict (never raises for a trial's fault).
 
     `power`: as many probes as catch a next-token peek worth `probe_noise` bpb (the run's
     paired noise; None: unknown, so the most the cap allows) with probability 95%
     (autoloop.harness.probe_power), at most `probe_factor` x the scored windows; otherwise
-    the default share."""
+    the default share. `arithmetic`: "numpy" or "torch" instead of the device's (arithmetic_for)."""
     seconds: dict[str, float | None] = {"startup": _process_age()}
     verdict: dict = {
         "ok": False, "reason": None, "stage": "load", "val_bpb": None, "heldout_bpb": None, "causality": None,
@@ -133,12 +145,12 @@ def evaluate(channel: Channel, region: Region, *, data_dir: Path | None, device_
     }
     started = time.perf_counter()
     ds = load_dataset(data_dir)
-    scorer = torch.device("cuda" if device_name == "cuda" and torch.cuda.is_available() else "cpu")
     windows = {split: evaluation_windows(ds.split(split), device_name) for split in splits}
-    token_bytes = torch.as_tensor(np.asarray(ds.token_bytes), dtype=torch.int64, device=scorer)
     vocab = ds.vocab_size
     seed = secrets.randbits(63) if seed is None else seed
     table = np.asarray(ds.token_bytes)
+    logits = arithmetic_for(device_name, table, arithmetic)
+    verdict["arithmetic"] = logits.name
     targets = np.concatenate([w[:, 1:].reshape(-1) for w in windows.values()])
     counted = table[targets] > 0
     bytes_per_token = float(table[targets][counted].sum()) / max(int(counted.sum()), 1)
@@ -146,7 +158,7 @@ def evaluate(channel: Channel, region: Region, *, data_dir: Path | None, device_
                                     factor=probe_factor) if power else (None, None))
     plan = make_plan(windows, BATCH_SIZE["cuda" if device_name == "cuda" else "cpu"], vocab, seed,
                      probe_batches=probe_batches, probe_rows=probe_rows)
-    causality = Causality(tolerance_for(torch.bfloat16 if device_name == "cuda" else None))
+    causality = Causality(LOW_PRECISION_TOLERANCE if device_name == "cuda" else FP32_TOLERANCE)
     totals = {split: [0.0, 0] for split in splits}
     target_bits: list[np.ndarray] = []  # every counted target's loss, for the power's sharper bound
     seconds["load"] = time.perf_counter() - started
@@ -170,25 +182,23 @@ def evaluate(channel: Channel, region: Region, *, data_dir: Path | None, device_
         for batch_id, batch in enumerate(plan.batches):
             b, t = batch.tokens.shape
             channel.request(batch_id, batch.tokens)
-            out = _outputs(channel, region, batch_id, b, t, vocab, scorer)
+            out = _outputs(channel, region, batch_id, b, t, vocab, logits)
             verdict["batches"] = batch_id + 1
-            lse = torch.logsumexp(out, dim=-1)  # once per batch: thousands of probe rows read it
+            lse = logits.logsumexp(out)  # once per batch: thousands of probe rows read it
             if batch.kind == "scored":
-                y = torch.from_numpy(batch.targets.astype(np.int64)).to(scorer)
-                per_target = target_nats(out, y, vocab)
-                nats, nbytes = counted_sums(per_target, y, token_bytes)
+                nats, nbytes, bits = logits.scored(out, batch.targets, lse)
                 totals[batch.split][0] += nats
                 totals[batch.split][1] += nbytes
-                target_bits.append((per_target[token_bytes[y.reshape(-1)] > 0] / math.log(2)).cpu().numpy())
+                target_bits.append(bits)
                 for k in range(b):
                     for row in plan.by_source.get((batch.split, batch.first + k), ()):
                         at = slice(k * t + row.lo, k * t + row.cut + 1)
-                        row.base = witness_log_probs(out[at], row.witnesses, vocab, lse[at])
+                        row.base = logits.witness(out[at], row.witnesses, lse[at])
                         causality.record(row)
             else:
                 for k, row in enumerate(batch.rows):
                     at = slice(k * t + row.lo, k * t + row.cut + 1)
-                    row.probe = witness_log_probs(out[at], row.witnesses, vocab, lse[at])
+                    row.probe = logits.witness(out[at], row.witnesses, lse[at])
                     causality.record(row)
     except ModelFailed as exc:
         verdict["reason"] = str(exc)[:500]

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from autoloop.harness.constants import eval_tokens, seq_len
+from autoloop.harness.windows import evaluation_windows  # noqa: F401 (metric.evaluation_windows, as before)
 
 
 def target_nats(logits: torch.Tensor, y: torch.Tensor, vocab_size: int | None = None) -> torch.Tensor:
@@ -75,17 +75,6 @@ def bpb_on_batches(model, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], 
     if total_bytes == 0:
         raise ValueError("the evaluation set has no bytes to score")
     return total_nats / (math.log(2) * total_bytes)
-
-
-def evaluation_windows(tokens: np.ndarray, device_type: str, max_tokens: int | None = None) -> np.ndarray:
-    """The fixed evaluation windows of a split: (n_windows, seq_len + 1) token ids."""
-    length = seq_len(device_type)
-    budget = min(max_tokens or eval_tokens(device_type), len(tokens) - 1)
-    n_windows = budget // length
-    if n_windows < 1:
-        raise ValueError(f"split of {len(tokens)} tokens is shorter than one evaluation window of {length + 1}")
-    starts = np.arange(n_windows) * length
-    return np.stack([tokens[s : s + length + 1] for s in starts]).astype(np.int64)
 
 
 def evaluate_bpb(model, ds, split: str = "val", *, device=None, batch_size: int | None = None, max_tokens: int | None = None) -> float:

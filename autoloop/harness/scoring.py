@@ -40,7 +40,6 @@ import math
 from dataclasses import dataclass, field
 
 import numpy as np
-import torch
 
 # Probe batches per evaluation: at least this many, more at GPU scale (a share of the
 # scored batches), and at least one of every batch shape the scored batches have.
@@ -158,17 +157,6 @@ def make_plan(windows: dict[str, np.ndarray], batch_size: int, vocab_size: int, 
         batches.append(Batch("probe", np.stack(tokens), rows=rows))
     order = rng.permutation(len(batches))
     return Plan([batches[i] for i in order], probes, by_source, seed)
-
-
-def witness_log_probs(rows: torch.Tensor, ids: np.ndarray, vocab_size: int,
-                      lse: torch.Tensor | None = None) -> np.ndarray:
-    """log-probabilities of `ids` (P, k) under the output rows (P, width), float64 on the host.
-    `lse`: the rows' log-sum-exp over the vocabulary, when the caller computed it for a whole batch."""
-    logits = rows[:, :vocab_size].float()
-    if lse is None:
-        lse = torch.logsumexp(logits, dim=-1)
-    picked = torch.gather(logits, 1, torch.as_tensor(ids, device=logits.device))
-    return (picked - lse.reshape(-1, 1)).double().cpu().numpy()
 
 
 @dataclass

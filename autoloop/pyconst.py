@@ -206,11 +206,22 @@ def _within(size: int) -> int:
     return size
 
 
+# What a GPU's kernel driver puts on a machine (NVIDIA, ROCm, WSL's bridge): without any of
+# them no CUDA device can be available, whatever torch is installed.
+GPU_DRIVER_PATHS = ("/proc/driver/nvidia", "/dev/nvidiactl", "/dev/nvidia0", "/dev/kfd", "/dev/dxg")
+
+
+def gpu_driver_present(paths: tuple[str, ...] = GPU_DRIVER_PATHS) -> bool:
+    return any(os.path.exists(p) for p in paths)
+
+
 def current_device() -> str:
     """The device type train.py will pick on this machine ("cuda" or "cpu"), as it does."""
     override = os.environ.get("AUTOLOOP_DEVICE_TYPE")
     if override:
         return override
+    if not gpu_driver_present():  # torch would say "cpu" too, after 2.6 s of importing itself
+        return "cpu"
     try:
         import torch
     except ImportError:

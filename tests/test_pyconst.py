@@ -164,3 +164,22 @@ def test_hint_numbers_are_bounded():
         started = time.process_time()
         assert parse_hints(f"range 1..{bomb} log", name="X").hi is None  # not a hint clause: prose
         assert time.process_time() - started < CPU_SECONDS
+
+
+def test_the_device_is_cpu_without_a_gpu_driver_and_torch_is_not_imported_for_it(tmp_path):
+    """`autoloop seed --set` reads train.py's constants for the device it will run on: a
+    machine with no GPU driver is a CPU one, said without importing torch (2.6 s)."""
+    import subprocess
+    import sys
+
+    from autoloop.pyconst import gpu_driver_present
+
+    node = tmp_path / "nvidiactl"
+    assert not gpu_driver_present((str(tmp_path / "absent"),))
+    node.write_text("")
+    assert gpu_driver_present((str(tmp_path / "absent"), str(node)))
+    if gpu_driver_present():
+        pytest.skip("this machine has a GPU driver: the device is torch's answer")
+    code = ("import os, sys; os.environ.pop('AUTOLOOP_DEVICE_TYPE', None); from autoloop.pyconst import current_device; "
+            "sys.exit(0 if current_device() == 'cpu' and 'torch' not in sys.modules else 1)")
+    assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0

@@ -1,3 +1,4 @@
+import importlib
 import json
 import math
 import os
@@ -264,3 +265,20 @@ def test_utilisation_gives_the_result_its_flop_keys_in_every_convention():
     assert result["model_tflops"] == pytest.approx(35328 * 1000 / 1e12) and result["mfu_percent"] is None  # a CPU
     assert set(result) == {"mfu_percent", "mfu_percent_palm", "hfu_percent", "model_tflops", "executed_tflops",
                            "mfu_conventions", "flops_per_token", "flops_per_token_palm", "executed_flops_per_token"}
+
+
+def test_every_public_name_of_the_harness_resolves_and_the_package_alone_imports_no_torch():
+    """The package imports its names on first use (the CPU scorer must not import torch):
+    each name in the table is where it says, and importing the package costs nothing."""
+    import subprocess
+    import sys
+
+    import autoloop.harness as H
+
+    for name in H.__all__:
+        assert getattr(H, name) is getattr(importlib.import_module(f"autoloop.harness.{H._HOME[name]}"), name)
+    assert H.metric.evaluation_windows is H.windows.evaluation_windows
+    with pytest.raises(AttributeError, match="no attribute 'no_such_name'"):
+        H.no_such_name
+    code = "import sys, autoloop.harness, autoloop.harness.data; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0

@@ -25,9 +25,9 @@ them (autoloop.harness.channel). This process:
 
 The verdict is `{"ok", "reason", "stage", "val_bpb", "heldout_bpb", "causality",
 "splits", "device", "arithmetic" (numpy or torch), "model", "batches", "seconds" {startup,
-ready, score, total}, "harness_fingerprint"}`; exit 0 whenever a verdict was written, pass or fail; 2 when the
-data itself is broken (the controller reports that, not the trial). Only torch, numpy and
-the standard library are used, like the rest of the harness.
+ready, score, total}, "harness_fingerprint"}`; exit 0 whenever a verdict was written, pass
+or fail; 2 when the data itself is broken (the controller reports that, not the trial).
+Only numpy and the standard library are used on a CPU, torch too on a GPU.
 """
 
 from __future__ import annotations

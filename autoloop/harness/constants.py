@@ -43,6 +43,7 @@ def eval_tokens(device_type: str) -> int:
     """How many target tokens the fixed validation / held-out evaluation covers."""
     return EVAL_TOKENS[device_key(device_type)]
 
+
 # Largest allowed change of a log-probability at a position that must not change (the
 # causality checks: autoloop.harness.causality in one process, the scorer's probes).
 FP32_TOLERANCE = 1e-4

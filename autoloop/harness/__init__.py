@@ -8,7 +8,7 @@ GPU image.
 The names below are imported on first use (`H.evaluate_bpb`, `from autoloop.harness
 import TokenLoader`), not when the package is: the scorer of a CPU evaluation
 (autoloop.harness.evaluate) and the controller's data and contract helpers need numpy
-only, and importing torch costs them 2.6 s of CPU and 300 MB each time (issue 32).
+only, and importing torch costs them 2.6 s of CPU and 190 MB of memory each time (issue 32).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ The scorer (autoloop.harness.evaluate) reads each batch of outputs from the shar
 takes the log-sum-exp of every row once, the loss of every scored target, and the
 log-probabilities of the causality probes' witnesses. On a CPU it does that here, with
 numpy alone, so its process never imports torch: 0.2 s of start-up instead of 2.6 s of CPU
-and 300 MB per evaluation, twice a keep candidate's run (issue 32). On a GPU the same
+and 190 MB per evaluation, twice a keep candidate's run (issue 32). On a GPU the same
 arithmetic runs on the device (autoloop.harness.logits_torch, the metric's own
 `target_nats`).
 

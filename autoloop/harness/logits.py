@@ -8,7 +8,7 @@ and 190 MB per evaluation, twice a keep candidate's run (issue 32). On a GPU the
 arithmetic runs on the device (autoloop.harness.logits_torch, the metric's own
 `target_nats`).
 
-The two agree to float32 rounding (tests/test_evaluation.py compares their verdicts on
+The two agree to float32 rounding (tests/test_probe_power.py compares their verdicts on
 one model): every row is read as float32 (bf16 widened exactly, as torch's `.float()`
 does), the exponentials are summed in float64 and the nats of a batch too.
 """
@@ -33,11 +33,9 @@ class NumpyLogits:
 
     def read(self, buffer, n: int, width: int, bf16: bool, vocab_size: int) -> np.ndarray:
         """A copy of the region's n x width outputs, float32, cut to the vocabulary."""
-        if bf16:
-            block = widen_bf16(np.frombuffer(buffer, dtype=np.uint16, count=n * width))
-        else:
-            block = np.frombuffer(buffer, dtype=np.float32, count=n * width).copy()
-        return np.ascontiguousarray(block.reshape(n, width)[:, :vocab_size])
+        raw = np.frombuffer(buffer, dtype=np.uint16 if bf16 else np.float32, count=n * width)
+        columns = raw.reshape(n, width)[:, :vocab_size]
+        return widen_bf16(columns) if bf16 else columns.copy()  # one copy, contiguous
 
     def join(self, blocks: list[np.ndarray]) -> np.ndarray:
         return blocks[0] if len(blocks) == 1 else np.concatenate(blocks)

@@ -118,13 +118,33 @@ def test_a_models_constant_only_answer_is_tried_as_the_searchs_point(repo):
 def test_the_search_re_tunes_the_learning_rates_after_a_models_structural_keep(repo):
     later = edit_answer("WIDTH = 64  # model width; power of two", "WIDTH = 32  # model width; power of two", "narrower")
     with FakeOpenAI([edit_answer(OBJECTIVE, STRUCTURAL, "a better objective"), later]) as server:
-        trials, _ = night(repo, server, max_trials=3)
-    structural, retune = trials[1], trials[2]
+        trials, _ = night(repo, server, max_trials=4)
+    structural, down, up = trials[1], trials[2], trials[3]
     assert (structural["proposer"], structural["status"]) == ("llm", "keep")
     assert structural["metric"] == pytest.approx(0.95 + (-1.69897 + 1.5) ** 2, abs=1e-4)
-    assert retune["proposer"] == "search" and retune["parent_commit"] == structural["trial_commit"]
-    assert retune["description"] == f"{RETUNE_PREFIX} 2's change: every learning rate x2 (LR 0.02 -> 0.04)"
-    assert retune["status"] == "keep" and retune["metric"] == pytest.approx(0.95 + (-1.39794 + 1.5) ** 2, abs=1e-4)
+    # Half a step each way, down first: /1.41 moves away from the new optimum (0.0316), x1.41 towards it.
+    assert down["proposer"] == "search" and down["parent_commit"] == structural["trial_commit"]
+    assert down["description"] == f"{RETUNE_PREFIX} 2's change: every learning rate /1.41 (LR 0.02 -> 0.0141)"
+    assert down["status"] == "discard" and down["metric"] == pytest.approx(0.95 + (-1.85078 + 1.5) ** 2, abs=1e-4)
+    assert up["parent_commit"] == structural["trial_commit"]
+    assert up["description"] == f"{RETUNE_PREFIX} 2's change: every learning rate x1.41 (LR 0.02 -> 0.0283)"
+    assert up["status"] == "keep" and up["metric"] == pytest.approx(0.95 + (-1.54821 + 1.5) ** 2, abs=1e-4)
+
+
+def test_the_re_tune_ends_after_the_learning_rates_half_a_step_each_way(repo):
+    """A change that leaves the rates' optimum where it was: both re-tunes lose, and the
+    next turn is the bandit's. The earlier re-tune went on to each constant the diff named
+    (here WIDTH x2, then /2) before the bandit had a turn, 4 trials in all."""
+    stays = "    value = 0.95 + (math.log10(LR) + 1.69897) ** 2 + 0.1 * (math.log2(WIDTH) - 6.0) ** 2"
+    later = edit_answer("WIDTH = 64  # model width; power of two", "WIDTH = 32  # model width; power of two", "narrower")
+    with FakeOpenAI([edit_answer(OBJECTIVE, stays, "a better objective"), later]) as server:
+        trials, _ = night(repo, server, max_trials=5)
+    assert (trials[1]["proposer"], trials[1]["status"]) == ("llm", "keep")
+    retunes = [t for t in trials if (t["description"] or "").startswith(RETUNE_PREFIX)]
+    assert [t["number"] for t in retunes] == [3, 4]
+    assert [t["status"] for t in retunes] == ["discard", "discard"]
+    assert [t["edits"]["edits"][0]["sets"] for t in retunes] == [{"LR": 0.0141}, {"LR": 0.0283}]
+    assert not trials[4]["description"].startswith(RETUNE_PREFIX)
 
 
 def test_without_the_scheduler_the_model_answers_again_after_its_structural_keep(repo):
@@ -161,6 +181,19 @@ def test_the_pre_registered_verdict_on_nights_with_a_known_answer():
     assert v["se"] is None and not v["met"] and "no verdict" in _arms_verdict().describe(v)
     with pytest.raises(SystemExit, match="no search-only arm"):
         _arms_verdict().verdict([_night(0.3, 0.2, 0.1)[:2]])
+
+
+def test_a_night_read_from_two_files_takes_the_second_files_arms(tmp_path):
+    """The third check re-ran the scheduler arm alone: its night is the second check's
+    file with the new scheduler row in place of the old one (A.json+B.json)."""
+    import json
+
+    first, second = tmp_path / "a.json", tmp_path / "b.json"
+    first.write_text(json.dumps(_night(0.20, 0.10, 0.27)))
+    second.write_text(json.dumps(_night(0.29, 0.0, 0.0)[:1]))
+    rows = _arms_verdict().read_night(f"{first}+{second}")
+    assert _arms_verdict().gains(rows) == {"scheduler": 0.29, "model-only": 0.10, "search-only": 0.27}
+    assert _arms_verdict().gains(_arms_verdict().read_night(str(first)))["scheduler"] == 0.20
 
 
 def test_the_benchs_scripted_model_grinds_without_repeating_itself():

@@ -7,8 +7,8 @@ answer, so a configured model answers every turn and the search only fills its g
 1. **Seeded ideas first**, always: the human's queue is never overtaken.
 2. **A re-tune after a structural keep**: when the incumbent is a model's or agent's kept
    edit that is not only constants, the search re-tunes what the change most likely moved
-   on it (every learning rate together, x2 and /2, then the constants the edit named),
-   before anything else (`SearchProposer.retune`).
+   on it (every learning rate together, half a step down, then up), before anything else
+   (`SearchProposer.retune`).
 3. **The bandit**: the other sources in the order of how far each is behind its share,
    the share following its recent yield per GPU-minute with a floor for each source
    (`shares`, `turn_order`). A source with nothing to offer this turn falls through to the

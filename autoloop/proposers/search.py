@@ -509,46 +509,48 @@ class SearchProposer:
         return None if self.covered_sets(ctx, old, new) else keep
 
     def retune(self, ctx) -> Proposal | None:
-        """After a model's structural keep, the constants the change most likely moved,
-        re-tuned on it: every learning rate together x2 then /2, then each constant the
-        change's diff names, x2 then /2 (or a flip); at most RETUNE_TRIALS moves, none that
-        reproduces a train.py already tried on this parent."""
+        """After a model's structural keep, the learning rates re-tuned on it: all of them
+        together, half the search's first step (x1.41 for a x2 step) down, then up; at most
+        RETUNE_TRIALS moves, none that reproduces a train.py already tried on this parent.
+
+        Why so little: the incumbent's rates were tuned by the search before the change,
+        and a change seldom moves their optimum by a whole step. Read on real CPU nights
+        (docs/search.md), every rate x2 at once ended 0.17 to 0.49 bpb worse and /2 0.06
+        worse, and the constants the change's diff named (a re-tune each, before) are the
+        pattern search's to visit. Down first: a rate too high costs more than one too low
+        (training can diverge). A kept move makes the incumbent the search's own, which ends
+        the re-tune; the pattern search goes on from it."""
         keep = self.structural_keep(ctx)
         if keep is None:
             return None
         parent, text = ctx.parent_commit, self._text(ctx, ctx.parent_commit)
-        params = self._space(ctx, parent) or []
+        lrs = [p for p in (self._space(ctx, parent) or []) if p.group == "lr"]
         tried = [t for t in ctx.store.trials(ctx.run["id"], last=200)
                  if t.get("parent_commit") == parent and (t.get("description") or "").startswith(RETUNE_PREFIX)]
-        if len(tried) >= RETUNE_TRIALS:
+        if not lrs or len(tried) >= RETUNE_TRIALS:
             return None
         seen = {d for d in (self._trial_digest(ctx, t) for t in ctx.history(last=200)
                             if t.get("parent_commit") == parent) if d}
         seen.add(_digest(text))
-        diff = keep.get("diff") or ""
-        named = [p for p in params if p.group != "lr" and p.group != "speed"
-                 and any(p.name in line for line in diff.splitlines() if line[:1] in "+-")]
-        lrs = [p for p in params if p.group == "lr"]
-        candidates = [("every learning rate", lrs)] + [(p.name, [p]) for p in named]
-        for label, group in candidates:
-            for direction in (1, -1):
-                sets = {}
-                for p in group:
-                    move = p.move(direction, 0)
-                    if move is not None:
-                        sets.update(move)
-                if not sets or _guard(text).breaks(sets):
-                    continue
-                if _digest(set_constants(text, sets)) in seen:
-                    continue
-                how = "x2" if direction > 0 else "/2"
-                changes = ", ".join(f"{n} {next(p.source for p in params if p.name == n)} -> {format_value(v)}"
-                                    for n, v in sets.items())
-                return Proposal(
-                    description=f"{RETUNE_PREFIX} {keep['number']}'s change: {label} {how} ({changes})",
-                    edits=[Edit(path=self.path, sets=sets)], source=self.name,
-                    meta={"group": "retune", "after": keep["number"]},
-                )
+        for direction in (-1, 1):
+            sets, factors = {}, set()
+            for p in lrs:
+                level = max(RETUNE_LEVEL, p.min_level)
+                move = p.move(direction, level)
+                if move is not None:
+                    sets.update(move)
+                    factors.add(p.step ** (2.0 ** level) if p.scale == "log" else None)
+            if not sets or _guard(text).breaks(sets) or _digest(set_constants(text, sets)) in seen:
+                continue
+            factor = next(iter(factors)) if len(factors) == 1 and None not in factors else None
+            how = (("x" if direction > 0 else "/") + f"{factor:.3g}") if factor else ("up" if direction > 0 else "down")
+            changes = ", ".join(f"{n} {next(p.source for p in lrs if p.name == n)} -> {format_value(v)}"
+                                for n, v in sets.items())
+            return Proposal(
+                description=f"{RETUNE_PREFIX} {keep['number']}'s change: every learning rate {how} ({changes})",
+                edits=[Edit(path=self.path, sets=sets)], source=self.name,
+                meta={"group": "retune", "after": keep["number"]},
+            )
         return None
 
     def _lr_range_move(self, ctx, text: str) -> Proposal | None:
@@ -580,7 +582,8 @@ class SearchProposer:
 
 # The re-tune after a structural keep (SearchProposer.retune): whose keeps, how many moves.
 RETUNE_AFTER = ("llm", "agent")
-RETUNE_TRIALS = 4
+RETUNE_TRIALS = 2  # every learning rate down, then up
+RETUNE_LEVEL = -1  # half the first step, in log: x1.41 for the learning rates' x2
 RETUNE_PREFIX = "search: re-tune after trial"
 # A model's answer that only sets constants this search covers, tried as its point
 # (autoloop.loop.sources routes it).

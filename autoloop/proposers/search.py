@@ -514,9 +514,9 @@ class SearchProposer:
         RETUNE_TRIALS moves, none that reproduces a train.py already tried on this parent.
 
         Why so little: the incumbent's rates were tuned by the search before the change,
-        and a change seldom moves their optimum by a whole step. Read on real CPU nights
-        (docs/search.md), every rate x2 at once ended 0.17 to 0.49 bpb worse and /2 0.06
-        worse, and the constants the change's diff named (a re-tune each, before) are the
+        and a change seldom moves their optimum by a whole step: on real CPU nights
+        (docs/search.md, "The third check"), every rate x2 or /2 at once ended 0.06 to 0.49
+        bpb worse. The constants the change's diff names (a re-tune each, before) are the
         pattern search's to visit. Down first: a rate too high costs more than one too low
         (training can diverge). A kept move makes the incumbent the search's own, which ends
         the re-tune; the pattern search goes on from it."""

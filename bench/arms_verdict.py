@@ -3,11 +3,6 @@ larger check, fixed before it runs"): several nights of `bench/night.py --arms`,
 base seed, read from their `--json` files, and the one figure the decision rests on.
 
     python bench/arms_verdict.py arms-1337.json arms-2337.json arms-3337.json
-    python bench/arms_verdict.py arms-flops-1337.json+arms-flops3-1337.json ...
-
-A night given as `A.json+B.json` is A's arms with B's in place of those of the same name:
-the third check (docs/search.md) re-ran the scheduler arm only, beside the second check's
-single-source arms, whose code it did not change.
 
 For each base seed s the difference D_s = the scheduler's re-measured val gain minus that
 of the better single-source arm, the better one being the arm (model-only or search-only)
@@ -65,22 +60,11 @@ def describe(v: dict) -> str:
     return "\n".join(lines)
 
 
-def read_night(spec: str) -> list[dict]:
-    """One night's rows from `A.json` or `A.json+B.json` (B's arms replace A's of the same
-    name; an arm only in B is added)."""
-    rows: dict[str, dict] = {}
-    for part in spec.split("+"):
-        for row in json.loads(Path(part).read_text()):
-            rows[row["rule"]] = row
-    return list(rows.values())
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("nights", nargs="+", help="bench/night.py --arms ... --json files, one per base seed "
-                                              "(A.json+B.json: B's arms in place of A's)")
+    ap.add_argument("nights", nargs="+", type=Path, help="bench/night.py --arms ... --json files, one per base seed")
     args = ap.parse_args(argv)
-    print(describe(verdict([read_night(spec) for spec in args.nights])))
+    print(describe(verdict([json.loads(p.read_text()) for p in args.nights])))
     return 0
 
 

@@ -47,6 +47,13 @@ the default's reported gain within 2 standard errors of its re-measured one.
 The default's night stops clear losers early (autoloop.loop.stops): a stopped run is a
 measurement with status "stopped", counted by the fraction of the budget it ran
 (`trials.stopped_at`).
+
+The data: the embedded corpus of a fixed key (`--corpus-key`, the tests' by default),
+prepared in the work folder's own cache, never yours. Before, a night read the machine's
+cache, whose key is random per machine: nights of one check run on two machines trained on
+two different corpora (the third check's first night found its baseline 0.023 bpb off the
+second check's, docs/search.md), so a night could only be compared with nights of the same
+machine. With a fixed key, step mode gives the same night on any CPU.
 """
 
 from __future__ import annotations
@@ -65,6 +72,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from autoloop.config import resolve  # noqa: E402
+from autoloop.harness.corpus_key import corpus_key_path, write_key  # noqa: E402
 from autoloop.loop.controller import Controller  # noqa: E402
 from autoloop.loop.scheduler import UNTRIED_IN_A_ROW  # noqa: E402
 from autoloop.decide.remeasure import headline, reserve_seeds  # noqa: E402
@@ -423,6 +431,29 @@ def arms_report(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+# The tests' corpus key (tests/conftest.py TEST_CORPUS_KEY): every night reads the same text.
+CORPUS_KEY = bytes(range(32)).hex()
+
+
+def use_corpus(work: Path, key_hex: str) -> Path:
+    """Point this process (and every run it starts) at a cache in `work` holding the corpus
+    key `key_hex`; a work folder kept from a night with another key is refused."""
+    try:
+        key = bytes.fromhex(key_hex)
+    except ValueError:
+        key = b""
+    if len(key) != 32:
+        sys.exit(f"--corpus-key {key_hex!r} is not 32 bytes of hex: give 64 hex digits")
+    cache = work / "cache"
+    path = corpus_key_path(cache)
+    if path.exists() and path.read_bytes() != key:
+        sys.exit(f"{work} holds a night of another corpus key: use a new --keep folder")
+    if not path.exists():
+        write_key(path, key)
+    os.environ["AUTOLOOP_CACHE_DIR"] = str(cache)
+    return cache
+
+
 def run_arms(args, work: Path, say) -> list[dict]:
     sys.path.insert(0, str(ROOT / "tests"))
     from fakes.fake_openai import FakeOpenAI
@@ -457,6 +488,9 @@ def main() -> int:
                     help="Instead of comparing rules: these proposal arms under the first rule, at equal compute "
                          "(model-only, search-only, scheduler; the model is scripted, see STRUCTURAL_EDITS).")
     ap.add_argument("--keep", type=Path, help="Work in this folder and keep it (default: a temporary one).")
+    ap.add_argument("--corpus-key", default=CORPUS_KEY,
+                    help="The embedded corpus's key, 64 hex digits (default: the tests' key, so that nights compare "
+                         "across machines).")
     ap.add_argument("--json", type=Path, help="Also write the figures here.")
     ap.add_argument("--unbounded", action="store_true",
                     help="Leave train.py's CPU sizes unbounded (the search may grow a model past what the CPU trains).")
@@ -467,6 +501,7 @@ def main() -> int:
 
     work = args.keep or Path(tempfile.mkdtemp(prefix="night-"))
     work.mkdir(parents=True, exist_ok=True)
+    use_corpus(work, args.corpus_key)
     if args.arms:
         rows = run_arms(args, work, say)
         print()

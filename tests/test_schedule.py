@@ -5,6 +5,7 @@ real controller over the fake training script and the fake OpenAI-compatible ser
 
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 
@@ -183,17 +184,23 @@ def test_the_pre_registered_verdict_on_nights_with_a_known_answer():
         _arms_verdict().verdict([_night(0.3, 0.2, 0.1)[:2]])
 
 
-def test_a_night_read_from_two_files_takes_the_second_files_arms(tmp_path):
-    """The third check re-ran the scheduler arm alone: its night is the second check's
-    file with the new scheduler row in place of the old one (A.json+B.json)."""
-    import json
+def test_a_bench_night_reads_the_corpus_of_a_fixed_key_in_its_own_cache(tmp_path, monkeypatch):
+    """bench/night.py: the third check's first night trained on another corpus than the
+    second check's (the machine's random key), so nights of two machines did not compare.
+    A night now reads the tests' key from a cache in its work folder, and a kept folder of
+    another key is refused rather than mixed."""
+    from autoloop.harness.corpus_key import corpus_key
+    from conftest import TEST_CORPUS_KEY
 
-    first, second = tmp_path / "a.json", tmp_path / "b.json"
-    first.write_text(json.dumps(_night(0.20, 0.10, 0.27)))
-    second.write_text(json.dumps(_night(0.29, 0.0, 0.0)[:1]))
-    rows = _arms_verdict().read_night(f"{first}+{second}")
-    assert _arms_verdict().gains(rows) == {"scheduler": 0.29, "model-only": 0.10, "search-only": 0.27}
-    assert _arms_verdict().gains(_arms_verdict().read_night(str(first)))["scheduler"] == 0.20
+    night_bench = bench_module("night")
+    cache = night_bench.use_corpus(tmp_path / "w", night_bench.CORPUS_KEY)
+    assert cache == tmp_path / "w" / "cache" and Path(os.environ["AUTOLOOP_CACHE_DIR"]) == cache
+    assert corpus_key(cache, create=False) == TEST_CORPUS_KEY
+    assert night_bench.use_corpus(tmp_path / "w", TEST_CORPUS_KEY.hex()) == cache  # the same night, resumed
+    with pytest.raises(SystemExit, match="another corpus key"):
+        night_bench.use_corpus(tmp_path / "w", "11" * 32)
+    with pytest.raises(SystemExit, match="64 hex digits"):
+        night_bench.use_corpus(tmp_path / "v", "abc")
 
 
 def test_the_benchs_scripted_model_grinds_without_repeating_itself():

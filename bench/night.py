@@ -431,8 +431,12 @@ def arms_report(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-# The tests' corpus key (tests/conftest.py TEST_CORPUS_KEY): every night reads the same text.
-CORPUS_KEY = bytes(range(32)).hex()
+def tests_corpus_key() -> str:
+    """The tests' corpus key, the nights' default: every night reads the same text."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from conftest import TEST_CORPUS_KEY
+
+    return TEST_CORPUS_KEY.hex()
 
 
 def use_corpus(work: Path, key_hex: str) -> Path:
@@ -488,7 +492,7 @@ def main() -> int:
                     help="Instead of comparing rules: these proposal arms under the first rule, at equal compute "
                          "(model-only, search-only, scheduler; the model is scripted, see STRUCTURAL_EDITS).")
     ap.add_argument("--keep", type=Path, help="Work in this folder and keep it (default: a temporary one).")
-    ap.add_argument("--corpus-key", default=CORPUS_KEY,
+    ap.add_argument("--corpus-key", default=tests_corpus_key(),
                     help="The embedded corpus's key, 64 hex digits (default: the tests' key, so that nights compare "
                          "across machines).")
     ap.add_argument("--json", type=Path, help="Also write the figures here.")

@@ -184,7 +184,7 @@ def test_the_pre_registered_verdict_on_nights_with_a_known_answer():
         _arms_verdict().verdict([_night(0.3, 0.2, 0.1)[:2]])
 
 
-def test_a_bench_night_reads_the_corpus_of_a_fixed_key_in_its_own_cache(tmp_path, monkeypatch):
+def test_a_bench_night_reads_the_corpus_of_a_fixed_key_in_its_own_cache(tmp_path):
     """bench/night.py: the third check's first night trained on another corpus than the
     second check's (the machine's random key), so nights of two machines did not compare.
     A night now reads the tests' key from a cache in its work folder, and a kept folder of
@@ -193,7 +193,7 @@ def test_a_bench_night_reads_the_corpus_of_a_fixed_key_in_its_own_cache(tmp_path
     from conftest import TEST_CORPUS_KEY
 
     night_bench = bench_module("night")
-    cache = night_bench.use_corpus(tmp_path / "w", night_bench.CORPUS_KEY)
+    cache = night_bench.use_corpus(tmp_path / "w", night_bench.tests_corpus_key())
     assert cache == tmp_path / "w" / "cache" and Path(os.environ["AUTOLOOP_CACHE_DIR"]) == cache
     assert corpus_key(cache, create=False) == TEST_CORPUS_KEY
     assert night_bench.use_corpus(tmp_path / "w", TEST_CORPUS_KEY.hex()) == cache  # the same night, resumed

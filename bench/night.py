@@ -51,9 +51,9 @@ measurement with status "stopped", counted by the fraction of the budget it ran
 The data: the embedded corpus of a fixed key (`--corpus-key`, the tests' by default),
 prepared in the work folder's own cache, never yours. Before, a night read the machine's
 cache, whose key is random per machine: nights of one check run on two machines trained on
-two different corpora (the third check's first night found its baseline 0.023 bpb off the
-second check's, docs/search.md), so a night could only be compared with nights of the same
-machine. With a fixed key, step mode gives the same night on any CPU.
+two different corpora, so a night could only be compared with nights of the same machine
+(the third check's first night could not be set beside the second check's, docs/search.md).
+With a fixed key, step mode gives the same night on any CPU of the same code.
 """
 
 from __future__ import annotations

@@ -255,8 +255,7 @@ def patched(tmp_path, name: str, replacements: dict[str, str]):
 # distinguishable from an honest one whose every step is slow when it takes several steps.
 TINY = {
     "    DEPTH = 2\n": "    DEPTH = 1\n",
-    "    MODEL_DIM = 128\n": "    MODEL_DIM = 64\n",
-    "    TOTAL_BATCH_TOKENS = 16 * 256": "    TOTAL_BATCH_TOKENS = 4 * 256",
+    "    TOTAL_BATCH_TOKENS = 8 * 256": "    TOTAL_BATCH_TOKENS = 4 * 256",
     "    DEVICE_BATCH_SIZE = 8": "    DEVICE_BATCH_SIZE = 2",
 }
 ONE_THREAD = {"OMP_NUM_THREADS": 1}  # tiny tensors: a second thread only spin-waits on a busy machine

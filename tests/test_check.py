@@ -291,12 +291,13 @@ def test_check_writes_its_partial_results_as_it_goes(tmp_path, monkeypatch, embe
 def test_device_batch_size_is_measured_and_suggested(train_module, embedded_dataset):
     part = C.device_batch_sweep(train_module, embedded_dataset, CPU, steps=1)
     sizes = [row["device_batch_size"] for row in part["candidates"]]
-    assert sizes == [8, 16, 4]  # the current one first, then twice and half it
+    # The current one first, then half it: twice it (16) is more than a step's 8 sequences.
+    assert sizes == [8, 4]
     assert all(row["tokens_per_second"] > 0 for row in part["candidates"]), part
     assert part["suggested"] in sizes and part["suggested_constants"] == {"DEVICE_BATCH_SIZE": part["suggested"]}
     assert part["message"].startswith("DEVICE_BATCH_SIZE ")
     limited = C.device_batch_sweep(train_module, embedded_dataset, CPU, steps=1, max_seconds=0.0)
-    assert [row.get("skipped", "") for row in limited["candidates"]][1:] == ["the 0 s limit was reached"] * 2
+    assert [row.get("skipped", "") for row in limited["candidates"]][1:] == ["the 0 s limit was reached"]
 
 
 class BatchToy(Cliff):

@@ -2,7 +2,7 @@
 
 * known-answer tests of the rules (held-out guard, identical val/held-out, the seal);
 * the worker (python -m autoloop.harness.evaluate, run by evaluation.evaluate_checkpoint
-  through the runner) on a REAL checkpoint: the repository's train.py at a tiny CPU scale
+  through the runner) on a REAL checkpoint: the repository's train.py at its CPU scale
   (as in tests/test_verify.py), trained a few steps in step mode in tmp_path once per
   module; each attack is a copy of that train.py with the attack added, as a proposal
   would write it;
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO_ROOT, needs_bwrap
-from test_verify import edited, tiny_train_source
+from test_verify import edited, train_source
 
 from autoloop.trust import integrity
 from autoloop.decide.heldout import HELDOUT_Z, heldout_guard, heldout_threshold, suspicious_identity
@@ -211,7 +211,7 @@ def trained(tmp_path_factory, embedded_dataset):
     folder = tmp_path_factory.mktemp("trained")
     with pytest.MonkeyPatch.context() as mp:
         mp.delenv("AUTOLOOP_EVAL", raising=False)
-        outcome = _train(folder / "run", tiny_train_source(), embedded_dataset.path)
+        outcome = _train(folder / "run", train_source(), embedded_dataset.path)
     assert outcome.status == "ok", outcome.reason
     return {"folder": folder / "run", "outcome": outcome, "val_bpb": outcome.metric,
             "data_dir": embedded_dataset.path, "cache": folder / "cache"}
@@ -224,7 +224,7 @@ def fresh(tmp_path_factory, embedded_dataset):
     from autoloop import harness as H
 
     folder = tmp_path_factory.mktemp("fresh")
-    (folder / "train.py").write_text(tiny_train_source())
+    (folder / "train.py").write_text(train_source())
     module = H.import_train_module(folder / "train.py")
     config = module.model_config(vocab_size=embedded_dataset.vocab_size, seq_len=H.seq_len("cpu"))
     model = module.build_model(config, device="cpu")
@@ -239,7 +239,7 @@ def _evaluate(trained, tmp_path, source: str | None = None, **kwargs):
 
     source_dir = tmp_path / "source"
     source_dir.mkdir(parents=True, exist_ok=True)
-    (source_dir / "train.py").write_text(source if source is not None else tiny_train_source())
+    (source_dir / "train.py").write_text(source if source is not None else train_source())
     warm_pycache("eval", sys.executable, trained["cache"])
     options = {"splits": ("val",), "hidden": [tmp_path / ".git", tmp_path / ".autoloop"], **kwargs}
     return evaluate_checkpoint(
@@ -325,7 +325,7 @@ PEEK = ("    return model\n\n\n", """\
 @pytest.mark.parametrize("condition", ["False", "any('causal' in f.function for f in __import__('inspect').stack())"],
                          ids=["always", "unless-checked"])
 def test_a_model_that_looks_at_the_next_token_is_caught_by_the_probes(fresh, tmp_path, condition):
-    attack = edited(tiny_train_source(), PEEK[0], PEEK[1].replace("CONDITION", condition))
+    attack = edited(train_source(), PEEK[0], PEEK[1].replace("CONDITION", condition))
     result = _evaluate(fresh, tmp_path, attack)
     assert not result.ok and result.status == "failed"
     assert result.reason.startswith("leaks future tokens"), result.reason
@@ -337,7 +337,7 @@ def test_bf16_outputs_travel_as_bf16_and_score_as_their_float32_values(fresh, tm
     float32) and score exactly as the same values sent as float32."""
     scores = {}
     for name, cast in (("bf16", "logits.to(torch.bfloat16)"), ("float32", "logits.to(torch.bfloat16).float()")):
-        source = edited(tiny_train_source(), PEEK[0], f"""\
+        source = edited(train_source(), PEEK[0], f"""\
     forward = model.forward
 
     def rounded(idx, targets=None):
@@ -360,7 +360,7 @@ def test_a_model_that_mixes_the_sequences_of_a_batch_is_caught(fresh, tmp_path):
     # so a hundredth moved its log-probabilities by about 1e-4 on the evaluation's windows,
     # the tolerance itself, and one unseeded init in CI stayed under it. A tenth moves them
     # by about 1e-3, ten times the tolerance.
-    attack = edited(tiny_train_source(), PEEK[0], """\
+    attack = edited(train_source(), PEEK[0], """\
     forward = model.forward
     model.forward = lambda idx, targets=None: forward(idx, targets) if targets is not None else (
         forward(idx) + 0.1 * forward(idx).mean(0, keepdim=True))
@@ -373,7 +373,7 @@ def test_a_model_that_mixes_the_sequences_of_a_batch_is_caught(fresh, tmp_path):
 
 
 def test_replacing_the_harness_in_the_model_process_changes_nothing(fresh, tmp_path):
-    attack = edited(tiny_train_source(), "from autoloop import harness as H\n",
+    attack = edited(train_source(), "from autoloop import harness as H\n",
                     "from autoloop import harness as H\n"
                     "import autoloop.harness.metric, torch.nn.functional as _F\n"
                     "H.evaluate_bpb = autoloop.harness.metric.evaluate_bpb = lambda *args, **kwargs: 1.2345\n"
@@ -384,7 +384,7 @@ def test_replacing_the_harness_in_the_model_process_changes_nothing(fresh, tmp_p
 
 
 def test_a_verdict_forged_by_the_model_process_is_never_read(fresh, tmp_path):
-    attack = edited(tiny_train_source(), "from autoloop import harness as H\n",
+    attack = edited(train_source(), "from autoloop import harness as H\n",
                     "from autoloop import harness as H\n"
                     "import json as _j, os as _o\n"
                     "_forged = _j.dumps({'ok': True, 'val_bpb': 0.5, 'stage': 'done'}) + '\\n'\n"
@@ -406,7 +406,7 @@ def test_a_verdict_forged_by_the_model_process_is_never_read(fresh, tmp_path):
     ("raise RuntimeError('boom in forward')", "boom in forward"),
 ], ids=["nan", "too narrow", "raises"])
 def test_bad_outputs_are_the_trials_failure(fresh, tmp_path, change, words):
-    attack = edited(tiny_train_source(), PEEK[0], f"""\
+    attack = edited(train_source(), PEEK[0], f"""\
     forward = model.forward
 
     def bad(idx, targets=None):
@@ -436,7 +436,7 @@ def test_a_checkpoint_that_is_a_link_is_refused(fresh, tmp_path, embedded_datase
 def test_the_sandboxed_model_process_sees_no_data_and_writes_nothing_that_stays(fresh, tmp_path):
     from autoloop.measure.sandbox import detect
 
-    attack = edited(tiny_train_source(), "from autoloop import harness as H\n",
+    attack = edited(train_source(), "from autoloop import harness as H\n",
                     "from autoloop import harness as H\n"
                     "import glob as _g, os as _o\n"
                     f"_found = _g.glob({str(fresh['data_dir'])!r} + '/*.bin') + _g.glob(_o.path.expanduser('~/.cache/*'))\n"
@@ -459,7 +459,7 @@ def test_the_sandboxed_model_process_sees_no_data_and_writes_nothing_that_stays(
 
 @pytest.mark.slow
 def test_external_eval_train_py_writes_checkpoint_and_null_val_bpb(trained, tmp_path):
-    outcome = _train(tmp_path / "run", tiny_train_source(), trained["data_dir"], external=True)
+    outcome = _train(tmp_path / "run", train_source(), trained["data_dir"], external=True)
     assert outcome.status == "ok" and outcome.metric is None and outcome.metric_source == "harness"
     result = json.loads((tmp_path / "run" / "out" / "result.json").read_text())
     assert result["val_bpb"] is None and result["num_steps"] == STEPS
@@ -558,7 +558,7 @@ def test_a_model_over_the_trials_limits_fails_its_evaluation_with_the_limit_name
                                                                                  words):
     from autoloop.measure.limits import LIMIT_PREFIX, TrialLimits
 
-    source = edited(tiny_train_source(), PEEK[0], attack + PEEK[0])
+    source = edited(train_source(), PEEK[0], attack + PEEK[0])
     result = _evaluate(fresh, tmp_path, source, limits=TrialLimits(**{"memory_bytes": 8 * 2**30, **limit}))
     assert not result.ok and result.reason.startswith(LIMIT_PREFIX), result.reason
     assert all(word in result.reason for word in words) and "its model, under evaluation" in result.reason

@@ -1,6 +1,6 @@
 """One worker on the local or the Ray executor behaves exactly like the serial loop.
 
-The real train.py (its CPU scale made smaller, as in tests/test_verify.py) in step mode,
+The real train.py (at its CPU scale, as in tests/test_verify.py) in step mode,
 the paired rule with its repeated runs, verification and the sandbox where it works: the
 same seeded ideas run serially, on one local worker and on one Ray worker, and the trials,
 decisions and measurements must be the same, apart from timings and the worker's name.
@@ -23,7 +23,7 @@ from autoloop.loop.controller import Controller
 from autoloop.proposers.seeding import seed_idea
 from autoloop.store import Store
 
-from test_verify import _contract_env, tiny_train_source
+from test_verify import _contract_env, train_source
 
 TAG = "eq"
 TRIAL_FIELDS = ("number", "kind", "status", "description", "metric", "metric_source", "n_runs", "heldout_metric",
@@ -60,7 +60,7 @@ def serial_run(tmp_path_factory, session_cache):
         _contract_env(mp, session_cache)
         mp.setenv("AUTOLOOP_CHECK", "0")
         mp.setenv("AUTOLOOP_RESERVE_SEEDS", "0")
-        return _run(make_repo(tmp_path_factory.mktemp("equivalence") / "serial", tiny_train_source()), "serial")
+        return _run(make_repo(tmp_path_factory.mktemp("equivalence") / "serial", train_source()), "serial")
 
 
 @pytest.mark.slow
@@ -70,7 +70,7 @@ def test_one_worker_behaves_like_serial(executor, serial_run, tmp_path, session_
         request.getfixturevalue("ray_cluster")
     _contract_env(monkeypatch, session_cache)
     serial = serial_run
-    other = _run(make_repo(tmp_path / executor, tiny_train_source()), executor)
+    other = _run(make_repo(tmp_path / executor, train_source()), executor)
     assert [t["status"] for t in serial[0]][0] == "keep"
     differences = _differences(other, serial, FLOAT_TOLERANCE[executor])
     assert not differences, "\n".join(differences)

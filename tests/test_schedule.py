@@ -234,10 +234,10 @@ def test_the_bench_counts_a_nights_compute_by_each_runs_model_flops(tmp_path):
 
     night_bench = bench_module("night")
     train = (Path(__file__).resolve().parents[1] / "train.py").read_text()
-    batch, width = "    TOTAL_BATCH_TOKENS = 16 * 256", "    MODEL_DIM = 128"
+    batch, width = "    TOTAL_BATCH_TOKENS = 8 * 256", "    MODEL_DIM = 64"
     assert batch in train and width in train
-    variants = {"baseline": train, "batch x2": train.replace(batch, "    TOTAL_BATCH_TOKENS = 32 * 256"),
-                "width x2": train.replace(width, "    MODEL_DIM = 256")}
+    variants = {"baseline": train, "batch x2": train.replace(batch, "    TOTAL_BATCH_TOKENS = 16 * 256"),
+                "width x2": train.replace(width, "    MODEL_DIM = 128")}
     repo = make_repo(tmp_path / "repo", train)
 
     commits = {}

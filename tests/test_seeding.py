@@ -240,18 +240,18 @@ def real_repo(tmp_path) -> Path:
 
 
 def test_a_set_that_breaks_an_assert_of_train_py_is_refused_naming_it(real_repo):
-    # On a CPU train.py's CPU block has N_HEAD=2: 3 KV heads do not divide it.
+    # On a CPU train.py's CPU block has N_HEAD=1: 3 KV heads do not divide it.
     line = assert_refused(real_repo, ["gqa", "--set", "N_KV_HEAD=3"],
                           "asserts N_HEAD % N_KV_HEAD == 0", "N_HEAD must be a multiple of N_KV_HEAD",
-                          "N_HEAD=2, N_KV_HEAD=3", "choose values")
+                          "N_HEAD=1, N_KV_HEAD=3", "choose values")
     lineno = next(i for i, text in enumerate(REAL_TRAIN.read_text().splitlines(), 1) if "assert cfg[" in text)
     assert f"train.py line {lineno} asserts" in line
     assert_refused(real_repo, ["odd heads", "--set", "N_HEAD=3"], "MODEL_DIM must be a multiple of N_HEAD")
 
 
 def test_values_that_keep_the_asserts_are_seeded(real_repo):
-    assert seed(real_repo, "one kv head", "N_KV_HEAD=1")["sets"] == {"N_KV_HEAD": "1"}
-    # Two constants changed together keep the rule that each alone would break.
+    assert seed(real_repo, "two query heads", "N_HEAD=2")["sets"] == {"N_HEAD": "2"}
+    # Two constants changed together keep the rule that one of them alone would break.
     assert seed(real_repo, "more heads", "N_HEAD=8", "N_KV_HEAD=4")["sets"] == {"N_HEAD": "8", "N_KV_HEAD": "4"}
 
 

@@ -451,7 +451,10 @@ def test_honest_better_learning_rate_is_verified_and_kept(repo, embedded_dataset
     from autoloop.proposers.seeding import seed_idea
 
     config = _config(probe_factor=1)
-    seed_idea(config, repo, "double the Muon learning rate", sets=["MATRIX_LR=0.08"], patch=None)
+    # At 40 steps of the CPU scale the lm_head's rate x4 gains about 0.09 bpb at seed 1337 and
+    # 0.05 at 1338: more than the two baseline seeds differ (0.06), so the kept figure is also
+    # below the baseline's mean.
+    seed_idea(config, repo, "quadruple the lm_head learning rate", sets=["UNEMBEDDING_LR=0.016"], patch=None)
     summary = Controller(config, repo).run()
     store = Store(repo / "experiments.db")
     run = store.get_run(TAG)
@@ -473,5 +476,5 @@ def test_honest_better_learning_rate_is_verified_and_kept(repo, embedded_dataset
     assert len(reserve) == 2 and all(m["verified"] == 1 and m["heldout_metric"] is not None for m in reserve), reserve
     assert summary.headline["heldout"] == pytest.approx(sum(m["heldout_metric"] for m in reserve) / 2)
     assert run["best_commit"] == trial["trial_commit"] == _branch_tip(repo)
-    assert "MATRIX_LR = 0.08" in (repo / "train.py").read_text()
+    assert "UNEMBEDDING_LR = 0.016" in (repo / "train.py").read_text()
 

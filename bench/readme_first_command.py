@@ -4,6 +4,7 @@
     python bench/readme_first_command.py --burners 2      # beside two CPU burners
     python bench/readme_first_command.py --beside-loop    # beside a second project running its own loop
     python bench/readme_first_command.py --keep /tmp/rfc  # keep the clone, venv and db
+    python bench/readme_first_command.py --corpus-key tests --burners 2   # the tests' data
 
 A fresh clone of this repository (what is committed: `git clone` of the checkout), a
 fresh virtual environment, then the command exactly as README.md writes it, parsed out
@@ -18,6 +19,11 @@ time is made of; read from a cgroup of its own where this machine lets the bench
 as root on cgroup v1, since getrusage misses the sandboxed runs a pid namespace's init
 reaps: `command_cpu_source` says which, and getrusage's figure is a lower bound) and the mean load average while it ran (`load_mean`: other users of a
 shared machine count too, so "quiet" is a figure, not a claim).
+
+By default the fresh HOME makes a random corpus key, as a new user's machine does, so two
+runs train on two different texts and their figures differ. `--corpus-key tests` (the
+tests' fixed key) or 64 hex digits fixes the text: in step mode on a CPU two runs then
+give the same figures, quiet or busy, and any difference is the machine's doing.
 
 `--beside-loop` starts a second project first, as a user with two loops has one (the
 README: "For two loops side by side, use two clones"): another clone of the repository in
@@ -421,6 +427,24 @@ def report(figures: dict) -> str:
     return "\n".join(lines)
 
 
+def corpus_key_argument(value: str | None) -> bytes | None:
+    """--corpus-key's bytes: None (a random key, made by the command), the tests' key, or hex."""
+    if value is None:
+        return None
+    if value == "tests":
+        sys.path.insert(0, str(ROOT / "tests"))
+        from conftest import TEST_CORPUS_KEY
+
+        return TEST_CORPUS_KEY
+    try:
+        key = bytes.fromhex(value)
+    except ValueError:
+        key = b""
+    if len(key) != 32:
+        sys.exit(f"--corpus-key {value!r} is not 32 bytes of hex: give 64 hex digits, or `tests`")
+    return key
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--source", type=Path, default=ROOT, help="the repository to clone (this one by default)")
@@ -430,13 +454,16 @@ def main() -> int:
                         help='CPU-burning processes beside the command (python -c "while True: pass"), e.g. 2')
     parser.add_argument("--beside-loop", action="store_true",
                         help="a second project running its own `autoloop run` beside the command")
+    parser.add_argument("--corpus-key", help="the embedded corpus's key: 64 hex digits, or `tests` for the tests' "
+                                             "fixed key (a random one by default, as on a new user's machine)")
     args = parser.parse_args()
+    key = corpus_key_argument(args.corpus_key)
     if args.keep:
         args.keep.mkdir(parents=True, exist_ok=True)
-        figures = run(args.source, args.keep, args.burners, args.beside_loop)
+        figures = run(args.source, args.keep, args.burners, args.beside_loop, corpus_key=key)
     else:
         with tempfile.TemporaryDirectory(prefix="readme-first-command-") as tmp:
-            figures = run(args.source, Path(tmp), args.burners, args.beside_loop)
+            figures = run(args.source, Path(tmp), args.burners, args.beside_loop, corpus_key=key)
     print(report(figures))
     if args.json:
         args.json.write_text(json.dumps(figures, indent=1, default=str))

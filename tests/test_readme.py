@@ -242,3 +242,14 @@ def assert_the_night_is_whole(repo: Path, tag: str) -> None:
                           capture_output=True, text=True).stdout == ""
 
 
+
+
+def test_the_bench_fixes_the_corpus_key_when_asked():
+    """--corpus-key: two runs of the bench on one text compare (quiet against busy); a key
+    that is not 32 bytes of hex is refused in one line."""
+    bench = _bench()
+    assert bench.corpus_key_argument(None) is None
+    assert bench.corpus_key_argument("tests") == TEST_CORPUS_KEY
+    assert bench.corpus_key_argument("ab" * 32) == bytes([0xAB] * 32)
+    with pytest.raises(SystemExit, match="64 hex digits"):
+        bench.corpus_key_argument("abc")

@@ -73,6 +73,7 @@ sys.path.insert(0, str(ROOT))
 
 from autoloop.config import resolve  # noqa: E402
 from autoloop.harness.corpus_key import corpus_key_path, write_key  # noqa: E402
+from readme_first_command import corpus_key_bytes  # noqa: E402  (bench/ is on the path: a script's folder)
 from autoloop.loop.controller import Controller  # noqa: E402
 from autoloop.loop.scheduler import UNTRIED_IN_A_ROW  # noqa: E402
 from autoloop.decide.remeasure import headline, reserve_seeds  # noqa: E402
@@ -443,12 +444,7 @@ def tests_corpus_key() -> str:
 def use_corpus(work: Path, key_hex: str) -> Path:
     """Point this process (and every run it starts) at a cache in `work` holding the corpus
     key `key_hex`; a work folder kept from a night with another key is refused."""
-    try:
-        key = bytes.fromhex(key_hex)
-    except ValueError:
-        key = b""
-    if len(key) != 32:
-        sys.exit(f"--corpus-key {key_hex!r} is not 32 bytes of hex: give 64 hex digits")
+    key = corpus_key_bytes(key_hex)
     cache = work / "cache"
     path = corpus_key_path(cache)
     if path.exists() and path.read_bytes() != key:
@@ -494,7 +490,7 @@ def main() -> int:
                          "(model-only, search-only, scheduler; the model is scripted, see STRUCTURAL_EDITS).")
     ap.add_argument("--keep", type=Path, help="Work in this folder and keep it (default: a temporary one).")
     ap.add_argument("--corpus-key", default=tests_corpus_key(),
-                    help="The embedded corpus's key, 64 hex digits (default: the tests' key, so that nights compare "
+                    help="The embedded corpus's key, 64 hex digits or `tests` (default: the tests' key, so that nights compare "
                          "across machines).")
     ap.add_argument("--json", type=Path, help="Also write the figures here.")
     ap.add_argument("--unbounded", action="store_true",

@@ -428,9 +428,13 @@ def report(figures: dict) -> str:
 
 
 def corpus_key_argument(value: str | None) -> bytes | None:
-    """--corpus-key's bytes: None (a random key, made by the command), the tests' key, or hex."""
-    if value is None:
-        return None
+    """--corpus-key's bytes: None (a random key, made by the command), or corpus_key_bytes."""
+    return None if value is None else corpus_key_bytes(value)
+
+
+def corpus_key_bytes(value: str) -> bytes:
+    """A --corpus-key of this bench or bench/night.py: `tests` (the tests' fixed key) or 64
+    hex digits; anything else ends the bench with one line saying so."""
     if value == "tests":
         sys.path.insert(0, str(ROOT / "tests"))
         from conftest import TEST_CORPUS_KEY

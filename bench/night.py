@@ -435,10 +435,7 @@ def arms_report(rows: list[dict]) -> str:
 
 def tests_corpus_key() -> str:
     """The tests' corpus key, the nights' default: every night reads the same text."""
-    sys.path.insert(0, str(ROOT / "tests"))
-    from conftest import TEST_CORPUS_KEY
-
-    return TEST_CORPUS_KEY.hex()
+    return corpus_key_bytes("tests").hex()
 
 
 def use_corpus(work: Path, key_hex: str) -> Path:

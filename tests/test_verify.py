@@ -8,8 +8,9 @@ Two halves:
 * end-to-end tests (marked slow) with the REAL train.py and the real Controller and
   Verifier: each case changes a copy of train.py the way a proposal would and runs one
   trial. The repository's train.py runs at its own CPU scale (2 layers of width 64, 2048
-  tokens a step), so a 40-step trial takes seconds. The baseline (one trained and verified trial) is run once per module and the
-  whole repository (git, db, trial folders) is copied for each case.
+  tokens a step), so a 40-step trial takes seconds. The baseline (one trained and
+  verified trial) is run once per module and the whole repository (git, db, trial
+  folders) is copied for each case.
 
 The harness-tampering case runs its controller, trial and verifier against a copy of the
 autoloop package (PYTHONPATH for the subprocesses, `Verifier(harness_dir=...)` for the
